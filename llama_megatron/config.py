@@ -1,0 +1,230 @@
+"""Model and parallel configuration.
+
+``ModelConfig`` uses Hugging Face ``LlamaConfig`` key names so that a released checkpoint's ``config.json``
+loads as is, both with the v4 keys (``rope_theta`` + ``rope_scaling``) and transformers 5's ``rope_parameters``.
+Every check raises :class:`ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from llama_megatron.errors import ConfigError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+# Keys found in released HF LLaMA config.json files that carry no information for this model.
+_HF_IGNORED_KEYS = {
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "pretraining_tp", "attention_dropout", "_name_or_path", "output_attentions", "output_hidden_states",
+    "return_dict", "tie_encoder_decoder", "is_decoder", "chunk_size_feed_forward", "pruned_heads",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation_autoset",
+}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.num_attention_heads <= 0 or self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads} and no head_dim is given"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported: LLaMA uses 'silu'")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError("rms_norm_eps and rope_theta must be positive")
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def queries_per_group(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def num_parameters(self) -> int:
+        h, ffn, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = h * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * h
+        if self.attention_bias:
+            attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + h
+        mlp = 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * h
+        embeddings = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embeddings + h
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        rope_parameters = data.pop("rope_parameters", None)
+        if rope_parameters is not None:
+            rope_parameters = dict(rope_parameters)
+            if "rope_theta" in rope_parameters:
+                data["rope_theta"] = rope_parameters.pop("rope_theta")
+            rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+            if rope_type != "default" and data.get("rope_scaling") is None:
+                data["rope_scaling"] = rope_parameters
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known - _HF_IGNORED_KEYS
+        if unknown:
+            raise ConfigError(f"unknown model config keys: {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_file(cls, path: str) -> ModelConfig:
+        """Load a model config: a preset JSON, or an HF ``config.json`` (or its directory)."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        return cls.from_dict(read_json(path, "model config"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keys for ``transformers.LlamaConfig`` (v4 and v5 both accept ``rope_theta``/``rope_scaling``)."""
+        out = self.to_dict()
+        out.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        return out
+
+
+def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"rope_scaling type {rope_type!r} is not supported (choose from {', '.join(ROPE_TYPES)})")
+    if rope_type == "default":
+        return None
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or factor < 1:
+        raise ConfigError(f"rope_scaling.factor must be a number >= 1 for {rope_type!r}, got {factor!r}")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in scaling:
+                raise ConfigError(f"rope_scaling of type 'llama3' needs {key}")
+        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+            raise ConfigError("rope_scaling.high_freq_factor must exceed low_freq_factor")
+    return {"rope_type": rope_type, **scaling}
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    def validate(self, model: ModelConfig, world_size: int | None = None) -> None:
+        for name in ("tensor", "pipeline", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
+        tp = self.tensor
+        if model.num_attention_heads % tp:
+            raise ConfigError(
+                f"tensor parallel degree {tp} does not divide num_attention_heads {model.num_attention_heads}"
+            )
+        if model.num_key_value_heads % tp:
+            raise ConfigError(
+                f"tensor parallel degree {tp} does not divide num_key_value_heads {model.num_key_value_heads}"
+            )
+        if model.intermediate_size % tp:
+            raise ConfigError(
+                f"tensor parallel degree {tp} does not divide intermediate_size {model.intermediate_size}"
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("sequence_parallel needs tensor parallel degree > 1")
+        if self.pipeline > model.num_hidden_layers:
+            raise ConfigError(
+                f"pipeline degree {self.pipeline} exceeds num_hidden_layers {model.num_hidden_layers}"
+            )
+        if world_size is not None and world_size % (tp * self.pipeline):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tensor x pipeline = {tp} x {self.pipeline}"
+            )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tensor * self.pipeline)
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, self.tensor)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown parallel config keys: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round up to a multiple of ``divisible_by * tp`` so every TP shard is equal."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def read_json(path: str, what: str = "config") -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must hold a JSON object")
+    return data
+
+

@@ -1,0 +1,25 @@
+"""One place that turns configs into a model: plain module for PP=1, PipelineModule for PP>1."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from llama_megatron.config import ModelConfig, ParallelConfig
+from llama_megatron.model.init import initialize_weights
+from llama_megatron.model.llama import LlamaCausalLM, build_pipeline_module
+from llama_megatron.parallel.context import ParallelContext
+
+
+def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelContext, seed: int = 1234,
+                activation_checkpoint_interval: int = 0, partition_method: str = "type:DecoderLayerPipe",
+                initialize: bool = True) -> nn.Module:
+    parallel.validate(config, pctx.world_size)
+    padded = parallel.padded_vocab_size(config.vocab_size)
+    if pctx.pp_size == 1:
+        model: nn.Module = LlamaCausalLM(config, pctx, padded,
+                                         activation_checkpointing=activation_checkpoint_interval > 0)
+    else:
+        model = build_pipeline_module(config, pctx, padded, partition_method, activation_checkpoint_interval)
+    if initialize:
+        initialize_weights(model, config, pctx, padded, seed)
+    return model

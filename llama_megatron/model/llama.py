@@ -1,0 +1,115 @@
+"""The LLaMA causal LM as one layer list, built either as a plain module or as a DeepSpeed PipelineModule.
+
+Layer indices (they name parameters and pipeline checkpoint files, so they are stable):
+0 = embedding, 1..L = decoder layers, L+1 = final norm, L+2 = LM head. With tied embeddings, layers 0 and L+2
+are one ``TiedLayerSpec`` keyed ``"embed"`` (parameters under ``tied_modules.embed``).
+The plain module registers its layers under exactly the names PipelineModule uses, so state dicts, the HF
+mapping and initialisation are shared by both forms.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from llama_megatron.config import ModelConfig
+from llama_megatron.model.layers import (
+    DecoderLayerPipe,
+    EmbeddingPipe,
+    FinalNormPipe,
+    LMHeadPipe,
+    tied_lm_head_forward,
+)
+from llama_megatron.parallel.collectives import gather_from_tp_region
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.cross_entropy import masked_mean_loss, vocab_parallel_cross_entropy
+
+TIED_KEY = "embed"
+IGNORE_INDEX = -100
+
+
+class CausalLMLoss:
+    """Token-mean cross-entropy over vocab-parallel logits; the PipelineModule ``loss_fn``."""
+
+    def __init__(self, config: ModelConfig, pctx: ParallelContext) -> None:
+        self.vocab_size = config.vocab_size
+        self.pctx = pctx
+
+    def __call__(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        per_token = vocab_parallel_cross_entropy(local_logits, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
+        return masked_mean_loss(per_token, labels, IGNORE_INDEX)
+
+
+def layer_specs(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int) -> list[LayerSpec]:
+    if config.tie_word_embeddings:
+        embed = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size,
+                              tied_weight_attr="word_embeddings.weight")
+        head = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size,
+                             forward_fn=tied_lm_head_forward, tied_weight_attr="word_embeddings.weight")
+    else:
+        embed = LayerSpec(EmbeddingPipe, config, pctx, padded_vocab_size)
+        head = LayerSpec(LMHeadPipe, config, pctx, padded_vocab_size)
+    decoder = [LayerSpec(DecoderLayerPipe, config, pctx, i) for i in range(config.num_hidden_layers)]
+    return [embed, *decoder, LayerSpec(FinalNormPipe, config, pctx), head]
+
+
+class LlamaCausalLM(nn.Module):
+    """The whole model in one process group stage (PP=1): the same layers, run in order."""
+
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+                 activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        if pctx.pp_size != 1:
+            raise ValueError("LlamaCausalLM is the PP=1 form; use build_pipeline_module for PP>1")
+        self.config = config
+        self.pctx = pctx
+        self.padded_vocab_size = padded_vocab_size
+        self.activation_checkpointing = activation_checkpointing
+        self.loss_fn = CausalLMLoss(config, pctx)
+        self.tied_modules = nn.ModuleDict()
+        self._forward_funcs: list = []
+        for idx, spec in enumerate(layer_specs(config, pctx, padded_vocab_size)):
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                module = self.tied_modules[spec.key]
+                self._forward_funcs.append(partial(spec.forward_fn, module) if spec.forward_fn else module)
+            else:
+                module = spec.build()
+                self.add_module(str(idx), module)
+                self._forward_funcs.append(module)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean loss when ``labels`` are given, else this rank's vocab shard of the logits."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
+        for fn in self._forward_funcs:
+            if self.activation_checkpointing and self.training and isinstance(fn, DecoderLayerPipe):
+                x = checkpoint(fn, x, use_reentrant=False)
+            else:
+                x = fn(x)
+        return x if labels is None else self.loss_fn(x, labels)
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Gather the vocab shards and drop the padding (for evaluation and tests, not for the loss)."""
+        return gather_from_tp_region(local_logits, self.pctx)[..., : self.config.vocab_size]
+
+
+def build_pipeline_module(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+                          partition_method: str = "type:DecoderLayerPipe",
+                          activation_checkpoint_interval: int = 0) -> PipelineModule:
+    """The PP>1 form over ``pctx.topology``; only decoder layers are ever recomputed."""
+    return PipelineModule(
+        layers=layer_specs(config, pctx, padded_vocab_size),
+        loss_fn=CausalLMLoss(config, pctx),
+        topology=pctx.topology,
+        partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=["DecoderLayerPipe"],
+    )

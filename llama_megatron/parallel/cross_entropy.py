@@ -1,0 +1,77 @@
+"""Cross-entropy over vocab-sharded logits that never materialises the full vocabulary on one rank.
+
+Three small all-reduces over TP (max, target logit, sum of exponentials) replace gathering [tokens, vocab]
+logits. Columns past the true vocabulary (Megatron's padding) are masked to -inf so they get zero probability
+and zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from llama_megatron.parallel.context import ParallelContext
+
+
+def _all_reduce(x: torch.Tensor, op, pctx: ParallelContext) -> None:
+    if pctx.tp_size > 1:
+        dist.all_reduce(x, op=op, group=pctx.tp_group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, pctx, vocab_size, ignore_index):
+        rows = logits.shape[-1]
+        input_dtype = logits.dtype
+        vocab_start = pctx.tp_rank * rows
+        logits = logits.float()
+        valid_cols = vocab_size - vocab_start
+        if valid_cols < rows:
+            logits = logits.clone()
+            logits[..., max(valid_cols, 0):] = float("-inf")
+
+        logits_max = logits.max(dim=-1).values
+        _all_reduce(logits_max, dist.ReduceOp.MAX, pctx)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_target = target - vocab_start
+        not_here = (local_target < 0) | (local_target >= rows)
+        local_target = local_target.masked_fill(not_here, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(not_here, 0.0)
+        _all_reduce(target_logit, dist.ReduceOp.SUM, pctx)
+
+        exp_logits = shifted.exp()
+        sum_exp = exp_logits.sum(dim=-1)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, pctx)
+
+        ignored = target == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+
+        exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp_logits, local_target, not_here, ignored)
+        ctx.logits_dtype = input_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, not_here, ignored = ctx.saved_tensors
+        grad = softmax
+        hit = (~not_here).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pctx: ParallelContext,
+                                 vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss (fp32) for ``logits`` [..., padded_vocab / tp] and ``target`` [...]; 0 where ignored.
+
+    The loss is computed in fp32 whatever the logits' dtype.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, pctx, vocab_size, ignore_index)
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean over tokens that count (HF's reduction); 0 rather than NaN when none does."""
+    count = (target != ignore_index).sum().clamp(min=1)
+    return per_token_loss.sum() / count

@@ -1,0 +1,105 @@
+"""Megatron tensor-parallel layers: column/row parallel linear and vocab-parallel embedding.
+
+Sharded parameters carry ``tensor_model_parallel=True`` plus ``partition_dim`` so DeepSpeed counts them once per
+TP rank in gradient norms and its universal checkpoint knows how to merge them. With sequence parallelism the
+activations entering a column-parallel layer are sequence shards (gathered here) and the output of a
+row-parallel layer is reduce-scattered back into sequence shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama_megatron.parallel.collectives import (
+    all_reduce_grad_in_tp,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+)
+from llama_megatron.parallel.context import ParallelContext
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+    return param
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} {numerator} is not divisible by tensor parallel size {denominator}")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split along its output rows; each rank returns its output slice.
+
+    ``out_features`` is the full (all ranks) size; a fused layout inside the rows is the caller's business.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pctx: ParallelContext, bias: bool = False,
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.gather_output = gather_output
+        self.in_features = in_features
+        self.out_features_per_rank = _divide(out_features, pctx.tp_size, "output size")
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.out_features_per_rank, in_features)), 0)
+        self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(self.out_features_per_rank)), 0) if bias else None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pctx.sequence_parallel:
+            x = gather_from_sequence_region(x, self.pctx)
+        else:
+            x = copy_to_tp_region(x, self.pctx)
+        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+        return gather_from_tp_region(y, self.pctx) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split along its input columns; the input is already split (output of a column
+    layer), partial products are summed over TP (or reduce-scattered into sequence shards)."""
+
+    def __init__(self, in_features: int, out_features: int, pctx: ParallelContext, bias: bool = False) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.in_features_per_rank = _divide(in_features, pctx.tp_size, "input size")
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, self.in_features_per_rank)), 1)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.pctx.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.pctx)
+            bias = None if self.bias is None else all_reduce_grad_in_tp(self.bias, self.pctx)
+        else:
+            y = reduce_from_tp_region(y, self.pctx)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the (padded) vocabulary; each rank looks up the ids it owns."""
+
+    def __init__(self, padded_vocab_size: int, hidden_size: int, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.rows_per_rank = _divide(padded_vocab_size, pctx.tp_size, "padded vocab size")
+        self.vocab_start = pctx.tp_rank * self.rows_per_rank
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), 0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.pctx.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.rows_per_rank)
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        hidden = hidden.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.pctx.sequence_parallel:
+            return reduce_scatter_to_sequence_region(hidden, self.pctx)
+        return reduce_from_tp_region(hidden, self.pctx)

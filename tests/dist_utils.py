@@ -1,0 +1,44 @@
+"""Real multi-process runs for unit tests: torch.multiprocessing spawn + gloo, no mocked collectives."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; re-raise the first failure."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size,
+                           join=True, start_method="spawn")
+    except Exception as exc:
+        message = errors.get() if not errors.empty() else str(exc)
+        raise AssertionError(message) from None

@@ -1,0 +1,27 @@
+"""Process-group start-up shared by the training entry points and the multi-process tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Initialise DeepSpeed's communication layer (gloo on CPU, NCCL on GPU: DeepSpeed picks).
+
+    On CPU DeepSpeed would JIT-build its shared-memory all-reduce op (1-2 minutes) that only inference uses;
+    mark it incompatible first. ``OMP_NUM_THREADS`` defaults to cores / local processes so several ranks on
+    one host do not oversubscribe the CPU.
+    """
+    import datetime
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_size, 1)))
+    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -1,0 +1,124 @@
+"""Model/parallel config loading (HF config.json, v4 and v5 rope keys, presets) and every validation error."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+from transformers import LlamaConfig
+
+from llama_megatron.config import ModelConfig, ParallelConfig, padded_vocab_size
+from llama_megatron.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_hf_config_json_loads_as_is(tmp_path) -> None:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    hf = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0, rope_scaling=rope,
+                     max_position_embeddings=131072, tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_file(str(tmp_path))
+    assert config.rope_theta == 500000.0
+    assert config.rope_type == "llama3" and config.rope_scaling["factor"] == 8.0
+    assert (config.num_key_value_heads, config.head_dim, config.tie_word_embeddings) == (2, 16, True)
+
+
+def test_released_v4_keys_and_v5_rope_parameters_agree() -> None:
+    v4 = {"vocab_size": 10, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 4.0},
+          "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16", "pretraining_tp": 1}
+    v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}
+    assert ModelConfig.from_dict(v4) == ModelConfig.from_dict(v5)
+    plain = dict(v5, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert ModelConfig.from_dict(plain).rope_scaling is None and ModelConfig.from_dict(plain).rope_theta == 5e5
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.json"))))
+def test_presets_load(path: str) -> None:
+    config = ModelConfig.from_file(path)
+    expected_billions = {"llama2-7b": 6.74, "llama2-13b": 13.0, "llama2-70b": 69.0, "llama3-8b": 8.03,
+                         "llama3.1-8b": 8.03, "llama3-70b": 70.6, "tinyllama-1.1b": 1.10}
+    name = os.path.basename(path)[:-5]
+    if name in expected_billions:
+        assert abs(config.num_parameters() / 1e9 - expected_billions[name]) / expected_billions[name] < 0.01
+
+
+def test_num_parameters_matches_hf() -> None:
+    from model_utils import hf_model, tiny_config
+
+    for overrides in ({}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}):
+        config = tiny_config(num_key_value_heads=2, **overrides)
+        model = hf_model(config)
+        assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def _model(**kw) -> ModelConfig:
+    base = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        (ParallelConfig(tensor=3), None, "does not divide num_attention_heads 8"),
+        (ParallelConfig(tensor=8), None, "does not divide num_key_value_heads 4"),
+        (ParallelConfig(tensor=1, sequence_parallel=True), None, "sequence_parallel needs tensor parallel"),
+        (ParallelConfig(tensor=2, pipeline=2), 6, "world size 6 is not divisible by tensor x pipeline = 2 x 2"),
+        (ParallelConfig(pipeline=5), None, "pipeline degree 5 exceeds num_hidden_layers 4"),
+        (ParallelConfig(tensor=0), None, "parallel.tensor must be a positive integer"),
+    ],
+)
+def test_invalid_parallel_configs(parallel: ParallelConfig, world, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parallel.validate(_model(), world)
+
+
+def test_intermediate_size_must_divide() -> None:
+    with pytest.raises(ConfigError, match="does not divide intermediate_size 98"):
+        ParallelConfig(tensor=4).validate(_model(intermediate_size=98))
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(num_attention_heads=8, num_key_value_heads=3), "not a multiple of num_key_value_heads"),
+        (dict(hidden_size=65), "hidden_size 65 is not divisible by num_attention_heads"),
+        (dict(rope_scaling={"rope_type": "yarnish", "factor": 2}), "rope_scaling type 'yarnish' is not supported"),
+        (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling.factor must be a number"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "needs low_freq_factor"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (dict(vocab_size=0), "model.vocab_size must be a positive integer"),
+    ],
+)
+def test_invalid_model_configs(kw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _model(**kw)
+
+
+def test_unknown_key_and_bad_json(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="unknown model config keys: hiden_size"):
+        ModelConfig.from_dict({"hiden_size": 3})
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"vocab_size": 3,\n')
+    with pytest.raises(ConfigError, match="is not valid JSON: line"):
+        ModelConfig.from_file(str(bad))
+    with pytest.raises(ConfigError, match="model config not found"):
+        ModelConfig.from_file(str(tmp_path / "missing.json"))
+    (tmp_path / "list.json").write_text(json.dumps([1]))
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        ModelConfig.from_file(str(tmp_path / "list.json"))
+
+
+def test_vocab_padding() -> None:
+    assert padded_vocab_size(32000, 128, 1) == 32000
+    assert padded_vocab_size(32000, 128, 3) == 32256
+    assert padded_vocab_size(128256, 128, 8) == 129024
+    assert ParallelConfig(tensor=4).padded_vocab_size(250) == 512

@@ -1,0 +1,25 @@
+"""Model FLOPs of a training step, from real shapes (so GQA and untied heads count right).
+
+Per token and forward pass, each weight matmul costs 2 FLOPs per weight element:
+q and o: h * (n_heads * head_dim) each, k and v: h * (n_kv_heads * head_dim) each, MLP: 3 * h * ffn, LM head: h * V.
+Attention scores QK^T and the weighted sum AV cost 2 * s * n_heads * head_dim each per token per layer; the
+causal mask is *not* halved (Megatron's convention, so figures compare with published MFU).
+Training = 3x forward (backward = 2x). Activation recomputation is deliberately not counted: MFU measures
+model FLOPs, not hardware FLOPs.
+"""
+
+from __future__ import annotations
+
+from llama_megatron.config import ModelConfig
+
+
+def forward_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    h, hd, L = config.hidden_size, config.head_dim, config.num_hidden_layers
+    q_dim, kv_dim = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    weights_per_layer = h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * config.intermediate_size
+    attention_per_layer = 2 * 2 * seq_len * q_dim
+    return L * (2 * weights_per_layer + attention_per_layer) + 2 * h * config.vocab_size
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    return 3 * forward_flops_per_token(config, seq_len)

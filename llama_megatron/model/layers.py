@@ -30,19 +30,26 @@ class EmbeddingPipe(nn.Module):
         self.pctx = pctx
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, config.hidden_size, pctx)
 
-    def forward(self, inputs: Payload) -> Payload:
+    def forward(self, inputs: Payload | torch.Tensor, as_lm_head: bool = False) -> Payload | torch.Tensor:
+        if as_lm_head:
+            return self._lm_head(inputs)
         input_ids, *rest = inputs
         return (self.word_embeddings(input_ids), *rest)
 
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.pctx.sequence_parallel:
+            hidden = gather_from_sequence_region(hidden, self.pctx)
+        else:
+            hidden = copy_to_tp_region(hidden, self.pctx)
+        return torch.nn.functional.linear(hidden, self.word_embeddings.weight)
+
 
 def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    """LM head that reuses the (vocab-parallel) embedding table: local logits [b, s, padded_vocab / tp]."""
-    pctx = embedding.pctx
-    if pctx.sequence_parallel:
-        hidden = gather_from_sequence_region(hidden, pctx)
-    else:
-        hidden = copy_to_tp_region(hidden, pctx)
-    return torch.nn.functional.linear(hidden, embedding.word_embeddings.weight)
+    """LM head reusing the vocab-parallel embedding table: local logits [b, s, padded_vocab / tp].
+
+    It goes through the embedding module's ``__call__`` so ZeRO-3 gathers the shared table for it too.
+    """
+    return embedding(hidden, as_lm_head=True)
 
 
 class DecoderLayerPipe(nn.Module):

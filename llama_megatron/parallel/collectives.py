@@ -27,6 +27,10 @@ from llama_megatron.parallel.context import ParallelContext
 
 SEQ_DIM = 1
 
+# torch 2.13 renamed the tensor collectives (*_single); older releases only have *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
@@ -37,7 +41,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -46,7 +50,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by TP size {size}")
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 

@@ -1,0 +1,191 @@
+"""Training checkpoints in DeepSpeed's format, written so a crash never breaks ``latest``.
+
+Layout of ``SAVE_DIR``::
+
+    latest                      text: the newest complete tag (replaced atomically)
+    global_step{N}/             DeepSpeed files (mp_rank_*, layer_*, zero_pp_rank_*) + llama_megatron.json
+
+A save writes into ``.tmp-global_step{N}``, and only when every rank has finished does rank 0 rename it and
+then replace ``latest`` (write to a temp file, ``os.replace``). A process killed mid-save leaves a ``.tmp-`` dir
+that the next save removes; ``latest`` still names the previous complete checkpoint. ``llama_megatron.json``
+holds the run position (step, consumed samples) and the layout (TP, PP, DP, ZeRO stage, model config): resume
+reads it before building anything, so layout changes are caught early, and a DP change is handled through
+DeepSpeed's universal checkpoint (converted once, beside the original).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+from llama_megatron.checkpoint.universal import universal_checkpoint_info
+from llama_megatron.errors import CheckpointError
+
+META_FILE = "llama_megatron.json"
+LATEST_FILE = "latest"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+
+
+def step_tag(step: int) -> str:
+    return f"global_step{step}"
+
+
+@dataclass
+class CheckpointMeta:
+    step: int
+    consumed_samples: int
+    tensor: int
+    pipeline: int
+    data_parallel: int
+    zero_stage: int
+    model: dict[str, Any]
+    padded_vocab_size: int
+    format_version: int = FORMAT_VERSION
+    tag: str = ""
+
+    def to_json(self) -> str:
+        data = dict(self.__dict__)
+        data.pop("tag")
+        return json.dumps(data, indent=2, sort_keys=True)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_latest(load_dir: str) -> str:
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"checkpoint directory not found: {load_dir}")
+    path = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint in {load_dir}: no '{LATEST_FILE}' file (name a tag to load)")
+    with open(path, encoding="utf-8") as fh:
+        tag = fh.read().strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty")
+    return tag
+
+
+def read_meta(load_dir: str, tag: str | None = None) -> CheckpointMeta:
+    """The checkpoint's run position and layout; one-line errors for anything missing or unreadable."""
+    tag = tag or read_latest(load_dir)
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(f"checkpoint {tag_dir} not found")
+    meta_path = os.path.join(tag_dir, META_FILE)
+    try:
+        with open(meta_path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        meta = CheckpointMeta(**data, tag=tag)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {tag_dir} is incomplete or not a llama_megatron checkpoint "
+                              f"(no {META_FILE})") from None
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint metadata {meta_path} is corrupt: {exc}") from None
+    if meta.format_version != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format version {meta.format_version}, expected {FORMAT_VERSION}")
+    return meta
+
+
+def check_resume_layout(meta: CheckpointMeta, tensor: int, pipeline: int, load_dir: str) -> None:
+    if (meta.tensor, meta.pipeline) != (tensor, pipeline):
+        raise CheckpointError(
+            f"checkpoint {load_dir}/{meta.tag} was saved with tensor={meta.tensor} pipeline={meta.pipeline}, "
+            f"this run uses tensor={tensor} pipeline={pipeline}: convert it first with "
+            f"`llama-megatron reshard --input {load_dir} --output DIR --tp {tensor} --pp {pipeline}`"
+        )
+
+
+def needs_universal(meta: CheckpointMeta, data_parallel: int) -> bool:
+    """ZeRO partitions optimizer state over DP; another DP degree needs DeepSpeed's universal checkpoint."""
+    return meta.data_parallel != data_parallel and meta.zero_stage >= 1
+
+
+def ensure_universal(load_dir: str, tag: str, rank: int) -> str:
+    """Convert ``tag`` to a universal checkpoint once (rank 0; atomic), return the universal tag."""
+    universal_tag = f"{tag}_universal"
+    target = os.path.join(load_dir, universal_tag)
+    if rank == 0 and not os.path.isdir(target):
+        tmp = os.path.join(load_dir, TMP_PREFIX + universal_tag)
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               os.path.join(load_dir, tag), "--output_folder", tmp, "--num_extract_workers", "1",
+               "--num_merge_workers", "1"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            tail = (result.stderr or result.stdout).strip().splitlines()[-1:]
+            raise CheckpointError(f"converting {load_dir}/{tag} to a universal checkpoint failed: {tail}")
+        shutil.copy(os.path.join(load_dir, tag, META_FILE), os.path.join(tmp, META_FILE))
+        os.replace(tmp, target)
+    if dist.is_initialized():
+        dist.barrier()
+    return universal_tag
+
+
+def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, rank: int) -> str:
+    tag = step_tag(meta.step)
+    tmp_tag = TMP_PREFIX + tag
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(os.path.join(save_dir, tmp_tag), ignore_errors=True)
+    _barrier()
+    client_state = {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine.config.model)}
+    engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
+    _barrier()
+    if rank == 0:
+        tmp_dir, final_dir = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)
+        write_text_atomic(os.path.join(tmp_dir, META_FILE), meta.to_json())
+        if os.path.isdir(final_dir):
+            shutil.rmtree(final_dir)
+        os.replace(tmp_dir, final_dir)
+        write_text_atomic(os.path.join(save_dir, LATEST_FILE), tag)
+        _prune(save_dir, keep_last)
+    _barrier()
+    return tag
+
+
+def _prune(save_dir: str, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    steps = sorted(
+        (int(m.group(1)), name) for name in os.listdir(save_dir)
+        if (m := re.fullmatch(r"global_step(\d+)", name))
+    )
+    for _, name in steps[:-keep_last]:
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        shutil.rmtree(os.path.join(save_dir, name + "_universal"), ignore_errors=True)
+
+
+def load_checkpoint(engine, load_dir: str, tag: str, finetune: bool) -> None:
+    try:
+        path, _ = engine.engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=not finetune, load_lr_scheduler_states=not finetune,
+            load_module_only=finetune,
+        )
+    except CheckpointError:
+        raise
+    except Exception as exc:  # DeepSpeed/torch raise many types for truncated or mismatched files
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: {message}") from None
+    if path is None:
+        raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: DeepSpeed found no model files")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,77 @@
+"""Build the DeepSpeed JSON for a run: the named file plus what the training config owns.
+
+The training config is the single source of truth for batch sizes and gradient clipping: DeepSpeed keys that
+repeat them are allowed only when they agree. Combinations DeepSpeed would reject deep inside its engine
+(ZeRO-2/3 with pipeline parallelism, fp16 on a CPU) are refused here with one line.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from llama_megatron.config import read_json
+from llama_megatron.errors import ConfigError
+from llama_megatron.training.config import TrainingConfig
+
+
+def load_deepspeed_json(source: str | dict | None) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    return read_json(source, "DeepSpeed config")
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def precision(ds: dict[str, Any]) -> str:
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None, world_size: int,
+                           accelerator: str = "cpu") -> dict[str, Any]:
+    config.validate(world_size)
+    ds = load_deepspeed_json(ds_source)
+    for owned in ("optimizer", "scheduler"):
+        if owned in ds:
+            raise ConfigError(
+                f"DeepSpeed config has an {owned!r} section; the training config's 'optimizer' section owns it"
+            )
+    pp = config.parallel.pipeline
+    stage = zero_stage(ds)
+    if pp > 1 and stage >= 2:
+        raise ConfigError(
+            f"ZeRO stage {stage} cannot be combined with pipeline parallelism (pipeline={pp}): "
+            "use ZeRO-0/1 with PP, or pipeline=1 with ZeRO-2/3"
+        )
+    if precision(ds) == "fp16" and accelerator == "cpu":
+        raise ConfigError("fp16 is not supported on CPU; use a bf16 or fp32 DeepSpeed config")
+
+    micro = config.batch.micro_batch_size
+    accum = config.gradient_accumulation_steps(world_size)
+    expected = {
+        "train_batch_size": config.batch.global_batch_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": config.optimizer.clip_grad,
+    }
+    for key, value in expected.items():
+        if key in ds and ds[key] not in ("auto", value):
+            raise ConfigError(
+                f"DeepSpeed config {key}={ds[key]} disagrees with the training config ({value}); "
+                "set it in one place (the training config)"
+            )
+        ds[key] = value
+    ds.setdefault("steps_per_print", 10**9)
+    ds.setdefault("wall_clock_breakdown", False)
+    if precision(ds) == "bf16" and pp > 1:
+        # bf16 gradients accumulated over micro batches drift; keep the accumulation in fp32 under PP.
+        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    return ds

@@ -1,0 +1,106 @@
+"""DeepSpeed engine for a run: PipelineEngine for PP>1, the ordinary engine (ZeRO-0..3) for PP=1.
+
+Both are driven through one interface, ``train_step(micro_batches)`` and ``eval_loss(micro_batches)``, where a
+micro batch is a :class:`MicroBatch` of this data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from llama_megatron.model.build import build_model
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.optimizer import build_optimizer
+from llama_megatron.training.schedule import build_scheduler
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    segment_ids: torch.Tensor | None = None
+
+    def to(self, device) -> MicroBatch:
+        return MicroBatch(*(None if t is None else t.to(device) for t in
+                            (self.input_ids, self.position_ids, self.labels, self.segment_ids)))
+
+    def pipeline_inputs(self) -> tuple:
+        inputs = (self.input_ids, self.position_ids)
+        if self.segment_ids is not None:
+            inputs += (self.segment_ids,)
+        return inputs, self.labels
+
+
+class TrainingEngine:
+    def __init__(self, config: TrainingConfig, ds_config: dict, pctx: ParallelContext) -> None:
+        self.config = config
+        self.pctx = pctx
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.pipelined = pctx.pp_size > 1
+        model = build_model(
+            config.model, config.parallel, pctx, seed=config.seed,
+            activation_checkpoint_interval=config.activation_checkpointing.interval,
+            partition_method=config.pipeline.partition_method,
+        )
+        model.to(self.device)
+        offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
+        optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload)
+        total_steps = config.train.steps
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lambda opt: build_scheduler(opt, config.optimizer, total_steps),
+            config=ds_config,
+            mpu=None if self.pipelined else pctx,
+        )
+        self.model = model
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> float:
+        """One optimizer step over this rank's micro batches; returns the loss averaged over DP ranks."""
+        self.engine.train()
+        if self.pipelined:
+            batches = iter([mb.to(self.device).pipeline_inputs() for mb in micro_batches])
+            return float(self.engine.train_batch(data_iter=batches))
+        total = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            loss = self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, mb.labels)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        return self._dp_mean(total / len(micro_batches))
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
+        self.engine.eval()
+        if self.pipelined:
+            batches = iter([mb.to(self.device).pipeline_inputs() for mb in micro_batches])
+            loss = float(self.engine.eval_batch(data_iter=batches, num_micro_batches=len(micro_batches)))
+        else:
+            total = torch.zeros((), device=self.device)
+            for mb in micro_batches:
+                mb = mb.to(self.device)
+                total += self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, mb.labels).float()
+            loss = self._dp_mean(total / len(micro_batches))
+        self.engine.train()
+        return loss
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.pctx.dp_size > 1:
+            dist.all_reduce(value, group=self.pctx.dp_group)
+            value = value / self.pctx.dp_size
+        return float(value)

@@ -1,0 +1,30 @@
+"""AdamW with decoupled weight decay applied to matrices only (no decay for norms and biases)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llama_megatron.training.config import OptimizerConfig
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, opt: OptimizerConfig, offload_to_cpu: bool = False) -> torch.optim.Optimizer:
+    """torch AdamW (fused on CUDA); DeepSpeed's CPU Adam when ZeRO offloads the optimizer (it requires it)."""
+    groups = parameter_groups(model, opt.weight_decay)
+    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
+    if offload_to_cpu:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, fused=on_cuda or None, **kwargs)

@@ -13,7 +13,12 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from model_utils import LLAMA3_ROPE, hf_model, tiny_config
 
-from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_to_rank_state_dict, merge_shards, module_name
+from llama_megatron.checkpoint.hf_mapping import (
+    canonical_names,
+    hf_to_rank_state_dict,
+    merge_shards,
+    module_name,
+)
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext

@@ -41,10 +41,15 @@ def _check_tokenizer(config: TrainingConfig) -> int | None:
     return tokenizer.eos_id
 
 
-def preflight(config: TrainingConfig, ds_source, world_size: int) -> tuple[dict, ckpt.CheckpointMeta | None]:
-    """Every check that needs no process group, so a bad setup fails in seconds with one line."""
+def preflight(config: TrainingConfig, ds_source, world_size: int
+              ) -> tuple[dict, ckpt.CheckpointMeta | None, int | None]:
+    """Every check that needs no process group, so a bad setup fails in seconds with one line.
+
+    Returns the DeepSpeed config, the checkpoint to load (if any) and the tokenizer's EOD id (if any).
+    """
     config.validate(world_size)
     validate_data_config(config.data)
+    eod_id = _check_tokenizer(config)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
     meta = None
@@ -56,13 +61,12 @@ def preflight(config: TrainingConfig, ds_source, world_size: int) -> tuple[dict,
         if meta.model != config.model.to_dict():
             raise ConfigError(f"checkpoint {config.checkpoint.load}/{meta.tag} holds a different model config "
                               "than this run's model section")
-    return ds_config, meta
+    return ds_config, meta, eod_id
 
 
 def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = False) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ds_config, meta = preflight(config, ds_source, world_size)
-    eod_id = _check_tokenizer(config)
+    ds_config, meta, eod_id = preflight(config, ds_source, world_size)
 
     init_distributed()
     pctx = ParallelContext.build(config.parallel.tensor, config.parallel.pipeline,

@@ -1,0 +1,51 @@
+"""Start real training runs: the `deepspeed` launcher for several processes, plain python for one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from dist_utils import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(nprocs: int, config: str, overrides: list[str], timeout: int = 600,
+           entry: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a training command from the repo root; ``entry`` replaces ``-m llama_megatron.train``."""
+    entry = entry or ["-m", "llama_megatron.train"]
+    args = ["--config", config] + [a for item in overrides for a in ("--set", item)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if nprocs == 1:
+        cmd = [sys.executable, *entry, *args]
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            env.pop(key, None)
+    else:
+        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        module_or_script = ["--module", entry[1]] if entry[0] == "-m" else entry
+        cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), *module_or_script, *args]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                             f"{result.stderr[-4000:]}")
+    return result
+
+
+def losses(output_dir: str) -> dict[int, float]:
+    out = {}
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        for line in fh:
+            record = json.loads(line)
+            if "loss" in record:
+                out[record["step"]] = record["loss"]
+    return out
+
+
+def assert_losses_close(got: dict[int, float], want: dict[int, float], rel: float, steps) -> None:
+    for step in steps:
+        assert step in got, f"step {step} missing from run (have {sorted(got)})"
+        assert abs(got[step] - want[step]) <= rel * abs(want[step]), (
+            f"step {step}: {got[step]!r} vs reference {want[step]!r} (rel tol {rel})"
+        )

@@ -1,0 +1,116 @@
+"""Invalid training setups fail before any process group or engine exists, with one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llama_megatron.errors import CheckpointError, ConfigError, LlamaMegatronError
+from llama_megatron.training.config import TrainingConfig, apply_override
+from llama_megatron.training.loop import preflight
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+
+
+def _config(*overrides: str) -> TrainingConfig:
+    return TrainingConfig.from_file(CONFIG, ["data.synthetic=true", "data.prefix=null", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.mark.parametrize(
+    "overrides, ds, world, error, message",
+    [
+        (["parallel.pipeline=2"], {"zero_optimization": {"stage": 3}}, 2, ConfigError,
+         "ZeRO stage 3 cannot be combined with pipeline parallelism"),
+        (["parallel.pipeline=2"], "ds_configs/zero2_bf16.json", 2, ConfigError,
+         "ZeRO stage 2 cannot be combined with pipeline parallelism"),
+        (["parallel.tensor=2", "parallel.pipeline=2"], None, 6, ConfigError,
+         "world size 6 is not divisible by tensor x pipeline = 2 x 2"),
+        (["parallel.tensor=3"], None, 3, ConfigError, "tensor parallel degree 3 does not divide num_attention_heads"),
+        ([], {"train_batch_size": 16}, 1, ConfigError, "train_batch_size=16 disagrees with the training config"),
+        (["batch.micro_batch_size=3"], None, 1, ConfigError, "global_batch_size 8 is not divisible by micro"),
+        (["batch.global_batch_size=6"], None, 4, ConfigError, "global_batch_size 6 is not divisible"),
+        ([], "ds_configs/zero1_fp16.json", 1, ConfigError, "fp16 is not supported on CPU"),
+        ([], {"optimizer": {"type": "Adam"}}, 1, ConfigError, "has an 'optimizer' section"),
+        (["data.synthetic=null", "data.prefix=no/such/prefix"], None, 1, ConfigError, "no/such/prefix"),
+        (["model.vocab_size=1000"], None, 1, LlamaMegatronError, "1000"),
+        (["checkpoint.load=/no/such/dir"], None, 1, CheckpointError, "checkpoint directory not found"),
+        (["parallel.sequence_parallel=true", "parallel.tensor=2", "seq_length=33"], None, 2, ConfigError,
+         "seq_length 33 divisible by tensor 2"),
+    ],
+)
+def test_invalid_setups(overrides, ds, world, error, message) -> None:
+    with pytest.raises(error, match=message):
+        if any(o.startswith("model.") for o in overrides):
+            data = json.load(open(CONFIG))
+            for o in ["data.synthetic=true", "data.prefix=null", *overrides]:
+                apply_override(data, o)
+            config = TrainingConfig.from_dict(data)
+        else:
+            config = _config(*overrides)
+        preflight(config, ds, world)
+
+
+def _fake_checkpoint(path, **meta) -> str:
+    config = _config()
+    tag = path / "global_step3"
+    tag.mkdir(parents=True)
+    record = dict(step=3, consumed_samples=24, tensor=1, pipeline=1, data_parallel=1, zero_stage=0,
+                  model=config.model.to_dict(), padded_vocab_size=4160, format_version=1)
+    record.update(meta)
+    (tag / "llama_megatron.json").write_text(json.dumps(record))
+    (path / "latest").write_text("global_step3")
+    return str(path)
+
+
+def test_resume_with_other_tensor_or_pipeline_degree_points_at_reshard(tmp_path) -> None:
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", tensor=2)
+    with pytest.raises(CheckpointError, match="tensor=2 pipeline=1.*llama-megatron reshard"):
+        preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
+
+
+def test_resume_with_other_model_or_corrupt_metadata(tmp_path) -> None:
+    ckpt = _fake_checkpoint(tmp_path / "a", model={"vocab_size": 3})
+    with pytest.raises(ConfigError, match="different model config"):
+        preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
+    ckpt = _fake_checkpoint(tmp_path / "b")
+    (tmp_path / "b" / "global_step3" / "llama_megatron.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
+    (tmp_path / "b" / "latest").write_text("global_step9")
+    with pytest.raises(CheckpointError, match="global_step9 not found"):
+        preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
+
+
+def test_command_line_error_is_one_line_and_nonzero() -> None:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    result = subprocess.run(
+        [sys.executable, "-m", "llama_megatron.train", "--config", CONFIG, "--set", "parallel.tensor=3"],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: tensor parallel degree 3 does not divide num_attention_heads 4"]
+    assert "Traceback" not in result.stderr
+
+
+def test_overrides_and_unknown_keys() -> None:
+    config = _config("optimizer.betas=[0.9, 0.99]", "logging.tensorboard_dir=runs/x/tb")
+    assert config.optimizer.betas == (0.9, 0.99) and config.logging.tensorboard_dir == "runs/x/tb"
+    with pytest.raises(ConfigError, match="unknown keys in 'optimizer': lrr"):
+        _config("optimizer.lrr=1")
+    with pytest.raises(ConfigError, match="unknown training config keys: stepz"):
+        _config("stepz=1")
+    with pytest.raises(ConfigError, match="--set expects key=value"):
+        _config("train.steps")

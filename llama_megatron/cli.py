@@ -15,12 +15,8 @@ from llama_megatron.errors import LlamaMegatronError
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("llama_megatron.train", "pretrain (one process; use the deepspeed launcher for many)"),
-    "finetune": ("llama_megatron.finetune", "supervised fine-tuning from a converted checkpoint"),
     "preprocess": ("llama_megatron.data.preprocess", "tokenize JSONL/text/parquet/HF datasets into .bin/.idx shards"),
     "train-tokenizer": ("llama_megatron.data.train_tokenizer", "train a LLaMA-style sentencepiece BPE tokenizer"),
-    "convert": ("llama_megatron.checkpoint.convert_cli", "convert HF/Meta checkpoints to TP/PP shards and back"),
-    "reshard": ("llama_megatron.checkpoint.reshard_cli", "change the TP/PP layout of a checkpoint"),
-    "export": ("llama_megatron.checkpoint.export_cli", "export a training checkpoint to a HF directory"),
 }
 
 

@@ -6,6 +6,7 @@ micro batch is a :class:`MicroBatch` of this data-parallel rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import deepspeed
@@ -39,7 +40,9 @@ class MicroBatch:
 
 
 class TrainingEngine:
-    def __init__(self, config: TrainingConfig, ds_config: dict, pctx: ParallelContext) -> None:
+    def __init__(self, config: TrainingConfig, ds_config: dict, pctx: ParallelContext,
+                 load_weights: Callable[[torch.nn.Module], None] | None = None) -> None:
+        """``load_weights(model)`` replaces the seeded initial weights before DeepSpeed wraps the model."""
         self.config = config
         self.pctx = pctx
         self.device = torch.device(get_accelerator().current_device_name())
@@ -49,6 +52,8 @@ class TrainingEngine:
             activation_checkpoint_interval=config.activation_checkpointing.interval,
             partition_method=config.pipeline.partition_method,
         )
+        if load_weights is not None:
+            load_weights(model)
         model.to(self.device)
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
         optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload)

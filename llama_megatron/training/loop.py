@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llama_megatron.checkpoint.weights import load_model_weights
 from llama_megatron.data.gpt_dataset import validate_data_config
 from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.context import ParallelContext
@@ -55,7 +56,10 @@ def preflight(config: TrainingConfig, ds_source, world_size: int
     meta = None
     if config.checkpoint.load:
         meta = ckpt.read_meta(config.checkpoint.load, config.checkpoint.tag)
-        if not config.checkpoint.finetune:
+        if config.checkpoint.finetune and meta.zero_stage < 3:
+            # weights are read per (layer, TP rank): any PP, DP and ZeRO stage of this run will do
+            ckpt.check_resume_layout(meta, config.parallel.tensor, meta.pipeline, config.checkpoint.load)
+        else:
             ckpt.check_resume_layout(meta, config.parallel.tensor, config.parallel.pipeline,
                                      config.checkpoint.load)
         if meta.model != config.model.to_dict():
@@ -81,10 +85,16 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
         load_tag = ckpt.ensure_universal(config.checkpoint.load, meta.tag, pctx.rank)
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
-    engine = TrainingEngine(config, ds_config, pctx)
+    load_weights = None
+    weights_only = bool(meta) and config.checkpoint.finetune and meta.zero_stage < 3
+    if weights_only:
+        tag_dir = os.path.join(config.checkpoint.load, meta.tag)
+        load_weights = lambda model: load_model_weights(model, tag_dir, config.model, pctx.tp_rank)  # noqa: E731
+    engine = TrainingEngine(config, ds_config, pctx, load_weights)
     step, consumed = 0, 0
     if meta:
-        ckpt.load_checkpoint(engine, config.checkpoint.load, load_tag, config.checkpoint.finetune)
+        if not weights_only:
+            ckpt.load_checkpoint(engine, config.checkpoint.load, load_tag, config.checkpoint.finetune)
         if not config.checkpoint.finetune:
             step, consumed = meta.step, meta.consumed_samples
         log.info(f"loaded checkpoint {config.checkpoint.load}/{meta.tag} (step {meta.step})"

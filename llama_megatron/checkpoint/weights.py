@@ -1,0 +1,88 @@
+"""Read model weights out of DeepSpeed-format checkpoint files, for any pipeline layout of the reader.
+
+Two layouts exist, both written by DeepSpeed (and by our converter, which mimics them):
+
+- pipeline checkpoints: ``layer_{idx:02d}-model_{tp:02d}-model_states.pt``, one per layer index and TP rank,
+  keys relative to the layer (``input_layernorm.weight``); a tied embedding lives in layer 0's file;
+- plain (PP=1) checkpoints: ``mp_rank_{tp:02d}_model_states.pt`` whose ``module`` entry is the whole state dict
+  in module naming (``3.self_attn.qkv_proj.weight``).
+
+Because parameters are addressed by (canonical name, TP rank), a checkpoint saved with PP=2 loads into a PP=1
+or PP=4 model with the same TP. Files are opened with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from llama_megatron.checkpoint.hf_mapping import canonical_name, layer_index, module_name
+from llama_megatron.config import ModelConfig
+from llama_megatron.errors import CheckpointError
+
+
+def layer_file(ckpt_dir: str, layer_idx: int, tp_rank: int) -> str:
+    return os.path.join(ckpt_dir, f"layer_{layer_idx:02d}-model_{tp_rank:02d}-model_states.pt")
+
+
+def model_states_file(ckpt_dir: str, mp_rank: int) -> str:
+    return os.path.join(ckpt_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
+
+
+def _load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): {type(exc).__name__}") from None
+
+
+def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
+    return os.path.isfile(layer_file(ckpt_dir, 0, 0))
+
+
+def tensor_reader(ckpt_dir: str, config: ModelConfig) -> Callable[[str, int], torch.Tensor]:
+    """``read(canonical, tp_rank)`` -> that rank's tensor; caches one file at a time (streams layer by layer)."""
+    pipeline = is_pipeline_checkpoint(ckpt_dir)
+    cache: dict[str, dict] = {}
+
+    def cached(path: str) -> dict:
+        if path not in cache:
+            cache.clear()
+            cache[path] = _load(path)
+        return cache[path]
+
+    def read(canonical: str, tp_rank: int) -> torch.Tensor:
+        if pipeline:
+            idx = layer_index(canonical, config)[0]
+            key = module_name(canonical, config).split(".", 1)[1]
+            if key.startswith("embed."):  # tied: "tied_modules.embed.x" -> "x" in layer 0's file
+                key = key.split(".", 1)[1]
+            state = cached(layer_file(ckpt_dir, idx, tp_rank))
+        else:
+            key = module_name(canonical, config)
+            state = cached(model_states_file(ckpt_dir, tp_rank)).get("module") or {}
+        if key not in state:
+            raise CheckpointError(f"{ckpt_dir}: no tensor {key!r} for TP rank {tp_rank} ({canonical})")
+        tensor = state[key]
+        if tensor.numel() == 0:
+            raise CheckpointError(f"{ckpt_dir}: {key!r} is empty (a ZeRO-3 partition); export the checkpoint instead")
+        return tensor
+
+    return read
+
+
+@torch.no_grad()
+def load_model_weights(model: nn.Module, ckpt_dir: str, config: ModelConfig, tp_rank: int) -> None:
+    """Fill every parameter of ``model`` (plain or pipeline form) from a checkpoint with the same TP degree."""
+    read = tensor_reader(ckpt_dir, config)
+    for name, param in model.named_parameters():
+        tensor = read(canonical_name(name, config), tp_rank)
+        if tensor.shape != param.shape:
+            raise CheckpointError(f"{ckpt_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "
+                                  f"{tuple(param.shape)}")
+        param.copy_(tensor.to(param.dtype))

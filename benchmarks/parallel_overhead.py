@@ -41,29 +41,28 @@ def _count_bytes(counter: dict) -> None:
     """Wrap torch.distributed's collectives so every call adds the bytes this rank sends."""
     import torch.distributed as dist
 
-    def wrap(name, sent):
+    def wrap(name, position, keyword, sent):
         original = getattr(dist, name, None)
         if original is None:
             return
 
         def counted(*args, **kwargs):
+            tensor = args[position] if len(args) > position else kwargs[keyword]
             group = kwargs.get("group")
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            counter[name] += sent(args, size)
+            counter[name] += sent(tensor.numel() * tensor.element_size(), size)
             return original(*args, **kwargs)
 
         setattr(dist, name, counted)
 
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    ring = lambda t, n: 2 * (n - 1) / n * nbytes(t) if n > 1 else 0  # noqa: E731
-    wrap("all_reduce", lambda a, n: ring(a[0], n))
+    wrap("all_reduce", 0, "tensor", lambda b, n: 2 * (n - 1) / n * b)
     for name in ("all_gather_single", "all_gather_into_tensor"):
-        wrap(name, lambda a, n: (n - 1) * nbytes(a[1]))
+        wrap(name, 1, "input_tensor", lambda b, n: (n - 1) * b)
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        wrap(name, lambda a, n: (n - 1) / n * nbytes(a[1]))
-    wrap("broadcast", lambda a, n: nbytes(a[0]))
-    wrap("send", lambda a, n: nbytes(a[0]))
-    wrap("isend", lambda a, n: nbytes(a[0]))
+        wrap(name, 1, "input", lambda b, n: (n - 1) / n * b)
+    wrap("broadcast", 0, "tensor", lambda b, n: b)
+    wrap("send", 0, "tensor", lambda b, n: b)
+    wrap("isend", 0, "tensor", lambda b, n: b)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -77,14 +77,18 @@ class MMapIndexedDataset:
         with open(idx_path, "rb") as f:
             magic, version, code, n, m = _HEADER.unpack(f.read(_HEADER.size))
         if magic != MAGIC:
-            raise self._corrupt(f"bad magic {magic!r} (expected {MAGIC!r}); not a Megatron MMapIndexedDataset")
+            raise self._corrupt(
+                f"bad magic {magic!r} (expected {MAGIC!r}); not a Megatron MMapIndexedDataset"
+            )
         if version != VERSION:
             raise self._corrupt(f"unsupported version {version} (expected {VERSION})")
         if code not in DTYPE_CODES:
             raise self._corrupt(f"unknown dtype code {code}")
         expected = _HEADER.size + 12 * n + 8 * m
         if file_size != expected:
-            raise self._corrupt(f"{file_size} bytes but the header ({n} sequences, {m} doc_idx) needs {expected}")
+            raise self._corrupt(
+                f"{file_size} bytes but the header ({n} sequences, {m} doc_idx) needs {expected}"
+            )
         self.dtype = np.dtype(DTYPE_CODES[code])
         raw = np.memmap(idx_path, mode="r", dtype=np.uint8) if file_size else np.zeros(0, np.uint8)
         off = _HEADER.size
@@ -112,7 +116,9 @@ class MMapIndexedDataset:
         size = os.path.getsize(bin_path)
         want = self._num_tokens * self.dtype.itemsize
         if size != want:
-            raise DataError(f"data prefix {self.prefix!r}: {bin_path} has {size} bytes, the index says {want}")
+            raise DataError(
+                f"data prefix {self.prefix!r}: {bin_path} has {size} bytes, the index says {want}"
+            )
         # np.memmap cannot map an empty file.
         self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype) if size else np.zeros(0, self.dtype)
 
@@ -203,7 +209,9 @@ class IndexedDatasetWriter:
         if self._info is not None and tokens.size:
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < self._info.min or hi > self._info.max:
-                raise DataError(f"token id {hi if hi > self._info.max else lo} does not fit {self.dtype} ({self.prefix})")
+                raise DataError(
+                    f"token id {hi if hi > self._info.max else lo} does not fit {self.dtype} ({self.prefix})"
+                )
 
     def add_documents(self, flat: np.ndarray, lengths: np.ndarray) -> None:
         """Many one-sequence documents at once: ``flat`` is their tokens back to back."""
@@ -222,7 +230,9 @@ class IndexedDatasetWriter:
         self.num_documents += int(lengths.size)
         self.num_tokens += int(flat.size)
 
-    def add_document(self, tokens: Iterable[int] | np.ndarray, sequence_lengths: list[int] | None = None) -> None:
+    def add_document(
+        self, tokens: Iterable[int] | np.ndarray, sequence_lengths: list[int] | None = None
+    ) -> None:
         """One document, optionally made of several sequences (Megatron's sentence-split layout)."""
         arr = np.asarray(tokens)
         lengths = np.asarray([arr.size] if sequence_lengths is None else sequence_lengths, dtype=np.int64)

@@ -179,7 +179,12 @@ def iter_hf(path: str, keys: list[str], chunk_bytes: int, split: str) -> Iterato
 
 
 def iter_chunks(
-    paths: list[str], fmt: str, keys: list[str], chunk_bytes: int, text_unit: str = "line", hf_split: str = "train"
+    paths: list[str],
+    fmt: str,
+    keys: list[str],
+    chunk_bytes: int,
+    text_unit: str = "line",
+    hf_split: str = "train",
 ) -> Iterator[Chunk]:
     for path in paths:
         kind = detect_format(path) if fmt == "auto" else fmt

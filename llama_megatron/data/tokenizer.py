@@ -54,7 +54,10 @@ class Tokenizer:
         return out
 
     def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """All texts' ids back to back plus per-text lengths: the preprocess fast path (no Python int lists)."""
+        """All texts' ids back to back (an integer array) plus int64 per-text lengths: the preprocess path.
+
+        Same ids as ``encode_batch``, without building Python int lists.
+        """
         arrays = self._encode_many_arrays(list(texts))
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
         flat = np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
@@ -101,6 +104,7 @@ class SentencePieceTokenizer(Tokenizer):
         pad = int(self._sp.pad_id())
         self.pad_id = pad if pad >= 0 else self.eos_id
         self._numpy_out = _sentencepiece_has_numpy_output(self._sp)
+        self._fast = _segment_cache(self._sp)
 
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts, out_type=int, num_threads=self.num_threads)
@@ -109,6 +113,11 @@ class SentencePieceTokenizer(Tokenizer):
         if self._numpy_out:
             return self._sp.encode(texts, return_type="numpy", num_threads=self.num_threads)
         return super()._encode_many_arrays(texts)
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._fast is not None:
+            return self._fast.encode_flat(list(texts))
+        return super().encode_flat(texts)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
@@ -119,6 +128,18 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["path"], state["num_threads"])
+
+
+def _segment_cache(sp):
+    """The exact word-cache encoder when the model allows it (sp_fastpath), else None."""
+    from llama_megatron.data.sp_fastpath import SegmentCacheEncoder, eligible
+
+    if not eligible(sp):
+        return None
+    try:
+        return SegmentCacheEncoder(sp)
+    except ValueError:  # its start-up self-check found a difference: stay on plain sentencepiece
+        return None
 
 
 def _sentencepiece_has_numpy_output(sp) -> bool:
@@ -158,7 +179,10 @@ class HFTokenizer(Tokenizer):
         return [enc.ids for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def _encode_many_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(enc.ids, dtype=np.int64) for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [
+            np.asarray(enc.ids, dtype=np.int64)
+            for enc in self._tok.encode_batch(texts, add_special_tokens=False)
+        ]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -191,15 +215,19 @@ def _read_special_tokens(directory: str) -> dict[str, str]:
     return names
 
 
-def _special_id(vocab: dict[str, int], name: str | None, candidates: tuple[str, ...], what: str, where: str) -> int:
+def _special_id(
+    vocab: dict[str, int], name: str | None, candidates: tuple[str, ...], what: str, where: str
+) -> int:
     if name is not None:
         if name not in vocab:
-            raise DataError(f"{where}: {what}_token {name!r} from tokenizer_config.json is not in tokenizer.json")
+            raise DataError(
+                f"{where}: {what}_token {name!r} from tokenizer_config.json is not in tokenizer.json"
+            )
         return vocab[name]
     for cand in candidates:
         if cand in vocab:
             return vocab[cand]
-    raise DataError(f"{where}: cannot tell the {what} token; set \"{what}_token\" in tokenizer_config.json")
+    raise DataError(f'{where}: cannot tell the {what} token; set "{what}_token" in tokenizer_config.json')
 
 
 def load_tokenizer(path: str, backend: str | None = None) -> Tokenizer:

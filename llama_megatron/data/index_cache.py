@@ -1,0 +1,117 @@
+"""Build-once cache of index arrays shared by every rank that starts at the same time.
+
+Each entry is a directory of ``.npy`` files plus ``description.json``, named by a hash of everything the arrays
+depend on. The first process to take an exclusive ``flock`` builds the arrays into a private temporary directory
+and renames it into place (atomic); the others block on the lock, then load. Where ``flock`` is unavailable
+(some network file systems) every process builds the same arrays and the rename race keeps exactly one.
+Arrays are memory-mapped on load and never pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from llama_megatron.errors import ConfigError
+
+DESCRIPTION = "description.json"
+
+
+def cache_key(description: dict) -> str:
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_fingerprint(path: str, window: int = 1 << 20) -> str:
+    """Size plus a hash of the first and last MiB: cheap on huge indexes, and covers sizes[] and doc_idx[]."""
+    size = os.path.getsize(path)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(window))
+        if size > window:
+            f.seek(max(window, size - window))
+            h.update(f.read(window))
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    with open(lock_path, "a+b") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # No locking here: fall through; the atomic rename below still keeps one copy.
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _complete(entry: str) -> bool:
+    return os.path.isfile(os.path.join(entry, DESCRIPTION))
+
+
+def cached_arrays(
+    cache_dir: str, name: str, description: dict, build: Callable[[], dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """The arrays ``build()`` returns, computed once per ``description`` and cached under ``cache_dir``."""
+    entry = os.path.join(cache_dir, f"{name}-{cache_key(description)}")
+    if not _complete(entry):
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            with _exclusive(entry + ".lock"):
+                if not _complete(entry):
+                    _write_entry(entry, description, build())
+            # Safe even while others wait on it: whoever gets the lock next finds the entry complete.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(entry + ".lock")
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            raise ConfigError(
+                f"cannot write the index cache in {cache_dir} ({exc.strerror}); set data.cache_dir to a writable dir"
+            ) from None
+    try:
+        return _load_entry(entry, description)
+    except (OSError, ValueError, KeyError) as exc:  # truncated .npy, edited description.json, ...
+        raise ConfigError(
+            f"index cache {entry} is unreadable ({exc}); delete that directory to rebuild it"
+        ) from None
+
+
+def _write_entry(entry: str, description: dict, arrays: dict[str, np.ndarray]) -> None:
+    tmp = f"{entry}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    try:
+        for key, arr in arrays.items():
+            np.save(os.path.join(tmp, f"{key}.npy"), np.ascontiguousarray(arr), allow_pickle=False)
+        with open(os.path.join(tmp, DESCRIPTION), "w", encoding="utf-8") as f:
+            json.dump({**description, "arrays": sorted(arrays)}, f, indent=1, sort_keys=True)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not _complete(entry):  # somebody else won the race only if their entry is there
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_entry(entry: str, description: dict) -> dict[str, np.ndarray]:
+    with open(os.path.join(entry, DESCRIPTION), encoding="utf-8") as f:
+        stored = json.load(f)
+    names = stored.pop("arrays")
+    if stored != json.loads(json.dumps(description)):
+        raise ConfigError(f"index cache {entry} does not match its name; delete the directory")
+    return {k: np.load(os.path.join(entry, f"{k}.npy"), mmap_mode="r", allow_pickle=False) for k in names}

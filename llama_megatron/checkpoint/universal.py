@@ -32,6 +32,8 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
         C.VOCABULARY_PARAMETER_PATTERNS: [r".*word_embeddings\.weight$"]
         + ([] if config.tie_word_embeddings else [r".*lm_head\.weight$"]),
         C.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: present(("gate_up_proj.weight", "gate_up_proj.bias")),
+        # merged vocab tensors are cut back to the true vocab and re-padded for the loading layout
+        C.ORIGINAL_VOCAB_SIZE: config.vocab_size,
     }
     if config.tie_word_embeddings:
         info[C.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [r"^tied_modules\.embed\..*"]

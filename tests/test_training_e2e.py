@@ -68,7 +68,8 @@ def reference(data_prefix, work) -> dict:
     """TP1-PP1, one process, 20 steps with checkpoints at 10 and 20."""
     out = str(work / "ref")
     launch(1, CONFIG, _common(data_prefix, out, "train.steps=20", f"checkpoint.save={out}/ckpt",
-                              "checkpoint.interval=10", "checkpoint.keep_last=2"))
+                              "checkpoint.interval=10", "checkpoint.keep_last=2", "eval.interval=10",
+                              f"logging.tensorboard_dir={out}/tb"))
     return {"dir": out, "losses": losses(out)}
 
 
@@ -81,8 +82,12 @@ def reference_per_document(short_documents_prefix, work) -> dict[int, float]:
 
 def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
     """TP1-PP1 under DeepSpeed equals transformers.LlamaForCausalLM + torch.optim.AdamW, step by step."""
+    import json
+
     ours = reference["losses"]
     assert ours[20] < ours[1] - 0.5, "loss must fall on real text"
+    records = [json.loads(line) for line in open(os.path.join(reference["dir"], "metrics.jsonl"))]
+    grad_norms = {r["step"]: r["grad_norm"] for r in records}
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -108,10 +113,33 @@ def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
             loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten())
             (loss / len(micro_batches)).backward()
             total += loss.item() / len(micro_batches)
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), opt.clip_grad)
+        norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), opt.clip_grad))
         optimizer.step()
         scheduler.step()
         assert abs(total - ours[step]) <= REL * ours[step], f"step {step}: HF {total} vs ours {ours[step]}"
+        assert abs(norm - grad_norms[step]) <= 1e-3 * norm, f"step {step}: grad norm HF {norm} vs {grad_norms[step]}"
+
+
+def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None:
+    """metrics.jsonl has the documented fields; TensorBoard got events; --eval-only reproduces val_loss."""
+    import json
+
+    records = [json.loads(line) for line in open(os.path.join(reference["dir"], "metrics.jsonl"))]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        assert all(isinstance(r[key], float) for r in records), key
+    evaluated = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert sorted(evaluated) == [10, 20]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(reference["dir"], "tb")))
+
+    out = str(work / "eval-only")
+    result = launch(1, CONFIG, _common(data_prefix, out, "train.steps=20", "eval.interval=10",
+                                       f"checkpoint.load={reference['dir']}/ckpt"),
+                    entry=["-m", "llama_megatron.train", "--eval-only"])
+    assert "val loss" in result.stdout
+    (record,) = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert record["step"] == 20
+    assert abs(record["val_loss"] - evaluated[20]) <= 1e-6 * evaluated[20]
 
 
 def test_exact_resume(reference, data_prefix, work) -> None:
@@ -133,15 +161,28 @@ def test_exact_resume(reference, data_prefix, work) -> None:
         ("tp2-sp-recompute", 2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                                  "activation_checkpointing.interval=1"]),
         ("zero1-dp2", 2, ["deepspeed_config=ds_configs/zero1_fp32.json"]),
-        ("zero2-dp2", 2, ["deepspeed_config=ds_configs/zero2_fp32.json"]),
+        ("zero2-dp2", 2, ["deepspeed_config=ds_configs/zero2_fp32.json", "checkpoint.interval=10"]),
         ("zero3-dp2", 2, ['deepspeed_config={"zero_optimization": {"stage": 3, '
-                          '"stage3_param_persistence_threshold": 0}}']),
+                          '"stage3_param_persistence_threshold": 0}}', "checkpoint.interval=10"]),
     ],
 )
 def test_parallel_layout_matches_single_process(name, nprocs, extra, reference, data_prefix, work) -> None:
     out = str(work / name)
-    launch(nprocs, CONFIG, _common(data_prefix, out, *extra))
+    launch(nprocs, CONFIG, _common(data_prefix, out, *extra, f"checkpoint.save={out}/ckpt"))
     assert_losses_close(losses(out), reference["losses"], REL, range(1, 11))
+    if name.startswith(("zero2", "zero3")):
+        _check_zero_to_fp32(f"{out}/ckpt", reference["dir"] + "/ckpt")
+
+
+def _check_zero_to_fp32(ckpt: str, reference_ckpt: str) -> None:
+    """DeepSpeed's zero_to_fp32 recovers the full fp32 weights of a ZeRO-2/3 checkpoint (PP=1)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    recovered = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="global_step10")
+    reference = torch.load(f"{reference_ckpt}/global_step10/mp_rank_00_model_states.pt", weights_only=True)["module"]
+    assert recovered.keys() == reference.keys()
+    for key, tensor in reference.items():
+        torch.testing.assert_close(recovered[key].float(), tensor, rtol=1e-3, atol=1e-4, msg=key)
 
 
 def test_per_document_attention_survives_pipeline(reference_per_document, short_documents_prefix, work) -> None:

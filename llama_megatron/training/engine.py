@@ -66,6 +66,7 @@ class TrainingEngine:
             mpu=None if self.pipelined else pctx,
         )
         self.model = model
+        self._grad_norm: float | None = None
 
     def train_step(self, micro_batches: list[MicroBatch]) -> float:
         """One optimizer step over this rank's micro batches; returns the loss averaged over DP ranks."""
@@ -74,10 +75,15 @@ class TrainingEngine:
             batches = iter([mb.to(self.device).pipeline_inputs() for mb in micro_batches])
             return float(self.engine.train_batch(data_iter=batches))
         total = torch.zeros((), device=self.device)
+        self._grad_norm = None
         for mb in micro_batches:
             mb = mb.to(self.device)
             loss = self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, mb.labels)
             self.engine.backward(loss)
+            if self.engine.is_gradient_accumulation_boundary() and not self.engine.zero_optimization():
+                # DeepSpeed clips plain (ZeRO-0) fp32 gradients without keeping the norm: measure it here,
+                # after its data-parallel all-reduce and before the clipping step.
+                self._grad_norm = self._global_grad_norm()
             self.engine.step()
             total += loss.detach().float()
         return self._dp_mean(total / len(micro_batches))
@@ -99,10 +105,27 @@ class TrainingEngine:
 
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        if norm is None:
+            return self._grad_norm
+        return float(norm)
 
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def _global_grad_norm(self) -> float:
+        """L2 norm of all gradients: TP shards summed over the TP group, replicated tensors counted once."""
+        sharded = torch.zeros((), device=self.device, dtype=torch.float64)
+        replicated = torch.zeros((), device=self.device, dtype=torch.float64)
+        for param in self.model.parameters():
+            if param.grad is not None:
+                squares = param.grad.detach().double().pow(2).sum()
+                if getattr(param, "tensor_model_parallel", False):
+                    sharded += squares
+                else:
+                    replicated += squares
+        if self.pctx.tp_size > 1:
+            dist.all_reduce(sharded, group=self.pctx.tp_group)
+        return float((sharded + replicated).sqrt())
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         if self.pctx.dp_size > 1:

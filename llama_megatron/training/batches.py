@@ -9,6 +9,7 @@ import torch
 
 from llama_megatron.data.gpt_dataset import build_train_valid_test_datasets
 from llama_megatron.data.sampler import PretrainingSampler
+from llama_megatron.data.sampler import collate as stack_samples
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.engine import MicroBatch
@@ -16,18 +17,15 @@ from llama_megatron.training.engine import MicroBatch
 
 def collate(items: list[dict[str, np.ndarray]]) -> MicroBatch:
     """Samples of seq+1 tokens -> inputs tokens[:-1], labels tokens[1:] (plus positions/documents if packed)."""
-    tokens = torch.from_numpy(np.stack([item["tokens"] for item in items]).astype(np.int64))
+    arrays = {k: torch.from_numpy(v.astype(np.int64)) for k, v in stack_samples(items).items()}
+    tokens = arrays["tokens"]
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    if "position_ids" in items[0]:
-        position_ids = torch.from_numpy(np.stack([item["position_ids"] for item in items]).astype(np.int64))
-        segment_ids = torch.from_numpy(np.stack([item["segment_ids"] for item in items]).astype(np.int64))
-    else:
+    position_ids = arrays.get("position_ids")
+    if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()
-        segment_ids = None
-    if "loss_mask" in items[0]:
-        mask = torch.from_numpy(np.stack([item["loss_mask"] for item in items]).astype(bool))
-        labels = labels.masked_fill(~mask, -100)
-    return MicroBatch(input_ids, position_ids, labels, segment_ids)
+    if "loss_mask" in arrays:
+        labels = labels.masked_fill(arrays["loss_mask"] == 0, -100)
+    return MicroBatch(input_ids, position_ids, labels, arrays.get("segment_ids"))
 
 
 def build_datasets(config: TrainingConfig, eod_id: int | None = None):

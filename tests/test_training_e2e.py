@@ -236,3 +236,14 @@ def test_bf16_pipeline_zero1_trains_close_to_fp32(reference, data_prefix, work) 
     out = str(work / "bf16-pp2")
     launch(2, CONFIG, _common(data_prefix, out, "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json"))
     assert_losses_close(losses(out), reference["losses"], 2e-2, range(1, 11))
+
+
+def test_tied_embeddings_across_pipeline_stages(data_prefix, work) -> None:
+    """Tied input/output embeddings on the first and last stage (TiedLayerSpec) train like one process."""
+    tied = "model.tie_word_embeddings=true"
+    single = str(work / "tied-ref")
+    launch(1, CONFIG, _common(data_prefix, single, tied))
+    out = str(work / "tied-tp2-pp2")
+    launch(4, CONFIG, _common(data_prefix, out, tied, "parallel.tensor=2", "parallel.pipeline=2",
+                              "deepspeed_config=ds_configs/zero1_fp32.json"))
+    assert_losses_close(losses(out), losses(single), REL, range(1, 11))

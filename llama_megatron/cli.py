@@ -17,6 +17,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("llama_megatron.train", "pretrain (one process; use the deepspeed launcher for many)"),
     "preprocess": ("llama_megatron.data.preprocess", "tokenize JSONL/text/parquet/HF datasets into .bin/.idx shards"),
     "train-tokenizer": ("llama_megatron.data.train_tokenizer", "train a LLaMA-style sentencepiece BPE tokenizer"),
+    "convert": ("llama_megatron.checkpoint.convert_cli", "hf-to-megatron, meta-to-megatron, megatron-to-hf"),
+    "reshard": ("llama_megatron.checkpoint.reshard_cli", "change a checkpoint's tensor/pipeline-parallel layout"),
+    "export": ("llama_megatron.checkpoint.export_cli", "checkpoint (any TP/PP/ZeRO) -> Hugging Face directory"),
 }
 
 

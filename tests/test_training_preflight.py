@@ -78,6 +78,12 @@ def test_resume_with_other_tensor_or_pipeline_degree_points_at_reshard(tmp_path)
         preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
 
 
+def test_finetune_with_other_vocab_padding(tmp_path) -> None:
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", padded_vocab_size=4224)
+    with pytest.raises(ConfigError, match="pads the vocab to 4224, this run to 4160"):
+        preflight(_config(f"checkpoint.load={ckpt}", "checkpoint.finetune=true"), None, 1)
+
+
 def test_resume_with_other_model_or_corrupt_metadata(tmp_path) -> None:
     ckpt = _fake_checkpoint(tmp_path / "a", model={"vocab_size": 3})
     with pytest.raises(ConfigError, match="different model config"):

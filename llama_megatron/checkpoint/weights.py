@@ -32,6 +32,12 @@ def model_states_file(ckpt_dir: str, mp_rank: int) -> str:
     return os.path.join(ckpt_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
 
 
+def layer_key(canonical: str, config: ModelConfig) -> str:
+    """Key of ``canonical`` inside its pipeline layer file: the module name without the layer prefix."""
+    key = module_name(canonical, config).split(".", 1)[1]
+    return key.split(".", 1)[1] if key.startswith("embed.") else key  # tied: "tied_modules.embed.x" -> "x"
+
+
 def _load(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file missing: {path}")
@@ -58,11 +64,8 @@ def tensor_reader(ckpt_dir: str, config: ModelConfig) -> Callable[[str, int], to
 
     def read(canonical: str, tp_rank: int) -> torch.Tensor:
         if pipeline:
-            idx = layer_index(canonical, config)[0]
-            key = module_name(canonical, config).split(".", 1)[1]
-            if key.startswith("embed."):  # tied: "tied_modules.embed.x" -> "x" in layer 0's file
-                key = key.split(".", 1)[1]
-            state = cached(layer_file(ckpt_dir, idx, tp_rank))
+            key = layer_key(canonical, config)
+            state = cached(layer_file(ckpt_dir, layer_index(canonical, config)[0], tp_rank))
         else:
             key = module_name(canonical, config)
             state = cached(model_states_file(ckpt_dir, tp_rank)).get("module") or {}

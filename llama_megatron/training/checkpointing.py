@@ -25,9 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError
 
 META_FILE = "llama_megatron.json"
@@ -144,6 +142,11 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(os.path.join(save_dir, tmp_tag), ignore_errors=True)
     _barrier()
+    # imported here: converters use this module's readers without paying for DeepSpeed's import
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    from llama_megatron.checkpoint.universal import universal_checkpoint_info
+
     client_state = {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine.config.model)}
     engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
     _barrier()

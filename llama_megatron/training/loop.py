@@ -62,6 +62,12 @@ def preflight(config: TrainingConfig, ds_source, world_size: int
         else:
             ckpt.check_resume_layout(meta, config.parallel.tensor, config.parallel.pipeline,
                                      config.checkpoint.load)
+        padded = config.parallel.padded_vocab_size(config.model.vocab_size)
+        if meta.padded_vocab_size != padded:
+            raise ConfigError(
+                f"checkpoint {config.checkpoint.load}/{meta.tag} pads the vocab to {meta.padded_vocab_size}, this "
+                f"run to {padded}: set parallel.make_vocab_size_divisible_by to match, or reshard the checkpoint"
+            )
         if meta.model != config.model.to_dict():
             raise ConfigError(f"checkpoint {config.checkpoint.load}/{meta.tag} holds a different model config "
                               "than this run's model section")

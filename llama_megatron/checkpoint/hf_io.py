@@ -1,0 +1,153 @@
+"""Read a Hugging Face LLaMA directory tensor by tensor; copy its config and tokenizer files.
+
+Weights: ``model.safetensors`` or ``pytorch_model.bin``, each alone or sharded with its ``*.index.json``.
+safetensors files are opened with ``safe_open`` (memory-mapped; a tensor's pages are read when used), legacy
+``.bin`` files with ``torch.load(weights_only=True, mmap=True)``. Handles are closed on :meth:`release`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+
+from llama_megatron.errors import CheckpointError
+
+_SAFE_TO_TORCH = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+# Files a tokenizer may consist of (sentencepiece, fast tokenizer, their configs).
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+HF_ASSET_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+
+
+def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None, list[str]]:
+    """(kind, weight_map or None, files) for the directory's weights."""
+    for kind, single, index in (("safetensors", "model.safetensors", "model.safetensors.index.json"),
+                                ("bin", "pytorch_model.bin", "pytorch_model.bin.index.json")):
+        index_path = os.path.join(hf_dir, index)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path, encoding="utf-8") as fh:
+                    weight_map = json.load(fh)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_path} is not a valid weight index: {exc}") from None
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not os.path.isfile(os.path.join(hf_dir, name)):
+                    raise CheckpointError(f"{hf_dir}: shard {name} listed in {index} is missing")
+            return kind, weight_map, files
+        if os.path.isfile(os.path.join(hf_dir, single)):
+            return kind, None, [single]
+    raise CheckpointError(f"no weights in {hf_dir}: expected model.safetensors, pytorch_model.bin or a sharded "
+                          "index (model.safetensors.index.json / pytorch_model.bin.index.json)")
+
+
+def load_torch_file(path: str) -> dict:
+    """A tensor file via ``torch.load(weights_only=True)``, memory-mapped when it is a zip archive."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):  # legacy (pre-zip) archives cannot be mapped: read them whole
+            raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): {exc}") from None
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): "
+                              f"{type(exc).__name__}: {exc}") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+class HFCheckpoint:
+    """A :class:`~llama_megatron.checkpoint.sources.TensorSource` over an HF model directory."""
+
+    def __init__(self, hf_dir: str) -> None:
+        self.hf_dir = hf_dir
+        self.kind, weight_map, self.files = _weight_files(hf_dir)
+        self._open: dict[str, object] = {}
+        if weight_map is not None:
+            self._where = dict(weight_map)
+        else:
+            self._where = {name: self.files[0] for name in self._keys(self.files[0])}
+            self.release()
+
+    def _path(self, file: str) -> str:
+        return os.path.join(self.hf_dir, file)
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            path = self._path(file)
+            if self.kind == "safetensors":
+                try:
+                    self._open[file] = safe_open(path, framework="pt")
+                except Exception as exc:  # safetensors raises its own error type for bad headers/sizes
+                    raise CheckpointError(f"cannot read {path} (truncated or not safetensors): {exc}") from None
+            else:
+                state = load_torch_file(path)
+                if not isinstance(state, dict):
+                    raise CheckpointError(f"{path} does not hold a state dict")
+                self._open[file] = state
+        return self._open[file]
+
+    def _keys(self, file: str) -> list[str]:
+        handle = self._handle(file)
+        return list(handle.keys())
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def _file_of(self, name: str) -> str:
+        if name not in self._where:
+            raise CheckpointError(f"{self.hf_dir}: no tensor {name}")
+        return self._where[name]
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        file = self._file_of(name)
+        handle = self._handle(file)
+        if self.kind == "safetensors":
+            try:
+                view = handle.get_slice(name)
+            except Exception:
+                raise CheckpointError(f"{self._path(file)}: index lists {name} but the file lacks it") from None
+            return tuple(view.get_shape()), _SAFE_TO_TORCH[view.get_dtype()]
+        if name not in handle:
+            raise CheckpointError(f"{self._path(file)}: index lists {name} but the file lacks it")
+        return tuple(handle[name].shape), handle[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self._file_of(name)
+        handle = self._handle(file)
+        try:
+            return handle.get_tensor(name) if self.kind == "safetensors" else handle[name]
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {name} from {self._path(file)}: {exc}") from None
+
+    def get_parts(self, name: str) -> list[torch.Tensor]:
+        return [self.get(name)]
+
+    def release(self) -> None:
+        for handle in self._open.values():
+            if hasattr(handle, "__exit__"):
+                handle.__exit__(None, None, None)
+        self._open.clear()
+
+
+def copy_assets(src_dir: str, dst_dir: str, names: tuple[str, ...] = HF_ASSET_FILES) -> list[str]:
+    """Copy the named files that exist in ``src_dir``; returns what was copied."""
+    copied = []
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in names:
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst_dir, name))
+            copied.append(name)
+    return copied

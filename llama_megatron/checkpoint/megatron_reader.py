@@ -1,0 +1,151 @@
+"""Our checkpoints (training or converted, any TP/PP/DP, ZeRO 0-3) as full HF-named tensors.
+
+Per-rank tensors come from, in this order of preference:
+
+- ZeRO-3: the fp32 partitions in the optimizer files (the model files hold empty tensors);
+- ``fp32_master=True`` on a checkpoint whose module weights are not fp32 (bf16 training): the ZeRO-1/2 fp32
+  master partitions, when the optimizer files have them;
+- otherwise the module weights: pipeline layer files, or ``mp_rank_XX_model_states.pt['module']``.
+
+Files are memory-mapped and re-opened per parameter (see :meth:`release`), so a PP=1 file holding a whole TP rank
+never becomes resident at once. TP shards are merged as views where the layout allows (``tp_parts.merge_parts``),
+the vocab padding stripped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llama_megatron.checkpoint.hf_io import load_torch_file
+from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_sources, layer_index, module_name
+from llama_megatron.checkpoint.sources import expected_hf_shapes
+from llama_megatron.checkpoint.tp_parts import merge_parts, shard_shape
+from llama_megatron.checkpoint.weights import is_pipeline_checkpoint, layer_file, layer_key, model_states_file
+from llama_megatron.checkpoint.zero_fp32 import (
+    Zero3Partitions,
+    Zero12Partitions,
+    has_optimizer_files,
+    load_deepspeed_file,
+    zero3_model_file,
+)
+from llama_megatron.config import ModelConfig
+from llama_megatron.errors import CheckpointError, ConfigError
+from llama_megatron.training.checkpointing import CheckpointMeta, read_meta
+
+
+class MegatronCheckpoint:
+    """A :class:`~llama_megatron.checkpoint.sources.TensorSource` over ``load_dir`` (tag: ``latest`` or named)."""
+
+    def __init__(self, load_dir: str, tag: str | None = None, fp32_master: bool = False) -> None:
+        self.meta: CheckpointMeta = read_meta(load_dir, tag)
+        self.tag_dir = os.path.join(load_dir, self.meta.tag)
+        try:
+            self.config = ModelConfig.from_dict(self.meta.model)
+        except ConfigError as exc:
+            raise CheckpointError(f"{self.tag_dir}: model config in llama_megatron.json is invalid: {exc}") from None
+        self.tp, self.pp, self.dp = self.meta.tensor, self.meta.pipeline, self.meta.data_parallel
+        self.padded_vocab_size = self.meta.padded_vocab_size
+        if self.padded_vocab_size < self.config.vocab_size or self.padded_vocab_size % self.tp:
+            raise CheckpointError(f"{self.tag_dir}: padded_vocab_size {self.padded_vocab_size} does not fit vocab "
+                                  f"{self.config.vocab_size} split over TP {self.tp}")
+        self._hf_shapes = expected_hf_shapes(self.config)
+        self._canonical = {hf: c for c in canonical_names(self.config) for hf in hf_sources(c, self.config)}
+        self._files: dict[str, dict] = {}
+        self._merged: tuple[str, dict[str, list[torch.Tensor]]] | None = None
+        self._zero3 = self.meta.zero_stage >= 3
+        self._pipeline = self.pp > 1 or is_pipeline_checkpoint(self.tag_dir)
+        self._masters: list[Zero12Partitions] | None = None
+        self._zero3_ranks: dict[int, Zero3Partitions] = {}
+        self.stored_dtype = self._stored_dtype()
+        if fp32_master and not self._zero3 and self.stored_dtype != torch.float32 and has_optimizer_files(self.tag_dir):
+            self._masters = [Zero12Partitions(self.tag_dir, r, self.tp, self.pp, self.dp) for r in range(self.tp)]
+        from_masters = self._zero3 or self._masters is not None
+        self.dtype = torch.float32 if from_masters else self.stored_dtype
+        self.source_kind = ("ZeRO-3 fp32 partitions" if self._zero3 else
+                            "fp32 master partitions" if self._masters is not None else
+                            f"{str(self.stored_dtype).removeprefix('torch.')} module weights")
+
+    def _file(self, path: str) -> dict:
+        if path not in self._files:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint file missing: {path}")
+            state = load_torch_file(path)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{path} does not hold a state dict")
+            self._files[path] = state
+        return self._files[path]
+
+    def _stored_dtype(self) -> torch.dtype:
+        """dtype of the module weights (ZeRO-3 model files keep empty tensors of the training dtype)."""
+        first = canonical_names(self.config)[0]
+        if self._zero3:
+            module = load_deepspeed_file(zero3_model_file(self.tag_dir, 0, 0)).get("module") or {}
+            tensor = module.get(module_name(first, self.config))
+            if tensor is None:
+                raise CheckpointError(f"{self.tag_dir}: ZeRO-3 model file lacks {module_name(first, self.config)}")
+            return tensor.dtype
+        dtype = self._module_tensor(first, 0).dtype
+        self.release()
+        return dtype
+
+    def _module_tensor(self, canonical: str, rank: int) -> torch.Tensor:
+        if self._pipeline:
+            path = layer_file(self.tag_dir, layer_index(canonical, self.config)[0], rank)
+            state, key = self._file(path), layer_key(canonical, self.config)
+        else:
+            path = model_states_file(self.tag_dir, rank)
+            state, key = self._file(path).get("module") or {}, module_name(canonical, self.config)
+        if key not in state:
+            raise CheckpointError(f"{path}: no tensor {key!r} ({canonical}, TP rank {rank})")
+        tensor = state[key]
+        if tensor.numel() == 0:
+            raise CheckpointError(f"{path}: {key!r} is empty (ZeRO-3 partitioned) but llama_megatron.json says "
+                                  f"ZeRO stage {self.meta.zero_stage}")
+        return tensor
+
+    def read_rank(self, canonical: str, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s tensor for ``canonical``, shape-checked."""
+        want = shard_shape(canonical, self.config, rank, self.tp, self.padded_vocab_size, self._hf_shapes)
+        name = module_name(canonical, self.config)
+        if self._zero3:
+            if rank not in self._zero3_ranks:
+                self._zero3_ranks[rank] = Zero3Partitions(self.tag_dir, rank, self.dp)
+            tensor = self._zero3_ranks[rank].read(name)
+        elif self._masters is not None:
+            tensor = self._masters[rank].read(name, want)
+        else:
+            tensor = self._module_tensor(canonical, rank)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{self.tag_dir}: {name} (TP rank {rank}) has shape {tuple(tensor.shape)}, the "
+                                  f"model config in llama_megatron.json implies {want}")
+        return tensor
+
+    def names(self) -> set[str]:
+        return set(self._hf_shapes)
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self._hf_shapes[name], self.dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        parts = self.get_parts(name)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def get_parts(self, name: str) -> list[torch.Tensor]:
+        canonical = self._canonical.get(name)
+        if canonical is None:
+            raise CheckpointError(f"{self.tag_dir}: the model has no tensor {name}")
+        if self._merged is None or self._merged[0] != canonical:
+            self._merged = None
+            shards = [self.read_rank(canonical, rank) for rank in range(self.tp)]
+            self._merged = (canonical, merge_parts(canonical, shards, self.config))
+        return self._merged[1][name]
+
+    def release(self) -> None:
+        self._merged = None
+        self._files.clear()
+        for part in self._zero3_ranks.values():
+            part.release()
+        for part in self._masters or []:
+            part.release()

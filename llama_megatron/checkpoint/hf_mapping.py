@@ -113,7 +113,7 @@ def hf_sources(canonical: str, config: ModelConfig) -> list[str]:
     return [f"{prefix}.{module}.{leaf}"]
 
 
-def _split_kind(canonical: str) -> str:
+def split_kind(canonical: str) -> str:
     """How a parameter is split over TP: 'vocab', 'qkv', 'gate_up', 'row', or 'replicated'."""
     if canonical in ("embed.weight", "lm_head.weight"):
         return "vocab"
@@ -126,61 +126,21 @@ def _split_kind(canonical: str) -> str:
     return "replicated"
 
 
-def _qkv_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """Full fused tensor viewed as [nkv, (g + 2) * head_dim, ...]: per KV group [q heads | k | v]."""
-    nkv, hd = config.num_key_value_heads, config.head_dim
-    trailing = q.shape[1:]
-    return torch.cat(
-        [q.reshape(nkv, config.queries_per_group * hd, *trailing), k.reshape(nkv, hd, *trailing),
-         v.reshape(nkv, hd, *trailing)],
-        dim=1,
-    )
-
-
 def shard_for_rank(canonical: str, get_hf: HFGetter, config: ModelConfig, tp_rank: int, tp_size: int,
                    padded_vocab_size: int) -> torch.Tensor:
     """This rank's tensor for ``canonical``, built from full HF tensors (bit-exact slicing, no arithmetic)."""
-    kind = _split_kind(canonical)
-    sources = [get_hf(name) for name in hf_sources(canonical, config)]
-    if kind == "vocab":
-        full = sources[0]
-        padding = padded_vocab_size - full.shape[0]
-        if padding:
-            full = torch.cat([full, full.new_zeros((padding, *full.shape[1:]))])
-        return full.chunk(tp_size, dim=0)[tp_rank].clone()
-    if kind == "qkv":
-        grouped = _qkv_grouped(*sources, config)
-        local = grouped.chunk(tp_size, dim=0)[tp_rank]
-        return local.reshape(-1, *local.shape[2:]).clone()
-    if kind == "gate_up":
-        gate, up = sources
-        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]]).clone()
-    if kind == "row":
-        return sources[0].chunk(tp_size, dim=1)[tp_rank].clone()
-    return sources[0].clone()
+    # The slicing lives once, in tp_parts (as views, for the streaming converters); imported here because
+    # tp_parts itself builds on this module's names.
+    from llama_megatron.checkpoint.tp_parts import shard_parts
+
+    return torch.cat(shard_parts(canonical, get_hf, config, tp_rank, tp_size, padded_vocab_size))
 
 
 def merge_shards(canonical: str, shards: list[torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of :func:`shard_for_rank`: the TP shards (in rank order) -> full HF tensors by name."""
-    kind = _split_kind(canonical)
-    names = hf_sources(canonical, config)
-    tp_size = len(shards)
-    if kind == "vocab":
-        return {names[0]: torch.cat(shards)[: config.vocab_size].clone()}
-    if kind == "qkv":
-        hd, g, nkv = config.head_dim, config.queries_per_group, config.num_key_value_heads
-        trailing = shards[0].shape[1:]
-        grouped = torch.cat([s.reshape(nkv // tp_size, (g + 2) * hd, *trailing) for s in shards])
-        q, k, v = grouped.split([g * hd, hd, hd], dim=1)
-        return {name: t.reshape(-1, *trailing).clone() for name, t in zip(names, (q, k, v))}
-    if kind == "gate_up":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        gate = torch.cat([h[0] for h in halves])
-        up = torch.cat([h[1] for h in halves])
-        return {names[0]: gate, names[1]: up}
-    if kind == "row":
-        return {names[0]: torch.cat(shards, dim=1)}
-    return {names[0]: shards[0].clone()}
+    from llama_megatron.checkpoint.tp_parts import merge_parts
+
+    return {name: torch.cat(parts) for name, parts in merge_parts(canonical, shards, config).items()}
 
 
 def hf_to_rank_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig, tp_rank: int, tp_size: int,

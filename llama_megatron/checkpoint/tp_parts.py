@@ -1,6 +1,6 @@
 """One TP rank's tensor as a list of views of the full HF tensors, for streaming writers.
 
-``torch.cat(shard_parts(...))`` equals ``hf_mapping.shard_for_rank(...)`` bit for bit (tested), but no padded
+``hf_mapping.shard_for_rank`` is ``torch.cat(shard_parts(...))``; the converters write the parts directly, so no padded
 vocabulary, fused QKV or fused gate/up tensor is ever materialised: the parts are row slices of the (memory-mapped)
 HF tensors, so converting costs one tensor's pages, not two or three copies of it. Only row-parallel slices
 (o_proj, down_proj: a column block) and vocabulary padding (zeros) allocate, at 1/TP of the tensor.
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from llama_megatron.checkpoint.hf_mapping import HFGetter, _split_kind, hf_sources
+from llama_megatron.checkpoint.hf_mapping import HFGetter, hf_sources, split_kind
 from llama_megatron.config import ModelConfig
 
 
 def shard_parts(canonical: str, get_hf: HFGetter, config: ModelConfig, tp_rank: int, tp_size: int,
                 padded_vocab_size: int) -> list[torch.Tensor]:
-    kind = _split_kind(canonical)
+    kind = split_kind(canonical)
     sources = [get_hf(name) for name in hf_sources(canonical, config)]
     if kind == "vocab":
         full = sources[0]
@@ -47,7 +47,7 @@ def shard_parts(canonical: str, get_hf: HFGetter, config: ModelConfig, tp_rank: 
 def shard_shape(canonical: str, config: ModelConfig, tp_rank: int, tp_size: int,
                 padded_vocab_size: int, hf_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """Shape of ``shard_for_rank(...)`` without data (tested against it; meta tensors would import ~70 MB)."""
-    kind = _split_kind(canonical)
+    kind = split_kind(canonical)
     first = hf_shapes[hf_sources(canonical, config)[0]]
     rest = tuple(first[1:])
     if kind == "vocab":
@@ -65,7 +65,7 @@ def shard_shape(canonical: str, config: ModelConfig, tp_rank: int, tp_size: int,
 def merge_parts(canonical: str, shards: list[torch.Tensor], config: ModelConfig) -> dict[str, list[torch.Tensor]]:
     """Inverse of :func:`shard_parts`: each HF tensor as row slices of the TP shards (``torch.cat`` of them
     equals ``hf_mapping.merge_shards``, tested). Only row-parallel tensors with TP > 1 need a copy."""
-    kind = _split_kind(canonical)
+    kind = split_kind(canonical)
     names = hf_sources(canonical, config)
     tp_size = len(shards)
     if kind == "vocab":

@@ -16,8 +16,7 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
     parallel.validate(config, pctx.world_size)
     padded = parallel.padded_vocab_size(config.vocab_size)
     if pctx.pp_size == 1:
-        model: nn.Module = LlamaCausalLM(config, pctx, padded,
-                                         activation_checkpointing=activation_checkpoint_interval > 0)
+        model: nn.Module = LlamaCausalLM(config, pctx, padded, activation_checkpoint_interval)
     else:
         model = build_pipeline_module(config, pctx, padded, partition_method, activation_checkpoint_interval)
     if initialize:

@@ -61,14 +61,14 @@ class LlamaCausalLM(nn.Module):
     """The whole model in one process group stage (PP=1): the same layers, run in order."""
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpoint_interval: int = 0) -> None:
         super().__init__()
         if pctx.pp_size != 1:
             raise ValueError("LlamaCausalLM is the PP=1 form; use build_pipeline_module for PP>1")
         self.config = config
         self.pctx = pctx
         self.padded_vocab_size = padded_vocab_size
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpoint_interval = activation_checkpoint_interval
         self.loss_fn = CausalLMLoss(config, pctx)
         self.tied_modules = nn.ModuleDict()
         self._forward_funcs: list = []
@@ -89,16 +89,27 @@ class LlamaCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
+        span: list = []
         for fn in self._forward_funcs:
-            if self.activation_checkpointing and self.training and isinstance(fn, DecoderLayerPipe):
-                x = checkpoint(fn, x, use_reentrant=False)
-            else:
-                x = fn(x)
+            if self.activation_checkpoint_interval and self.training and isinstance(fn, DecoderLayerPipe):
+                span.append(fn)  # recompute spans of `interval` decoder layers, as PipelineModule does
+                if len(span) == self.activation_checkpoint_interval:
+                    x, span = checkpoint(_run_layers, span, x, use_reentrant=False), []
+                continue
+            if span:
+                x, span = checkpoint(_run_layers, span, x, use_reentrant=False), []
+            x = fn(x)
         return x if labels is None else self.loss_fn(x, labels)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Gather the vocab shards and drop the padding (for evaluation and tests, not for the loss)."""
         return gather_from_tp_region(local_logits, self.pctx)[..., : self.config.vocab_size]
+
+
+def _run_layers(layers: list, x):
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def build_pipeline_module(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,

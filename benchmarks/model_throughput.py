@@ -24,16 +24,7 @@ from llama_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from llama_megatron.model.build import build_model  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
 from llama_megatron.training.flops import training_flops_per_token  # noqa: E402
-
-
-def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(2):
-        a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+from llama_megatron.training.metrics import measured_matmul_tflops  # noqa: E402
 
 
 def time_steps(step, batches, warmup: int) -> float:
@@ -87,7 +78,7 @@ def main() -> None:
     for _ in range(args.rounds):
         hf_time = min(hf_time, time_steps(hf_step, batches, args.warmup))
         ours_time = min(ours_time, time_steps(ours_step, batches, args.warmup))
-    peak = matmul_peak_gflops()
+    peak = measured_matmul_tflops(n=2048, repeats=10) * 1e3  # GFLOP/s
     flops = training_flops_per_token(config, args.seq) * tokens
     result = {
         "benchmark": "model_throughput",

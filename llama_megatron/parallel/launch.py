@@ -25,3 +25,11 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_size, 1)))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op in a single process without torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

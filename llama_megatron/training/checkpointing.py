@@ -24,9 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from llama_megatron.errors import CheckpointError
+from llama_megatron.parallel.launch import barrier
 
 META_FILE = "llama_megatron.json"
 LATEST_FILE = "latest"
@@ -130,8 +129,7 @@ def ensure_universal(load_dir: str, tag: str, rank: int) -> str:
             raise CheckpointError(f"converting {load_dir}/{tag} to a universal checkpoint failed: {tail}")
         shutil.copy(os.path.join(load_dir, tag, META_FILE), os.path.join(tmp, META_FILE))
         os.replace(tmp, target)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return universal_tag
 
 
@@ -141,7 +139,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(os.path.join(save_dir, tmp_tag), ignore_errors=True)
-    _barrier()
+    barrier()
     # imported here: converters use this module's readers without paying for DeepSpeed's import
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
@@ -149,7 +147,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
 
     client_state = {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine.config.model)}
     engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
-    _barrier()
+    barrier()
     if rank == 0:
         tmp_dir, final_dir = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)
         write_text_atomic(os.path.join(tmp_dir, META_FILE), meta.to_json())
@@ -158,7 +156,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         os.replace(tmp_dir, final_dir)
         write_text_atomic(os.path.join(save_dir, LATEST_FILE), tag)
         _prune(save_dir, keep_last)
-    _barrier()
+    barrier()
     return tag
 
 
@@ -187,8 +185,3 @@ def load_checkpoint(engine, load_dir: str, tag: str, finetune: bool) -> None:
         raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: {message}") from None
     if path is None:
         raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: DeepSpeed found no model files")
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

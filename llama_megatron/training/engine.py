@@ -72,8 +72,7 @@ class TrainingEngine:
         """One optimizer step over this rank's micro batches; returns the loss averaged over DP ranks."""
         self.engine.train()
         if self.pipelined:
-            batches = iter([mb.to(self.device).pipeline_inputs() for mb in micro_batches])
-            return float(self.engine.train_batch(data_iter=batches))
+            return float(self.engine.train_batch(data_iter=self._pipeline_batches(micro_batches)))
         total = torch.zeros((), device=self.device)
         self._grad_norm = None
         for mb in micro_batches:
@@ -92,8 +91,8 @@ class TrainingEngine:
     def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
         self.engine.eval()
         if self.pipelined:
-            batches = iter([mb.to(self.device).pipeline_inputs() for mb in micro_batches])
-            loss = float(self.engine.eval_batch(data_iter=batches, num_micro_batches=len(micro_batches)))
+            loss = float(self.engine.eval_batch(data_iter=self._pipeline_batches(micro_batches),
+                                                num_micro_batches=len(micro_batches)))
         else:
             total = torch.zeros((), device=self.device)
             for mb in micro_batches:
@@ -102,6 +101,10 @@ class TrainingEngine:
             loss = self._dp_mean(total / len(micro_batches))
         self.engine.train()
         return loss
+
+    def _pipeline_batches(self, micro_batches: list[MicroBatch]):
+        """DeepSpeed's pipeline engine pulls ((inputs...), labels) tuples from an iterator."""
+        return iter([mb.to(self.device).pipeline_inputs() for mb in micro_batches])
 
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()

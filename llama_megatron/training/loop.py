@@ -9,13 +9,12 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from llama_megatron.checkpoint.weights import load_model_weights
 from llama_megatron.data.gpt_dataset import validate_data_config
 from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.launch import init_distributed
+from llama_megatron.parallel.launch import barrier, init_distributed
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig
@@ -130,6 +129,7 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
         f"{config.batch.global_batch_size} x {config.seq_length} tokens | steps {step + 1}..{config.train.steps}"
     )
     last_metrics: dict = {}
+    start_step = step
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     save = config.checkpoint
     for micro_batches in step_batches(train_ds, config, pctx, consumed, config.train.steps - step):
@@ -145,14 +145,14 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
             elapsed = time.perf_counter() - window_start
             tokens_per_s = tokens_per_step * window_steps / elapsed
             tflops = flops_per_step * window_steps / elapsed / 1e12 / pctx.world_size
-            eta = (time.perf_counter() - run_start) / max(step - (meta.step if meta and not save.finetune else 0), 1)
+            seconds_per_step = (time.perf_counter() - run_start) / (step - start_step)
             metrics.update(loss=loss, lr=lr, grad_norm=engine.grad_norm(),
                            tokens_per_s=tokens_per_s, tflops_per_device=tflops,
                            mfu=tflops / peak if peak else None, consumed_samples=consumed)
             mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
             line = (f"step {step}/{config.train.steps} | loss {loss:.6f} | lr {metrics['lr']:.3e} | grad norm "
                     f"{_fmt(metrics['grad_norm'])} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s{mfu} | "
-                    f"ETA {format_eta(eta * (config.train.steps - step))}")
+                    f"ETA {format_eta(seconds_per_step * (config.train.steps - step))}")
             if "val_loss" in metrics:
                 line += f" | val loss {metrics['val_loss']:.6f} | val ppl {metrics['val_ppl']:.3f}"
             log.log(step, metrics, line)
@@ -160,8 +160,7 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
             window_start, window_steps = time.perf_counter(), 0
         if save.save and save.interval and (step % save.interval == 0 or step == config.train.steps):
             _save(engine, config, pctx, ds_config, step, consumed, log)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     log.close()
     return {"step": step, **last_metrics}
 

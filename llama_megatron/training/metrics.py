@@ -25,13 +25,17 @@ def device_peak_tflops(configured: float | None) -> float | None:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         return next((v for k, v in _GPU_PEAK_TFLOPS.items() if k in name), None)
-    n = 1024
+    return measured_matmul_tflops()
+
+
+def measured_matmul_tflops(n: int = 1024, repeats: int = 5) -> float:
+    """fp32 matmul throughput of this process (its threads), the CPU's practical peak."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
     start = time.perf_counter()
-    for _ in range(5):
+    for _ in range(repeats):
         a @ b
-    return 2 * n**3 * 5 / (time.perf_counter() - start) / 1e12
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 class RunLogger:

@@ -7,7 +7,11 @@ send/recv) during the timed steps, and prints one JSON line:
 - measured: step time, bytes per step per rank (by collective) and TP bytes per decoder layer;
 - analytic: Megatron's TP volume per layer (forward 2 and backward 2 all-reduces of b*s*h activations, ring
   cost 2(t-1)/t each; with SP an all-gather + reduce-scatter pair of the same total), and the pipeline bubble
-  (p-1)/(m+p-1) against the measured step time relative to PP=1.
+  (p-1)/(m+p-1) against the measured step time relative to PP=1;
+- with TP x PP, the bytes one rank sends to the next stage per micro batch (forward: its 1/t of the b*s*h
+  activation plus the int64 position ids; backward: its 1/t of the gradient). Without SP DeepSpeed cuts the
+  replicated activation into t pieces and all-gathers them on the receiving stage (``pipe_partitioned``); with
+  SP each rank sends its own sequence shard, the same bytes, and no all-gather is needed.
 
     python benchmarks/parallel_overhead.py            # all configurations (a few minutes on CPU)
 """
@@ -34,7 +38,11 @@ CONFIGS = [
     {"tp": 2, "pp": 1, "sp": False, "micro_batches": 1},
     {"tp": 2, "pp": 1, "sp": True, "micro_batches": 1},
     *({"tp": 1, "pp": 2, "sp": False, "micro_batches": m} for m in (1, 2, 4, 8)),
+    {"tp": 2, "pp": 2, "sp": False, "micro_batches": 4},
+    {"tp": 2, "pp": 2, "sp": True, "micro_batches": 4},
 ]
+TP_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")  # what the model's TP layers call
+SENDS = ("send", "isend")
 
 
 def _count_bytes(counter: dict) -> None:
@@ -97,11 +105,21 @@ def worker(args: argparse.Namespace) -> None:
     for step in batches[1:]:
         engine.train_step(step)
     elapsed = (time.perf_counter() - start) / args.steps
-    torch.distributed.barrier()
+    per_step = {k: v / args.steps for k, v in counter.items() if v}
+    ranks: list = [None] * pctx.world_size
+    torch.distributed.all_gather_object(ranks, {"stage": pctx.pp_rank, "bytes_per_step": per_step})
     if pctx.rank == 0:
-        per_step = {k: v / args.steps for k, v in counter.items() if v}
+        per_micro = args.micro_batches
+
+        def sent_by(stage: int) -> float:  # mean p2p bytes per micro batch of the ranks on ``stage``
+            on_stage = [sum(r["bytes_per_step"].get(k, 0.0) for k in SENDS) for r in ranks if r["stage"] == stage]
+            return sum(on_stage) / len(on_stage) / per_micro
+
+        pipe = {"forward": sent_by(0), "backward": sent_by(args.pp - 1)} if args.pp > 1 else None
         with open(args.result, "w") as fh:
-            json.dump({"step_s": elapsed, "bytes_per_step": per_step}, fh)
+            json.dump({"step_s": elapsed, "bytes_per_step": per_step, "pipe_bytes_per_micro_batch": pipe}, fh)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def analytic(cfg: dict) -> dict:
@@ -109,11 +127,14 @@ def analytic(cfg: dict) -> dict:
     t, p, m = cfg["tp"], cfg["pp"], cfg["micro_batches"]
     activation = b * s * h * 4  # fp32 bytes
     per_layer = 4 * 2 * (t - 1) / t * activation if t > 1 else 0.0
-    return {
+    out = {
         "tp_bytes_per_layer_per_micro_batch": per_layer,
-        "tp_bytes_per_step": per_layer * layers * m,
+        "tp_bytes_per_step": per_layer * layers // p * m,
         "pipeline_bubble": (p - 1) / (m + p - 1),
     }
+    if p > 1:
+        out["pipe_bytes_per_micro_batch"] = {"forward": activation / t + b * s * 8, "backward": activation / t}
+    return out
 
 
 def main() -> None:
@@ -147,19 +168,23 @@ def main() -> None:
             with open(result_path) as fh:
                 measured = json.load(fh)
         theory = analytic(cfg)
-        tp_measured = sum(v for k, v in measured["bytes_per_step"].items() if not k.endswith("send"))
+        tp_measured = sum(v for k, v in measured["bytes_per_step"].items() if k in TP_COLLECTIVES)
+        layers_per_stage = MODEL["num_hidden_layers"] // cfg["pp"]
         line = {
             "benchmark": "parallel_overhead", **cfg, "seq": SEQ, "hidden": MODEL["hidden_size"],
             "layers": MODEL["num_hidden_layers"], "step_s": round(measured["step_s"], 4),
             "tokens_per_s": round(cfg["micro_batches"] * SEQ / measured["step_s"], 1),
             "measured_bytes_per_step": {k: int(v) for k, v in measured["bytes_per_step"].items()},
             "measured_collective_bytes_per_layer_per_micro_batch":
-                int(tp_measured / MODEL["num_hidden_layers"] / cfg["micro_batches"]) if cfg["tp"] > 1 else 0,
+                int(tp_measured / layers_per_stage / cfg["micro_batches"]) if cfg["tp"] > 1 else 0,
             "analytic": theory,
         }
+        if measured["pipe_bytes_per_micro_batch"]:
+            line["measured_pipe_bytes_per_micro_batch"] = {
+                k: int(v) for k, v in measured["pipe_bytes_per_micro_batch"].items()}
         if cfg["pp"] == 1 and cfg["tp"] == 1:
             baseline[1] = measured["step_s"]
-        if cfg["pp"] > 1 and 1 in baseline:
+        if cfg["pp"] > 1 and cfg["tp"] == 1 and 1 in baseline:
             # ideal PP step time on p stages = m * (PP=1 time per micro batch) / p; the excess is the bubble
             ideal = cfg["micro_batches"] * baseline[1] / cfg["pp"]
             line["measured_bubble"] = round(max(0.0, 1 - ideal / measured["step_s"]), 3)

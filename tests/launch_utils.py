@@ -12,11 +12,26 @@ from dist_utils import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def train_args(config: str, overrides: list[str]) -> list[str]:
+    return ["--config", config] + [a for item in overrides for a in ("--set", item)]
+
+
 def launch(nprocs: int, config: str, overrides: list[str], timeout: int = 600,
            entry: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run a training command from the repo root; ``entry`` replaces ``-m llama_megatron.train``."""
-    entry = entry or ["-m", "llama_megatron.train"]
-    args = ["--config", config] + [a for item in overrides for a in ("--set", item)]
+    return run_command(nprocs, entry or ["-m", "llama_megatron.train"], train_args(config, overrides), timeout, check)
+
+
+def launch_many(nprocs: int, runs: list[list[str]], runs_file: str, timeout: int = 1200) -> None:
+    """Several training runs (each a ``train_args`` list) in one launch: see tests/scripts/train_many.py."""
+    with open(runs_file, "w", encoding="utf-8") as fh:
+        json.dump(runs, fh)
+    run_command(nprocs, [os.path.join(ROOT, "tests", "scripts", "train_many.py")], [runs_file], timeout)
+
+
+def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 600,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """``entry args`` in one plain process, or under the deepspeed launcher for several."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nprocs == 1:
         cmd = [sys.executable, *entry, *args]

@@ -1,7 +1,8 @@
 """Converted checkpoints under the real `deepspeed` launcher, and training checkpoints exported back to HF.
 
 One HF model (GQA, untied, vocab padded) is converted to TP2 x PP2; then, 4 processes each (gloo, CPU, fp32):
-1. `--eval-only` of the converted checkpoint gives HF's loss on the same validation batches;
+1. `--eval-only` of the converted checkpoint gives HF's loss on the same validation batches, with and without
+   sequence parallelism;
 2. fine-tuning it at TP2 x PP2 with ZeRO-1 for 3 steps, saving, exporting: HF on the export gives the run's own
    validation loss, and the export's logits equal our model loaded from the same checkpoint (load_model_weights);
 3. the same at TP2 x PP1 x DP2 with ZeRO-3 (so the converted PP2 checkpoint also starts a PP1 run, and the export
@@ -12,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import free_port
+from launch_utils import run_command
 from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import hf_tensors, save_hf
 
@@ -31,7 +30,6 @@ from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.checkpointing import read_meta
 from llama_megatron.training.config import TrainingConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REL = 1e-5
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
@@ -69,12 +67,7 @@ def setup(tmp_path_factory) -> dict:
 def launch(setup: dict, name: str, *args: str) -> str:
     """4 processes under the deepspeed launcher; returns the run's output dir."""
     out = str(setup["work"] / name)
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", "4", "--master_port", str(free_port()), "--module", "llama_megatron.train",
-           "--config", setup["config"], "--set", f"output_dir={out}", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    run_command(4, ["-m", "llama_megatron.train"], ["--config", setup["config"], "--set", f"output_dir={out}", *args])
     return out
 
 
@@ -115,8 +108,11 @@ def assert_trained(setup: dict, hf_out: str) -> None:
     assert not unchanged, f"tensors not trained: {unchanged}"
 
 
-def test_converted_checkpoint_evaluates_like_hf(setup) -> None:
-    out = launch(setup, "eval-only", "--eval-only")
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_converted_checkpoint_evaluates_like_hf(setup, sequence_parallel) -> None:
+    """TP2 x PP2 with and without sequence parallelism (sequence shards travel between the stages)."""
+    out = launch(setup, f"eval-only-sp-{sequence_parallel}", "--eval-only",
+                 f"--set=parallel.sequence_parallel={str(sequence_parallel).lower()}")
     assert_close(val_loss(out)[0], hf_val_loss(setup, setup["hf_dir"]))
 
 

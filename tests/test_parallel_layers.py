@@ -74,6 +74,8 @@ def _check_row(pctx: ParallelContext) -> None:
     torch.testing.assert_close(layer.weight.grad, _chunk(w_grad, 1, pctx), **TOL)
     torch.testing.assert_close(layer.bias.grad, b_grad, **TOL)
     assert layer.weight.partition_dim == 1
+    # the output (a pipeline stage's payload after the residual add) must be sendable: contiguous, batch > 1
+    assert y.is_contiguous() and x_in.grad.is_contiguous()
 
 
 def _check_embedding(pctx: ParallelContext) -> None:

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from launch_utils import ROOT, assert_losses_close, launch, losses
+from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
 
 from llama_megatron.checkpoint.hf_mapping import rank_state_dicts_to_hf
 from llama_megatron.cli import main as cli_main
@@ -153,25 +153,95 @@ def test_exact_resume(reference, data_prefix, work) -> None:
     assert_losses_close(resumed, reference["losses"], 1e-6, range(11, 21))
 
 
-@pytest.mark.parametrize(
-    "name, nprocs, extra",
-    [
-        ("tp2-pp2", 4, ["parallel.tensor=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json"]),
-        ("tp1-pp2-dp2", 4, ["parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json"]),
-        ("tp2-sp-recompute", 2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
-                                 "activation_checkpointing.interval=1"]),
-        ("zero1-dp2", 2, ["deepspeed_config=ds_configs/zero1_fp32.json"]),
-        ("zero2-dp2", 2, ["deepspeed_config=ds_configs/zero2_fp32.json", "checkpoint.interval=10"]),
-        ("zero3-dp2", 2, ['deepspeed_config={"zero_optimization": {"stage": 3, '
-                          '"stage3_param_persistence_threshold": 0}}', "checkpoint.interval=10"]),
-    ],
-)
-def test_parallel_layout_matches_single_process(name, nprocs, extra, reference, data_prefix, work) -> None:
-    out = str(work / name)
-    launch(nprocs, CONFIG, _common(data_prefix, out, *extra, f"checkpoint.save={out}/ckpt"))
-    assert_losses_close(losses(out), reference["losses"], REL, range(1, 11))
+ZERO1 = "deepspeed_config=ds_configs/zero1_fp32.json"
+ZERO3 = 'deepspeed_config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}'
+TIED = "model.tie_word_embeddings=true"
+BF16_REL = 2e-2  # bf16 weights against the fp32 reference: bf16's precision, not an exactness claim
+
+
+def _matrix() -> dict[str, tuple[str, list[str], float]]:
+    """Every 4-rank layout a user can configure, as name -> (reference, overrides, relative tolerance).
+
+    SP x PP x recompute x per-document attention at TP2 (PP1 runs are TP2 x DP2), then SP with ZeRO-2/3, bf16
+    with SP and PP, tied embeddings with SP and PP, and TP1 x PP2 x DP2. The reference is the TP1-PP1
+    single-process run on the same data: "causal", "per_document" or "tied".
+    """
+    runs: dict[str, tuple[str, list[str], float]] = {}
+    for per_document in (False, True):
+        for pipeline in (1, 2):
+            for sp in (False, True):
+                for recompute in (0, 1):
+                    name = (f"{'perdoc' if per_document else 'causal'}-tp2-pp{pipeline}"
+                            f"{'-sp' if sp else ''}{'-recompute' if recompute else ''}")
+                    overrides = ["parallel.tensor=2", f"parallel.pipeline={pipeline}",
+                                 f"parallel.sequence_parallel={str(sp).lower()}",
+                                 f"activation_checkpointing.interval={recompute}", ZERO1]
+                    if per_document:
+                        overrides.append("data.per_document_attention=true")
+                    runs[name] = ("per_document" if per_document else "causal", overrides, REL)
+    sp_tp2 = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+    runs["causal-tp2-sp-zero2-dp2"] = ("causal", [*sp_tp2, "deepspeed_config=ds_configs/zero2_fp32.json"], REL)
+    runs["causal-tp2-sp-zero3-dp2"] = ("causal", [*sp_tp2, ZERO3], REL)
+    runs["causal-tp2-pp2-sp-bf16"] = ("causal", [*sp_tp2, "parallel.pipeline=2",
+                                                 "deepspeed_config=ds_configs/zero1_bf16.json"], BF16_REL)
+    runs["tied-tp2-pp2-sp"] = ("tied", [*sp_tp2, "parallel.pipeline=2", TIED, ZERO1], REL)
+    runs["causal-tp1-pp2-dp2"] = ("causal", ["parallel.pipeline=2", ZERO1], REL)
+    return runs
+
+
+MATRIX = _matrix()
+
+
+@pytest.fixture(scope="module")
+def reference_tied(data_prefix, work) -> dict[int, float]:
+    out = str(work / "ref-tied")
+    launch(1, CONFIG, _common(data_prefix, out, TIED))
+    return losses(out)
+
+
+@pytest.fixture(scope="module")
+def layout_matrix(data_prefix, short_documents_prefix, work) -> dict[str, dict[int, float]]:
+    """All of MATRIX in one 4-process launch (each run through the train entry point, see train_many.py)."""
+    runs = []
+    for name, (reference, overrides, _) in MATRIX.items():
+        prefix = short_documents_prefix if reference == "per_document" else data_prefix
+        runs.append(train_args(CONFIG, _common(prefix, str(work / name), *overrides)))
+    launch_many(4, runs, str(work / "matrix.json"))
+    return {name: losses(str(work / name)) for name in MATRIX}
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_layout_matches_single_process(name, layout_matrix, reference, reference_per_document,
+                                       reference_tied) -> None:
+    """Each layout trains the TP1-PP1 model: per-step losses within 1e-4 (fp32) over 10 steps."""
+    reference_name, _, rel = MATRIX[name]
+    want = {"causal": reference["losses"], "per_document": reference_per_document, "tied": reference_tied}
+    assert_losses_close(layout_matrix[name], want[reference_name], rel, range(1, 11))
+
+
+TWO_RANK = {  # name -> overrides; TP1 x DP2 under ZeRO-1/2/3, bf16 TP1 x PP2
+    "zero1-dp2": ["deepspeed_config=ds_configs/zero1_fp32.json"],
+    "zero2-dp2": ["deepspeed_config=ds_configs/zero2_fp32.json", "checkpoint.interval=10"],
+    "zero3-dp2": [ZERO3, "checkpoint.interval=10"],
+    "bf16-tp1-pp2": ["parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(data_prefix, work) -> dict[str, str]:
+    """All of TWO_RANK in one 2-process launch; name -> output dir."""
+    dirs = {name: str(work / name) for name in TWO_RANK}
+    launch_many(2, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, f"checkpoint.save={dirs[name]}/ckpt"))
+                    for name, extra in TWO_RANK.items()], str(work / "two-rank.json"))
+    return dirs
+
+
+@pytest.mark.parametrize("name", list(TWO_RANK))
+def test_two_rank_layout_matches_single_process(name, two_rank_runs, reference) -> None:
+    rel = BF16_REL if "bf16" in name else REL
+    assert_losses_close(losses(two_rank_runs[name]), reference["losses"], rel, range(1, 11))
     if name.startswith(("zero2", "zero3")):
-        _check_zero_to_fp32(f"{out}/ckpt", reference["dir"] + "/ckpt")
+        _check_zero_to_fp32(f"{two_rank_runs[name]}/ckpt", reference["dir"] + "/ckpt")
 
 
 def _check_zero_to_fp32(ckpt: str, reference_ckpt: str) -> None:
@@ -185,14 +255,8 @@ def _check_zero_to_fp32(ckpt: str, reference_ckpt: str) -> None:
         torch.testing.assert_close(recovered[key].float(), tensor, rtol=1e-3, atol=1e-4, msg=key)
 
 
-def test_per_document_attention_survives_pipeline(reference_per_document, short_documents_prefix, work) -> None:
-    """Packed samples with per-document attention (and activation checkpointing): TP2-PP2 equals one process,
-    and differs from plain causal attention over the same packed tokens."""
-    out = str(work / "perdoc-tp2-pp2")
-    launch(4, CONFIG, _common(short_documents_prefix, out, "data.per_document_attention=true", "parallel.tensor=2",
-                              "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json",
-                              "activation_checkpointing.interval=1"))
-    assert_losses_close(losses(out), reference_per_document, REL, range(1, 11))
+def test_per_document_attention_changes_the_loss(reference_per_document, short_documents_prefix, work) -> None:
+    """The per-document references are not plain causal attention over the same packed tokens in disguise."""
     causal = str(work / "perdoc-off")
     launch(1, CONFIG, _common(short_documents_prefix, causal, "train.steps=1"))
     assert not math.isclose(losses(causal)[1], reference_per_document[1], rel_tol=1e-3)
@@ -229,21 +293,3 @@ def test_kill_during_save_keeps_previous_checkpoint(data_prefix, work, monkeypat
     assert open(os.path.join(ckpt_dir, "latest")).read() == "global_step4"
     assert not os.path.exists(os.path.join(ckpt_dir, ".tmp-global_step4"))
     assert sorted(losses(out + "-resumed")) == [3, 4]
-
-
-def test_bf16_pipeline_zero1_trains_close_to_fp32(reference, data_prefix, work) -> None:
-    """bf16 weights with PP2 + ZeRO-1 (fp32 gradient accumulation): same trajectory within bf16 precision."""
-    out = str(work / "bf16-pp2")
-    launch(2, CONFIG, _common(data_prefix, out, "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json"))
-    assert_losses_close(losses(out), reference["losses"], 2e-2, range(1, 11))
-
-
-def test_tied_embeddings_across_pipeline_stages(data_prefix, work) -> None:
-    """Tied input/output embeddings on the first and last stage (TiedLayerSpec) train like one process."""
-    tied = "model.tie_word_embeddings=true"
-    single = str(work / "tied-ref")
-    launch(1, CONFIG, _common(data_prefix, single, tied))
-    out = str(work / "tied-tp2-pp2")
-    launch(4, CONFIG, _common(data_prefix, out, tied, "parallel.tensor=2", "parallel.pipeline=2",
-                              "deepspeed_config=ds_configs/zero1_fp32.json"))
-    assert_losses_close(losses(out), losses(single), REL, range(1, 11))

@@ -46,6 +46,9 @@ def _repo_root(monkeypatch):
         (["checkpoint.load=/no/such/dir"], None, 1, CheckpointError, "checkpoint directory not found"),
         (["parallel.sequence_parallel=true", "parallel.tensor=2", "seq_length=33"], None, 2, ConfigError,
          "seq_length 33 divisible by tensor 2"),
+        (["parallel.sequence_parallel=true", "parallel.tensor=2", "parallel.pipeline=2"],
+         {"pipeline": {"grad_partitioned": True}}, 4, ConfigError,
+         "pipeline.grad_partitioned=True cannot be combined with sequence_parallel"),
     ],
 )
 def test_invalid_setups(overrides, ds, world, error, message) -> None:
@@ -58,6 +61,19 @@ def test_invalid_setups(overrides, ds, world, error, message) -> None:
         else:
             config = _config(*overrides)
         preflight(config, ds, world)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pipeline_payload_partitioning_follows_sequence_parallelism(sequence_parallel) -> None:
+    """Under SP each TP rank sends its own sequence shard between stages; without SP DeepSpeed's default
+    (send 1/TP of the replicated activation, all-gather it on the next stage) stays."""
+    config = _config("parallel.tensor=2", "parallel.pipeline=2",
+                     f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
+    ds, _, _ = preflight(config, "ds_configs/zero1_fp32.json", 4)
+    if sequence_parallel:
+        assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    else:
+        assert "pipeline" not in ds
 
 
 def _fake_checkpoint(path, **meta) -> str:

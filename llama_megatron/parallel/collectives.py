@@ -38,11 +38,14 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+# The collectives run on dim 0 and return the result in the caller's [batch, seq, ...] order as a contiguous
+# tensor. A strided view would flow through the residual adds into the pipeline stage's output, and DeepSpeed's
+# p2p send between stages refuses non-contiguous tensors (F.linear would copy it anyway).
 def _all_gather(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
@@ -51,7 +54,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:

@@ -74,4 +74,26 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
     if precision(ds) == "bf16" and pp > 1:
         # bf16 gradients accumulated over micro batches drift; keep the accumulation in fp32 under PP.
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    if pp > 1 and config.parallel.sequence_parallel:
+        _unpartitioned_pipe_payloads(ds)
     return ds
+
+
+def _unpartitioned_pipe_payloads(ds: dict[str, Any]) -> None:
+    """Sequence parallelism under PP: DeepSpeed must send each TP rank's own activation between stages.
+
+    With TP>1 DeepSpeed's pipeline engine by default cuts the stage output into TP pieces, sends one piece per
+    TP rank and all-gathers them on the next stage (``pipe_partitioned``; ``grad_partitioned`` for the
+    gradients coming back). That assumes every TP rank holds the same activation. Under sequence parallelism
+    each TP rank holds a different sequence shard, so the reassembled tensor mixes the shards of different
+    ranks: a different model, silently. The shard is already 1/TP of the activation, so sending it whole costs
+    the same bytes as the partitioned send and saves the all-gather.
+    """
+    pipeline = ds.setdefault("pipeline", {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(key, False) is not False:
+            raise ConfigError(
+                f"DeepSpeed config pipeline.{key}={pipeline[key]!r} cannot be combined with sequence_parallel "
+                "under pipeline parallelism (each TP rank holds a different sequence shard): remove the key"
+            )
+        pipeline[key] = False

@@ -72,15 +72,15 @@ def write_hf_input(config_path: str, dtype_name: str, path: str) -> tuple[int, i
     import torch
     from safetensors.torch import save_file
 
-    from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_sources, layer_index
     from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES, hf_config_dict
     from llama_megatron.checkpoint.safetensors_stream import INDEX_FILE, plan_shards
-    from llama_megatron.checkpoint.sources import expected_hf_shapes
     from llama_megatron.config import ModelConfig
+    from llama_megatron.model.param_layout import ParamLayout
 
     config = ModelConfig.from_file(config_path)
     dtype = DTYPE_NAMES[dtype_name]
-    shapes = expected_hf_shapes(config)
+    layout = ParamLayout(config)
+    shapes = layout.hf_shapes()
     os.makedirs(path)
     generator = torch.Generator().manual_seed(0)
     shards = plan_shards([(n, s, dtype) for n, s in shapes.items()], 2 * 10**9)
@@ -95,11 +95,7 @@ def write_hf_input(config_path: str, dtype_name: str, path: str) -> tuple[int, i
         json.dump({"metadata": {"total_size": total * dtype.itemsize}, "weight_map": weight_map}, fh)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(hf_config_dict(config, dtype), fh)
-    per_layer: dict[int, int] = {}
-    for c in canonical_names(config):
-        idx = layer_index(c, config)[0]
-        per_layer[idx] = per_layer.get(idx, 0) + sum(torch.Size(shapes[n]).numel() for n in hf_sources(c, config))
-    return total, total * dtype.itemsize, max(per_layer.values()) * dtype.itemsize
+    return total, total * dtype.itemsize, max(layout.numel_by_layer().values()) * dtype.itemsize
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
-"""The ``llama-megatron`` command: one entry point with verbs.
+"""The ``llama-megatron`` command (also ``python -m llama_megatron``): one entry point with verbs.
 
-Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; modules are
-imported only when their verb is used so ``--help`` stays fast.
+Each verb lives in its own module under :mod:`llama_megatron.commands`, exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their verb is used so ``--help`` stays fast. Under the
+deepspeed launcher (``deepspeed --module llama_megatron train ...``) the ``--local_rank=N`` it inserts before
+the verb is dropped: every rank reads LOCAL_RANK from the environment.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from llama_megatron.errors import LlamaMegatronError
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
-    "train": ("llama_megatron.train", "pretrain (one process; use the deepspeed launcher for many)"),
-    "preprocess": ("llama_megatron.data.preprocess", "tokenize JSONL/text/parquet/HF datasets into .bin/.idx shards"),
-    "train-tokenizer": ("llama_megatron.data.train_tokenizer", "train a LLaMA-style sentencepiece BPE tokenizer"),
-    "convert": ("llama_megatron.checkpoint.convert_cli", "hf-to-megatron, meta-to-megatron, megatron-to-hf"),
-    "reshard": ("llama_megatron.checkpoint.reshard_cli", "change a checkpoint's tensor/pipeline-parallel layout"),
-    "export": ("llama_megatron.checkpoint.export_cli", "checkpoint (any TP/PP/ZeRO) -> Hugging Face directory"),
+    "train": ("llama_megatron.commands.train", "pretrain or fine-tune (one process; the deepspeed launcher for many)"),
+    "evaluate": ("llama_megatron.commands.evaluate", "validation loss of a checkpoint (same setup as train)"),
+    "estimate": ("llama_megatron.commands.estimate", "per-rank memory estimate and the largest micro batch that fits"),
+    "plot": ("llama_megatron.commands.plot", "PNG of loss, validation loss, lr and tokens/s of one or more runs"),
+    "preprocess": ("llama_megatron.commands.preprocess", "tokenize JSONL/text/parquet/HF datasets into .bin/.idx"),
+    "train-tokenizer": ("llama_megatron.commands.train_tokenizer", "train a LLaMA-style sentencepiece BPE tokenizer"),
+    "convert": ("llama_megatron.commands.convert", "hf-to-megatron, meta-to-megatron, megatron-to-hf"),
+    "reshard": ("llama_megatron.commands.reshard", "change a checkpoint's tensor/pipeline-parallel layout"),
+    "export": ("llama_megatron.commands.export", "checkpoint (any TP/PP/ZeRO) -> Hugging Face directory"),
 }
 
 
@@ -42,7 +47,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith(("--local_rank", "--local-rank"))]
     verb = argv[0] if argv and argv[0] in VERBS else None
     parser = build_parser(verb)
     args = parser.parse_args(argv)

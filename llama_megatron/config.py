@@ -165,7 +165,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
 
-    def validate(self, model: ModelConfig, world_size: int | None = None) -> None:
+    def validate(self, model: ModelConfig) -> None:
         for name in ("tensor", "pipeline", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -189,9 +189,11 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline degree {self.pipeline} exceeds num_hidden_layers {model.num_hidden_layers}"
             )
-        if world_size is not None and world_size % (tp * self.pipeline):
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size % (self.tensor * self.pipeline):
             raise ConfigError(
-                f"world size {world_size} is not divisible by tensor x pipeline = {tp} x {self.pipeline}"
+                f"world size {world_size} is not divisible by tensor x pipeline = {self.tensor} x {self.pipeline}"
             )
 
     def data_parallel_size(self, world_size: int) -> int:

@@ -1,61 +1,9 @@
-"""Pretraining entry point.
+"""``python -m llama_megatron.train`` = ``llama-megatron train``: the module form launchers are given
+(``deepspeed --module llama_megatron.train``, as Megatron users write ``pretrain_gpt.py``)."""
 
-    deepspeed --num_gpus N --module llama_megatron.train --config configs/pretrain/X.json [--set key=value ...]
-    llama-megatron train --config configs/pretrain/X.json          # one process, no launcher needed
-"""
-
-from __future__ import annotations
-
-import argparse
-import os
-import socket
 import sys
 
-from llama_megatron.errors import LlamaMegatronError
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="training JSON (model, parallel, data, batch, ...)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a training-config key, e.g. --set train.steps=50 --set parallel.tensor=2")
-    parser.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
-                        help="DeepSpeed JSON (overrides the training config's deepspeed_config)")
-    parser.add_argument("--eval-only", action="store_true", help="evaluate checkpoint.load on the validation split")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-
-
-def _single_process_env() -> None:
-    """Without a launcher, give DeepSpeed a one-process rendezvous instead of letting it probe for MPI."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
-
-
-def run(args: argparse.Namespace) -> int:
-    from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.loop import run_pretraining
-
-    _single_process_env()
-    config = TrainingConfig.from_file(args.config, args.overrides)
-    run_pretraining(config, args.deepspeed_config or config.deepspeed_config, eval_only=args.eval_only)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llama_megatron.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except LlamaMegatronError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-
+from llama_megatron.commands.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,4 +10,5 @@ if [ ! -f data/processed/shakespeare_text_document.idx ]; then
     --output-prefix data/processed/shakespeare --append-eod --workers 2
 fi
 .venv/bin/deepspeed --num_gpus 4 --module llama_megatron.train --config configs/pretrain/tiny-cpu.json "$@"
-echo "metrics: runs/tiny-cpu/metrics.jsonl  checkpoints: runs/tiny-cpu/checkpoints  tensorboard: runs/tiny-cpu/tensorboard"
+.venv/bin/llama-megatron plot runs/tiny-cpu --output runs/tiny-cpu/metrics.png
+echo "metrics: runs/tiny-cpu/metrics.jsonl (plot: runs/tiny-cpu/metrics.png)  checkpoints: runs/tiny-cpu/checkpoints  tensorboard: runs/tiny-cpu/tensorboard"

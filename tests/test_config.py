@@ -78,7 +78,8 @@ def _model(**kw) -> ModelConfig:
 )
 def test_invalid_parallel_configs(parallel: ParallelConfig, world, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        parallel.validate(_model(), world)
+        parallel.validate(_model())
+        parallel.check_world_size(world)
 
 
 def test_intermediate_size_must_divide() -> None:

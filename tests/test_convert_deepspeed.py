@@ -21,13 +21,13 @@ from launch_utils import run_command
 from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import hf_tensors, save_hf
 
+from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.checkpoint.weights import load_model_weights
 from llama_megatron.cli import main as cli
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.batches import build_datasets, step_batches
-from llama_megatron.training.checkpointing import read_meta
 from llama_megatron.training.config import TrainingConfig
 
 REL = 1e-5
@@ -46,7 +46,7 @@ def setup(tmp_path_factory) -> dict:
     train_config = {
         "model": hf_dir,
         "parallel": {"tensor": 2, "pipeline": 2, "make_vocab_size_divisible_by": 64},
-        "data": {"synthetic": True},
+        "data": {"type": "synthetic"},
         "seq_length": 32,
         "batch": {"micro_batch_size": 2, "global_batch_size": 8},
         "train": {"steps": 3},

@@ -18,9 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_sources, layer_index
-from llama_megatron.checkpoint.sources import expected_hf_shapes
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.param_layout import ParamLayout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "peak_rss.py")
@@ -36,19 +35,14 @@ def peak_rss(*args: str) -> int:
 
 
 def largest_layer_bytes(config: ModelConfig) -> int:
-    shapes = expected_hf_shapes(config)
-    per_layer: dict[int, int] = {}
-    for canonical in canonical_names(config):
-        numel = sum(torch.Size(shapes[name]).numel() for name in hf_sources(canonical, config))
-        per_layer[layer_index(canonical, config)[0]] = per_layer.get(layer_index(canonical, config)[0], 0) + numel
-    return max(per_layer.values()) * 4
+    return max(ParamLayout(config).numel_by_layer().values()) * 4
 
 
 @pytest.fixture(scope="module")
 def big_hf(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("big-hf")
     generator = torch.Generator().manual_seed(0)
-    state = {name: torch.randn(shape, generator=generator) for name, shape in expected_hf_shapes(CONFIG).items()}
+    state = {name: torch.randn(shape, generator=generator) for name, shape in ParamLayout(CONFIG).hf_shapes().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     with open(path / "config.json", "w") as fh:
         json.dump(CONFIG.to_hf_dict(), fh)

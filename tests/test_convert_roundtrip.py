@@ -16,21 +16,19 @@ import torch
 from model_utils import hf_model, tiny_config
 from safetensors.torch import load_file
 
-from llama_megatron.checkpoint.hf_mapping import (
-    canonical_names,
-    hf_sources,
-    hf_to_rank_state_dict,
-    merge_shards,
-    module_name,
-    shard_for_rank,
-)
-from llama_megatron.checkpoint.sources import expected_hf_shapes
+from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
-from llama_megatron.checkpoint.tp_parts import shard_parts, shard_shape
 from llama_megatron.checkpoint.weights import tensor_reader
 from llama_megatron.cli import main as cli
 from llama_megatron.config import padded_vocab_size
-from llama_megatron.training.checkpointing import read_meta
+from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.model.tp_slicing import (
+    hf_to_rank_state_dict,
+    merge_shards,
+    shard_for_rank,
+    shard_parts,
+    shard_shape,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data", "tokenizer")
@@ -98,20 +96,20 @@ def test_parts_and_shapes_equal_the_reference_mapping(kind, tp) -> None:
     canonical = {"vocab": "embed.weight", "qkv": "layers.0.self_attn.qkv_proj.weight",
                  "gate_up": "layers.0.mlp.gate_up_proj.weight", "row": "layers.0.mlp.down_proj.weight",
                  "replicated": "layers.0.input_layernorm.weight", "bias": "layers.0.self_attn.qkv_proj.bias"}[kind]
-    shapes = expected_hf_shapes(config)
-    full = {name: torch.randn(shape) for name, shape in shapes.items()}
+    spec = ParamLayout(config)[canonical]
+    full = {name: torch.randn(shape) for name, shape in ParamLayout(config).hf_shapes().items()}
     padded = padded_vocab_size(config.vocab_size, 32, tp)  # 32 * 4 = 128 rows per rank at TP4: whole padding shards
     shards = []
     for rank in range(tp):
-        want = shard_for_rank(canonical, full.__getitem__, config, rank, tp, padded)
-        assert shard_shape(canonical, config, rank, tp, padded, shapes) == tuple(want.shape)
+        want = shard_for_rank(spec, full.__getitem__, config, rank, tp, padded)
+        assert shard_shape(spec, config, tp, padded) == tuple(want.shape)
         if kind not in ("vocab", "row"):  # only padding and column blocks allocate; everything else is a view
             sources = {p.untyped_storage().data_ptr() for p in full.values()}
-            parts = shard_parts(canonical, full.__getitem__, config, rank, tp, padded)
+            parts = shard_parts(spec, full.__getitem__, config, rank, tp, padded)
             assert all(p.untyped_storage().data_ptr() in sources for p in parts)
         shards.append(want)
-    merged = merge_shards(canonical, shards, config)
-    assert set(merged) == set(hf_sources(canonical, config))
+    merged = merge_shards(spec, shards, config)
+    assert set(merged) == set(spec.hf_names)
     for name, tensor in merged.items():
         assert torch.equal(tensor, full[name])
     if kind == "vocab":
@@ -159,11 +157,11 @@ def test_hf_to_tp2_pp2_and_back_is_exact(case, tmp_path) -> None:
     for name in ("config.json", "tokenizer.model", "tokenizer_config.json"):
         assert os.path.isfile(os.path.join(ckpt, "hf_config", name))
     hf_state = model.state_dict()
-    read = tensor_reader(tag_dir, config)
+    read = tensor_reader(tag_dir)
     for rank in range(2):
         reference = hf_to_rank_state_dict(hf_state, config, rank, 2, 256)
-        for canonical in canonical_names(config):
-            assert torch.equal(read(canonical, rank), reference[module_name(canonical, config)]), canonical
+        for spec in ParamLayout(config):
+            assert torch.equal(read(spec, rank), reference[spec.module_name]), spec.name
 
     assert cli(["convert", "megatron-to-hf", "--input", ckpt, "--output", out]) == 0
     assert_same_weights(hf_tensors(out), model)
@@ -195,8 +193,8 @@ def test_bin_input_and_dtypes(tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
     assert cli(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", ckpt, "--tp", "2", "--pp", "2",
                 "--dtype", "bf16"]) == 0
-    read = tensor_reader(os.path.join(ckpt, "converted"), config)
-    assert read("layers.1.mlp.down_proj.weight", 1).dtype == torch.bfloat16
+    read = tensor_reader(os.path.join(ckpt, "converted"))
+    assert read(ParamLayout(config)["layers.1.mlp.down_proj.weight"], 1).dtype == torch.bfloat16
     out_bf16, out_fp32 = str(tmp_path / "bf16"), str(tmp_path / "fp32")
     assert cli(["export", "--input", ckpt, "--output", out_bf16]) == 0
     assert_same_weights(hf_tensors(out_bf16), model, torch.bfloat16)
@@ -217,11 +215,11 @@ def test_reshard_to_other_layouts_is_exact(tmp_path) -> None:
         assert cli(["reshard", "--input", ckpt, "--output", resharded, "--tp", str(tp), "--pp", str(pp)]) == 0
         meta = read_meta(resharded)
         assert (meta.tensor, meta.pipeline, meta.padded_vocab_size) == (tp, pp, padded_vocab_size(300, 128, tp))
-        read = tensor_reader(os.path.join(resharded, meta.tag), config)
+        read = tensor_reader(os.path.join(resharded, meta.tag))
         for rank in range(tp):
             reference = hf_to_rank_state_dict(model.state_dict(), config, rank, tp, meta.padded_vocab_size)
-            for canonical in canonical_names(config):
-                assert torch.equal(read(canonical, rank), reference[module_name(canonical, config)])
+            for spec in ParamLayout(config):
+                assert torch.equal(read(spec, rank), reference[spec.module_name])
         assert cli(["export", "--input", resharded, "--output", out]) == 0
         assert_same_weights(hf_tensors(out), model)
         assert os.path.isfile(os.path.join(out, "tokenizer.model")), "hf_config must travel through reshard"

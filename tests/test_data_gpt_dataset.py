@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from llama_megatron.data import index_cache
+from llama_megatron.data.config import data_config_from_dict
 from llama_megatron.data.gpt_dataset import (
     build_train_valid_test_datasets,
     document_positions,
@@ -271,7 +272,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"data prefix .*missing"):
         validate_data_config({"blend": [[0.5, prefix], [0.5, str(tmp_path / "missing")]]})
     bad_configs = [
-        ({"prefix": prefix, "blend": [[1, prefix]]}, "exactly one of"),
+        ({"prefix": prefix, "blend": [[1, prefix]]}, "exactly one of prefix or blend"),
         ({}, "exactly one of"),
         ({"prefix": prefix, "per_doc_attention": True}, "unknown data keys per_doc_attention"),
         ({"blend": [[prefix, 0.5]]}, "is not \\[weight, prefix\\]"),
@@ -295,18 +296,19 @@ def test_corrupt_index_through_the_builder(tmp_path):
 
 
 def test_synthetic_data():
-    config = {"synthetic": True, "per_document_attention": True}
-    train, valid, test = build_train_valid_test_datasets(config, 32, 5, (100, 10, 0), vocab_size=4096)
+    config = data_config_from_dict({"type": "synthetic", "per_document_attention": True})
+    train, valid, test = config.build(32, 5, (100, 10, 0), 4096, None)
     assert test is None and len(train) == 100 and len(valid) == 10
     item = train[3]
     assert item["tokens"].shape == (33,) and item["tokens"].dtype == np.int64
     assert 0 <= item["tokens"].min() and item["tokens"].max() < 4096
     assert item["position_ids"].tolist() == list(range(32)) and not item["segment_ids"].any()
-    again = build_train_valid_test_datasets(config, 32, 5, (100, 10, 0), vocab_size=4096)[0]
+    again = config.build(32, 5, (100, 10, 0), 4096, None)[0]
     assert np.array_equal(again[3]["tokens"], item["tokens"])
     assert not np.array_equal(valid[3]["tokens"], item["tokens"])
+    assert data_config_from_dict({"synthetic": True}) == config.__class__()  # the earlier spelling
     with pytest.raises(ConfigError, match="vocab_size"):
-        build_train_valid_test_datasets({"synthetic": True}, 32, 5, (1, 0, 0))
+        config.build(32, 5, (1, 0, 0), 0, None)
 
 
 def test_damaged_or_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch):

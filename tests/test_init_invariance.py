@@ -6,9 +6,10 @@ import torch
 from dist_utils import run_distributed
 from model_utils import tiny_config
 
-from llama_megatron.checkpoint.hf_mapping import canonical_name, rank_state_dicts_to_hf, shard_for_rank
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
+from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf, shard_for_rank
 from llama_megatron.parallel.context import ParallelContext
 
 SEED = 1234
@@ -56,8 +57,11 @@ def _pipeline_worker(rank: int, world_size: int, tp: int, pp: int, tied: bool) -
     padded = parallel.padded_vocab_size(config.vocab_size)
     names = [n for n, _ in model.named_parameters()]
     assert names, "every stage owns parameters"
+    layout = ParamLayout(config)
     for name, param in model.named_parameters():
-        expected = shard_for_rank(canonical_name(name, config), reference.__getitem__, config, pctx.tp_rank, tp, padded)
+        spec = layout.for_module(name)
+        assert param.tp_split == spec.split, f"{name}: the layer says {param.tp_split}, the layout {spec.split}"
+        expected = shard_for_rank(spec, reference.__getitem__, config, pctx.tp_rank, tp, padded)
         assert torch.equal(param.detach(), expected), f"rank {rank} {name}"
 
 

@@ -13,14 +13,10 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from model_utils import LLAMA3_ROPE, hf_model, tiny_config
 
-from llama_megatron.checkpoint.hf_mapping import (
-    canonical_names,
-    hf_to_rank_state_dict,
-    merge_shards,
-    module_name,
-)
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
+from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
 from llama_megatron.parallel.context import ParallelContext
 
 LOGITS_ATOL = 1e-4
@@ -71,12 +67,12 @@ def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     if config.tie_word_embeddings:
         hf_grads["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.grad
-    for canonical in canonical_names(config):
-        grad = params[module_name(canonical, config)].grad
+    for spec in ParamLayout(config):
+        grad = params[spec.module_name].grad
         shards = _gather_shards(grad, pctx)
-        if canonical in ("embed.weight", "lm_head.weight"):
+        if spec.split == "vocab":
             assert not torch.cat(shards)[config.vocab_size:].any(), "padded vocab rows got gradient"
-        for hf_name, merged in merge_shards(canonical, shards, config).items():
+        for hf_name, merged in merge_shards(spec, shards, config).items():
             torch.testing.assert_close(merged, hf_grads[hf_name], **GRAD_TOL, msg=lambda m, n=hf_name: f"{n}: {m}")
 
 

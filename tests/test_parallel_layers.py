@@ -34,7 +34,7 @@ def _check_column(pctx: ParallelContext) -> None:
     x, w, b = torch.randn(B, S, IN, generator=gen), torch.randn(OUT, IN, generator=gen), torch.randn(OUT, generator=gen)
     g = torch.randn(B, S, OUT, generator=gen)
     y_ref, x_grad, w_grad, b_grad = _dense_linear(x, w, b, g)
-    layer = ColumnParallelLinear(IN, OUT, pctx, bias=True)
+    layer = ColumnParallelLinear(IN, OUT, pctx, "column", bias=True)
     with torch.no_grad():
         layer.weight.copy_(_chunk(w, 0, pctx))
         layer.bias.copy_(_chunk(b, 0, pctx))
@@ -47,7 +47,7 @@ def _check_column(pctx: ParallelContext) -> None:
     torch.testing.assert_close(layer.bias.grad, _chunk(b_grad, 0, pctx), **TOL)
     assert layer.weight.tensor_model_parallel and layer.weight.partition_dim == 0
 
-    gathered = ColumnParallelLinear(IN, OUT, pctx, bias=True, gather_output=True)
+    gathered = ColumnParallelLinear(IN, OUT, pctx, "column", bias=True, gather_output=True)
     gathered.load_state_dict(layer.state_dict())
     if not pctx.sequence_parallel:
         torch.testing.assert_close(gathered(x), y_ref, **TOL)

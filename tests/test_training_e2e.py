@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
 
-from llama_megatron.checkpoint.hf_mapping import rank_state_dicts_to_hf
 from llama_megatron.cli import main as cli_main
 from llama_megatron.model.build import build_model
+from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig

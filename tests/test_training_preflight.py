@@ -11,14 +11,14 @@ import pytest
 
 from llama_megatron.errors import CheckpointError, ConfigError, LlamaMegatronError
 from llama_megatron.training.config import TrainingConfig, apply_override
-from llama_megatron.training.loop import preflight
+from llama_megatron.training.setup import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 
 
 def _config(*overrides: str) -> TrainingConfig:
-    return TrainingConfig.from_file(CONFIG, ["data.synthetic=true", "data.prefix=null", *overrides])
+    return TrainingConfig.from_file(CONFIG, ['data={"type": "synthetic"}', *overrides])
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,10 @@ def _repo_root(monkeypatch):
         (["batch.global_batch_size=6"], None, 4, ConfigError, "global_batch_size 6 is not divisible"),
         ([], "ds_configs/zero1_fp16.json", 1, ConfigError, "fp16 is not supported on CPU"),
         ([], {"optimizer": {"type": "Adam"}}, 1, ConfigError, "has an 'optimizer' section"),
-        (["data.synthetic=null", "data.prefix=no/such/prefix"], None, 1, ConfigError, "no/such/prefix"),
+        (['data={"prefix": "no/such/prefix"}'], None, 1, ConfigError, "no/such/prefix"),
+        (['data={"type": "sft"}'], None, 1, ConfigError, "data.type 'sft' is not one of pretrain, synthetic"),
+        (['data={"type": "synthetic", "prefix": "x"}'], None, 1, ConfigError,
+         "unknown keys for data.type 'synthetic': prefix"),
         (["model.vocab_size=1000"], None, 1, LlamaMegatronError, "1000"),
         (["checkpoint.load=/no/such/dir"], None, 1, CheckpointError, "checkpoint directory not found"),
         (["parallel.sequence_parallel=true", "parallel.tensor=2", "seq_length=33"], None, 2, ConfigError,
@@ -55,7 +58,7 @@ def test_invalid_setups(overrides, ds, world, error, message) -> None:
     with pytest.raises(error, match=message):
         if any(o.startswith("model.") for o in overrides):
             data = json.load(open(CONFIG))
-            for o in ["data.synthetic=true", "data.prefix=null", *overrides]:
+            for o in ['data={"type": "synthetic"}', *overrides]:
                 apply_override(data, o)
             config = TrainingConfig.from_dict(data)
         else:
@@ -69,7 +72,7 @@ def test_pipeline_payload_partitioning_follows_sequence_parallelism(sequence_par
     (send 1/TP of the replicated activation, all-gather it on the next stage) stays."""
     config = _config("parallel.tensor=2", "parallel.pipeline=2",
                      f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
-    ds, _, _ = preflight(config, "ds_configs/zero1_fp32.json", 4)
+    ds = preflight(config, "ds_configs/zero1_fp32.json", 4).ds_config
     if sequence_parallel:
         assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
     else:

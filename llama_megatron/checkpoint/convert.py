@@ -14,23 +14,23 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from llama_megatron.checkpoint.atomic import atomic_output_dir, check_output
 from llama_megatron.checkpoint.hf_io import HF_ASSET_FILES, HFCheckpoint, copy_assets
 from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES, hf_config_dict, write_hf_directory
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
 from llama_megatron.checkpoint.megatron_writer import DEFAULT_TAG, check_tag, write_megatron_checkpoint
 from llama_megatron.checkpoint.meta_format import MetaCheckpoint, is_meta_checkpoint
-from llama_megatron.checkpoint.output_dir import atomic_output_dir, check_output
 from llama_megatron.checkpoint.sources import TensorSource, check_source
 from llama_megatron.config import ModelConfig, ParallelConfig
 from llama_megatron.errors import CheckpointError
+from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.progress import TaskProgress
 
 HF_CONFIG_DIR = "hf_config"
-Log = Callable[[str], None]
 
 
 @dataclass
@@ -47,6 +47,11 @@ def _dtype(name: str | None) -> torch.dtype | None:
     if name not in DTYPE_NAMES:
         raise CheckpointError(f"unknown dtype {name!r}: choose {', '.join(DTYPE_NAMES)}")
     return DTYPE_NAMES[name]
+
+
+def _progress(label: str, config: ModelConfig, enabled: bool) -> TaskProgress | None:
+    """A progress line over the model's parameters (stderr), or None."""
+    return TaskProgress(label, total=len(ParamLayout(config).specs)) if enabled else None
 
 
 def _layout(config: ModelConfig, tp: int, pp: int, divisible_by: int) -> int:
@@ -94,7 +99,7 @@ def open_input(path: str, max_position_embeddings: int | None = None,
 def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: int = 128,
                 dtype: str | None = None, tag: str = DEFAULT_TAG, overwrite: bool = False,
                 max_position_embeddings: int | None = None, input_format: str = "auto",
-                log: Log | None = None) -> Result:
+                show_progress: bool = False) -> Result:
     start = time.perf_counter()
     check_output(output, overwrite, inputs=(input_dir,))
     check_tag(tag)
@@ -106,7 +111,10 @@ def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: 
     out_dtype = _dtype(dtype)
     note = ""
     with atomic_output_dir(output, overwrite) as tmp:
-        write_megatron_checkpoint(source, config, tmp, tp, pp, padded, out_dtype, tag, log)
+        progress = _progress(f"{kind}-to-megatron", config, show_progress)
+        write_megatron_checkpoint(source, config, tmp, tp, pp, padded, out_dtype, tag, progress)
+        if progress:
+            progress.close()
         assets = os.path.join(tmp, HF_CONFIG_DIR)
         if kind == "meta":
             note = _write_meta_assets(source, out_dtype or stored, assets)
@@ -117,7 +125,7 @@ def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: 
 
 def to_hf(input_dir: str, output: str, *, dtype: str | None = None, tag: str | None = None,
           tokenizer: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-          log: Log | None = None) -> Result:
+          show_progress: bool = False) -> Result:
     start = time.perf_counter()
     check_output(output, overwrite, inputs=(input_dir,))
     requested = _dtype(dtype)
@@ -130,7 +138,10 @@ def to_hf(input_dir: str, output: str, *, dtype: str | None = None, tag: str | N
     if assets is None and os.path.isdir(os.path.join(input_dir, HF_CONFIG_DIR)):
         assets = os.path.join(input_dir, HF_CONFIG_DIR)
     with atomic_output_dir(output, overwrite) as tmp:
-        copied = write_hf_directory(source, source.config, tmp, out_dtype, assets, max_shard_bytes, log)
+        progress = _progress("megatron-to-hf", source.config, show_progress)
+        copied = write_hf_directory(source, source.config, tmp, out_dtype, assets, max_shard_bytes, progress)
+        if progress:
+            progress.close()
     note = f"weights from {source.source_kind}"
     if not any(name.startswith("tokenizer") for name in copied):
         note += "; no tokenizer files copied (pass --tokenizer DIR)"
@@ -139,7 +150,7 @@ def to_hf(input_dir: str, output: str, *, dtype: str | None = None, tag: str | N
 
 def reshard(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: int = 128, tag: str | None = None,
             out_tag: str = DEFAULT_TAG, dtype: str | None = None, overwrite: bool = False,
-            log: Log | None = None) -> Result:
+            show_progress: bool = False) -> Result:
     start = time.perf_counter()
     check_output(output, overwrite, inputs=(input_dir,))
     check_tag(out_tag)
@@ -147,7 +158,10 @@ def reshard(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: int 
     padded = _layout(source.config, tp, pp, divisible_by)
     out_dtype = _dtype(dtype) or source.dtype
     with atomic_output_dir(output, overwrite) as tmp:
-        write_megatron_checkpoint(source, source.config, tmp, tp, pp, padded, out_dtype, out_tag, log)
+        progress = _progress("reshard", source.config, show_progress)
+        write_megatron_checkpoint(source, source.config, tmp, tp, pp, padded, out_dtype, out_tag, progress)
+        if progress:
+            progress.close()
         hf_config = os.path.join(input_dir, HF_CONFIG_DIR)
         if os.path.isdir(hf_config):
             shutil.copytree(hf_config, os.path.join(tmp, HF_CONFIG_DIR))

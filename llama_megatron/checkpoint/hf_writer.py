@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 
 import torch
 
 from llama_megatron.checkpoint.hf_io import TOKENIZER_FILES, copy_assets
-from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_sources
 from llama_megatron.checkpoint.safetensors_stream import SafetensorsShardWriter
-from llama_megatron.checkpoint.sources import TensorSource, expected_hf_shapes
+from llama_megatron.checkpoint.sources import TensorSource
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.progress import TaskProgress
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -46,18 +46,17 @@ def _write_json(path: str, data: dict) -> None:
 
 def write_hf_directory(source: TensorSource, config: ModelConfig, out_dir: str, dtype: torch.dtype,
                        assets_dir: str | None = None, max_shard_bytes: int = 5 * 2**30,
-                       log: Callable[[str], None] | None = None) -> list[str]:
+                       progress: TaskProgress | None = None) -> list[str]:
     """Fill ``out_dir``; returns the tokenizer/generation files copied from ``assets_dir``."""
-    shapes = expected_hf_shapes(config)
-    canonicals = canonical_names(config)
-    plan = [(name, shapes[name], dtype) for c in canonicals for name in hf_sources(c, config)]
+    layout = ParamLayout(config)
+    plan = [(name, shape, dtype) for name, shape in layout.hf_shapes().items()]
     writer = SafetensorsShardWriter(out_dir, plan, max_shard_bytes)
-    for canonical in canonicals:
-        for name in hf_sources(canonical, config):
+    for spec in layout:
+        for name in spec.hf_names:
             writer.write(name, *source.get_parts(name))
         source.release()  # one parameter's pages at a time
-        if log and canonical.endswith("down_proj.weight"):
-            log(f"{canonical.rsplit('.', 3)[0]} written")
+        if progress:
+            progress.advance(1, sum(torch.Size(s).numel() for s in spec.hf_shapes) * dtype.itemsize)
     writer.close()
     _write_json(os.path.join(out_dir, "config.json"), hf_config_dict(config, dtype))
     copied = copy_assets(assets_dir, out_dir, ("generation_config.json", *TOKENIZER_FILES)) if assets_dir else []

@@ -8,7 +8,7 @@ Per-rank tensors come from, in this order of preference:
 - otherwise the module weights: pipeline layer files, or ``mp_rank_XX_model_states.pt['module']``.
 
 Files are memory-mapped and re-opened per parameter (see :meth:`release`), so a PP=1 file holding a whole TP rank
-never becomes resident at once. TP shards are merged as views where the layout allows (``tp_parts.merge_parts``),
+never becomes resident at once. TP shards are merged as views where the layout allows (``tp_slicing.merge_parts``),
 the vocab padding stripped.
 """
 
@@ -19,10 +19,8 @@ import os
 import torch
 
 from llama_megatron.checkpoint.hf_io import load_torch_file
-from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_sources, layer_index, module_name
-from llama_megatron.checkpoint.sources import expected_hf_shapes
-from llama_megatron.checkpoint.tp_parts import merge_parts, shard_shape
-from llama_megatron.checkpoint.weights import is_pipeline_checkpoint, layer_file, layer_key, model_states_file
+from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
+from llama_megatron.checkpoint.weights import is_pipeline_checkpoint, layer_file, model_states_file
 from llama_megatron.checkpoint.zero_fp32 import (
     Zero3Partitions,
     Zero12Partitions,
@@ -32,7 +30,8 @@ from llama_megatron.checkpoint.zero_fp32 import (
 )
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import CheckpointError, ConfigError
-from llama_megatron.training.checkpointing import CheckpointMeta, read_meta
+from llama_megatron.model.param_layout import ParamLayout, ParamSpec
+from llama_megatron.model.tp_slicing import merge_parts, shard_shape
 
 
 class MegatronCheckpoint:
@@ -50,8 +49,8 @@ class MegatronCheckpoint:
         if self.padded_vocab_size < self.config.vocab_size or self.padded_vocab_size % self.tp:
             raise CheckpointError(f"{self.tag_dir}: padded_vocab_size {self.padded_vocab_size} does not fit vocab "
                                   f"{self.config.vocab_size} split over TP {self.tp}")
-        self._hf_shapes = expected_hf_shapes(self.config)
-        self._canonical = {hf: c for c in canonical_names(self.config) for hf in hf_sources(c, self.config)}
+        self.layout = ParamLayout(self.config)
+        self._hf_shapes = self.layout.hf_shapes()
         self._files: dict[str, dict] = {}
         self._merged: tuple[str, dict[str, list[torch.Tensor]]] | None = None
         self._zero3 = self.meta.zero_stage >= 3
@@ -79,36 +78,36 @@ class MegatronCheckpoint:
 
     def _stored_dtype(self) -> torch.dtype:
         """dtype of the module weights (ZeRO-3 model files keep empty tensors of the training dtype)."""
-        first = canonical_names(self.config)[0]
+        first = self.layout.specs[0]
         if self._zero3:
             module = load_deepspeed_file(zero3_model_file(self.tag_dir, 0, 0)).get("module") or {}
-            tensor = module.get(module_name(first, self.config))
+            tensor = module.get(first.module_name)
             if tensor is None:
-                raise CheckpointError(f"{self.tag_dir}: ZeRO-3 model file lacks {module_name(first, self.config)}")
+                raise CheckpointError(f"{self.tag_dir}: ZeRO-3 model file lacks {first.module_name}")
             return tensor.dtype
         dtype = self._module_tensor(first, 0).dtype
         self.release()
         return dtype
 
-    def _module_tensor(self, canonical: str, rank: int) -> torch.Tensor:
+    def _module_tensor(self, spec: ParamSpec, rank: int) -> torch.Tensor:
         if self._pipeline:
-            path = layer_file(self.tag_dir, layer_index(canonical, self.config)[0], rank)
-            state, key = self._file(path), layer_key(canonical, self.config)
+            path = layer_file(self.tag_dir, spec.layers[0], rank)
+            state, key = self._file(path), spec.layer_key
         else:
             path = model_states_file(self.tag_dir, rank)
-            state, key = self._file(path).get("module") or {}, module_name(canonical, self.config)
+            state, key = self._file(path).get("module") or {}, spec.module_name
         if key not in state:
-            raise CheckpointError(f"{path}: no tensor {key!r} ({canonical}, TP rank {rank})")
+            raise CheckpointError(f"{path}: no tensor {key!r} ({spec.name}, TP rank {rank})")
         tensor = state[key]
         if tensor.numel() == 0:
             raise CheckpointError(f"{path}: {key!r} is empty (ZeRO-3 partitioned) but llama_megatron.json says "
                                   f"ZeRO stage {self.meta.zero_stage}")
         return tensor
 
-    def read_rank(self, canonical: str, rank: int) -> torch.Tensor:
-        """TP rank ``rank``'s tensor for ``canonical``, shape-checked."""
-        want = shard_shape(canonical, self.config, rank, self.tp, self.padded_vocab_size, self._hf_shapes)
-        name = module_name(canonical, self.config)
+    def read_rank(self, spec: ParamSpec, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s tensor for ``spec``, shape-checked."""
+        want = shard_shape(spec, self.config, self.tp, self.padded_vocab_size)
+        name = spec.module_name
         if self._zero3:
             if rank not in self._zero3_ranks:
                 self._zero3_ranks[rank] = Zero3Partitions(self.tag_dir, rank, self.dp)
@@ -116,7 +115,7 @@ class MegatronCheckpoint:
         elif self._masters is not None:
             tensor = self._masters[rank].read(name, want)
         else:
-            tensor = self._module_tensor(canonical, rank)
+            tensor = self._module_tensor(spec, rank)
         if tuple(tensor.shape) != want:
             raise CheckpointError(f"{self.tag_dir}: {name} (TP rank {rank}) has shape {tuple(tensor.shape)}, the "
                                   f"model config in llama_megatron.json implies {want}")
@@ -133,13 +132,14 @@ class MegatronCheckpoint:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def get_parts(self, name: str) -> list[torch.Tensor]:
-        canonical = self._canonical.get(name)
-        if canonical is None:
-            raise CheckpointError(f"{self.tag_dir}: the model has no tensor {name}")
-        if self._merged is None or self._merged[0] != canonical:
+        try:
+            spec = self.layout.for_hf(name)
+        except KeyError:
+            raise CheckpointError(f"{self.tag_dir}: the model has no tensor {name}") from None
+        if self._merged is None or self._merged[0] != spec.name:
             self._merged = None
-            shards = [self.read_rank(canonical, rank) for rank in range(self.tp)]
-            self._merged = (canonical, merge_parts(canonical, shards, self.config))
+            shards = [self.read_rank(spec, rank) for rank in range(self.tp)]
+            self._merged = (spec.name, merge_parts(spec, shards, self.config))
         return self._merged[1][name]
 
     def release(self) -> None:

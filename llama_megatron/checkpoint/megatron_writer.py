@@ -15,14 +15,16 @@ from collections.abc import Callable
 
 import torch
 
-from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_sources, layer_index, module_name
-from llama_megatron.checkpoint.sources import TensorSource, expected_hf_shapes
+from llama_megatron.checkpoint.atomic import write_text_atomic
+from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, CheckpointMeta
+from llama_megatron.checkpoint.sources import TensorSource
 from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
-from llama_megatron.checkpoint.tp_parts import shard_parts, shard_shape
-from llama_megatron.checkpoint.weights import layer_file, layer_key, model_states_file
+from llama_megatron.checkpoint.weights import layer_file, model_states_file
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import CheckpointError
-from llama_megatron.training.checkpointing import LATEST_FILE, META_FILE, CheckpointMeta, write_text_atomic
+from llama_megatron.model.param_layout import ParamLayout, ParamSpec
+from llama_megatron.model.tp_slicing import shard_parts, shard_shape
+from llama_megatron.progress import TaskProgress
 
 DEFAULT_TAG = "converted"
 
@@ -34,49 +36,46 @@ def check_tag(tag: str) -> None:
 
 def write_megatron_checkpoint(source: TensorSource, config: ModelConfig, out_dir: str, tp: int, pp: int,
                               padded_vocab_size: int, dtype: torch.dtype | None = None, tag: str = DEFAULT_TAG,
-                              log: Callable[[str], None] | None = None) -> str:
+                              progress: TaskProgress | None = None) -> str:
     """Write ``out_dir/tag`` and ``out_dir/latest``; returns the tag directory."""
     check_tag(tag)
     tag_dir = os.path.join(out_dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
-    hf_shapes = expected_hf_shapes(config)
+    layout = ParamLayout(config)
 
-    def spec(canonical: str, rank: int) -> tuple[tuple[int, ...], torch.dtype]:
-        shape = shard_shape(canonical, config, rank, tp, padded_vocab_size, hf_shapes)
-        return shape, dtype or source.info(hf_sources(canonical, config)[0])[1]
+    def entry(spec: ParamSpec) -> tuple[tuple[int, ...], torch.dtype]:
+        return shard_shape(spec, config, tp, padded_vocab_size), dtype or source.info(spec.hf_names[0])[1]
 
-    def stream(canonicals: list[str], writers: list[StreamingTorchFile], key: Callable[[str], str]) -> None:
-        for i, canonical in enumerate(canonicals):
+    def stream(specs: list[ParamSpec], writers: list[StreamingTorchFile], key: Callable[[ParamSpec], str]) -> None:
+        for spec in specs:
             for rank, writer in enumerate(writers):
-                writer.write(key(canonical), *shard_parts(canonical, source.get, config, rank, tp,
-                                                          padded_vocab_size))
+                writer.write(key(spec), *shard_parts(spec, source.get, config, rank, tp, padded_vocab_size))
             source.release()  # drop this parameter's mapped pages before the next one
-            idx = layer_index(canonical, config)[0]
-            if log and (i + 1 == len(canonicals) or layer_index(canonicals[i + 1], config)[0] != idx):
-                log(f"layer {idx}/{config.num_hidden_layers + 2} written")
+            if progress:
+                shard = entry(spec)
+                progress.advance(1, tp * torch.Size(shard[0]).numel() * shard[1].itemsize)
 
-    names = canonical_names(config)
+    def module_key(spec: ParamSpec) -> str:
+        return spec.module_name
+
+    def layer_key(spec: ParamSpec) -> str:
+        return spec.layer_key
+
     if pp == 1:
-        def module_key(c: str) -> str:
-            return module_name(c, config)
-
-        writers = [StreamingTorchFile(model_states_file(tag_dir, rank), {module_key(c): spec(c, rank) for c in names},
+        writers = [StreamingTorchFile(model_states_file(tag_dir, rank), {s.module_name: entry(s) for s in layout},
                                       wrap=lambda state: {"module": state})
                    for rank in range(tp)]
-        stream(names, writers, module_key)
+        stream(list(layout), writers, module_key)
         for writer in writers:
             writer.close()
     else:
-        def key(c: str) -> str:
-            return layer_key(c, config)
-
-        by_layer: dict[int, list[str]] = {}
-        for canonical in names:
-            by_layer.setdefault(layer_index(canonical, config)[0], []).append(canonical)
-        for idx, canonicals in sorted(by_layer.items()):
-            writers = [StreamingTorchFile(layer_file(tag_dir, idx, rank), {key(c): spec(c, rank) for c in canonicals})
+        by_layer: dict[int, list[ParamSpec]] = {}
+        for spec in layout:
+            by_layer.setdefault(spec.layers[0], []).append(spec)
+        for idx, specs in sorted(by_layer.items()):
+            writers = [StreamingTorchFile(layer_file(tag_dir, idx, rank), {s.layer_key: entry(s) for s in specs})
                        for rank in range(tp)]
-            stream(canonicals, writers, key)
+            stream(specs, writers, layer_key)
             for writer in writers:
                 writer.close()
     meta = CheckpointMeta(step=0, consumed_samples=0, tensor=tp, pipeline=pp, data_parallel=1, zero_stage=0,

@@ -12,9 +12,9 @@ from typing import Protocol
 
 import torch
 
-from llama_megatron.checkpoint.hf_mapping import canonical_names, hf_sources
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import CheckpointError
+from llama_megatron.model.param_layout import ParamLayout
 
 # Tensors some released HF checkpoints carry that hold no weights (recomputed from the config).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -37,28 +37,9 @@ class TensorSource(Protocol):
         """Drop open files, mappings and caches."""
 
 
-def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor the config implies (no ``lm_head.weight`` when embeddings are tied), in layer order."""
-    h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
-    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    shapes = {
-        "embed_tokens.weight": (config.vocab_size, h), "lm_head.weight": (config.vocab_size, h),
-        "norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "q_proj.weight": (q_rows, h), "k_proj.weight": (kv_rows, h), "v_proj.weight": (kv_rows, h),
-        "o_proj.weight": (h, q_rows), "q_proj.bias": (q_rows,), "k_proj.bias": (kv_rows,),
-        "v_proj.bias": (kv_rows,), "o_proj.bias": (h,), "gate_proj.weight": (ffn, h), "up_proj.weight": (ffn, h),
-        "down_proj.weight": (h, ffn), "gate_proj.bias": (ffn,), "up_proj.bias": (ffn,), "down_proj.bias": (h,),
-    }
-    out = {}
-    for canonical in canonical_names(config):
-        for name in hf_sources(canonical, config):
-            out[name] = shapes[".".join(name.split(".")[-2:])]
-    return out
-
-
 def check_source(source: TensorSource, config: ModelConfig, where: str) -> None:
     """Every tensor the config needs is present with the right shape, and nothing the config cannot place."""
-    expected = expected_hf_shapes(config)
+    expected = ParamLayout(config).hf_shapes()
     present = source.names()
     missing = [name for name in expected if name not in present]
     if missing:

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from llama_megatron.checkpoint.hf_mapping import canonical_name, layer_index, module_name
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import CheckpointError
+from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 
 
 def layer_file(ckpt_dir: str, layer_idx: int, tp_rank: int) -> str:
@@ -30,12 +30,6 @@ def layer_file(ckpt_dir: str, layer_idx: int, tp_rank: int) -> str:
 
 def model_states_file(ckpt_dir: str, mp_rank: int) -> str:
     return os.path.join(ckpt_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
-
-
-def layer_key(canonical: str, config: ModelConfig) -> str:
-    """Key of ``canonical`` inside its pipeline layer file: the module name without the layer prefix."""
-    key = module_name(canonical, config).split(".", 1)[1]
-    return key.split(".", 1)[1] if key.startswith("embed.") else key  # tied: "tied_modules.embed.x" -> "x"
 
 
 def _load(path: str) -> dict:
@@ -51,8 +45,8 @@ def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
     return os.path.isfile(layer_file(ckpt_dir, 0, 0))
 
 
-def tensor_reader(ckpt_dir: str, config: ModelConfig) -> Callable[[str, int], torch.Tensor]:
-    """``read(canonical, tp_rank)`` -> that rank's tensor; caches one file at a time (streams layer by layer)."""
+def tensor_reader(ckpt_dir: str) -> Callable[[ParamSpec, int], torch.Tensor]:
+    """``read(spec, tp_rank)`` -> that rank's tensor; caches one file at a time (streams layer by layer)."""
     pipeline = is_pipeline_checkpoint(ckpt_dir)
     cache: dict[str, dict] = {}
 
@@ -62,15 +56,15 @@ def tensor_reader(ckpt_dir: str, config: ModelConfig) -> Callable[[str, int], to
             cache[path] = _load(path)
         return cache[path]
 
-    def read(canonical: str, tp_rank: int) -> torch.Tensor:
+    def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
         if pipeline:
-            key = layer_key(canonical, config)
-            state = cached(layer_file(ckpt_dir, layer_index(canonical, config)[0], tp_rank))
+            key = spec.layer_key
+            state = cached(layer_file(ckpt_dir, spec.layers[0], tp_rank))
         else:
-            key = module_name(canonical, config)
+            key = spec.module_name
             state = cached(model_states_file(ckpt_dir, tp_rank)).get("module") or {}
         if key not in state:
-            raise CheckpointError(f"{ckpt_dir}: no tensor {key!r} for TP rank {tp_rank} ({canonical})")
+            raise CheckpointError(f"{ckpt_dir}: no tensor {key!r} for TP rank {tp_rank} ({spec.name})")
         tensor = state[key]
         if tensor.numel() == 0:
             raise CheckpointError(f"{ckpt_dir}: {key!r} is empty (a ZeRO-3 partition); export the checkpoint instead")
@@ -82,9 +76,9 @@ def tensor_reader(ckpt_dir: str, config: ModelConfig) -> Callable[[str, int], to
 @torch.no_grad()
 def load_model_weights(model: nn.Module, ckpt_dir: str, config: ModelConfig, tp_rank: int) -> None:
     """Fill every parameter of ``model`` (plain or pipeline form) from a checkpoint with the same TP degree."""
-    read = tensor_reader(ckpt_dir, config)
+    read, layout = tensor_reader(ckpt_dir), ParamLayout(config)
     for name, param in model.named_parameters():
-        tensor = read(canonical_name(name, config), tp_rank)
+        tensor = read(layout.for_module(name), tp_rank)
         if tensor.shape != param.shape:
             raise CheckpointError(f"{ckpt_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "
                                   f"{tuple(param.shape)}")

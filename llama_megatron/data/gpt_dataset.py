@@ -1,9 +1,9 @@
-"""GPT pretraining datasets over Megatron ``.bin``/``.idx`` prefixes, built from the training JSON's ``data``.
+"""GPT pretraining datasets over Megatron ``.bin``/``.idx`` prefixes (the ``pretrain`` data type).
 
-``data`` keys: ``prefix`` (str) or ``blend`` ([[weight, prefix], ...]) or ``synthetic`` (true); ``split``
-(default "969,30,1"); ``per_document_attention`` (adds position_ids/segment_ids); ``cache_dir`` (default: an
-``index-cache`` directory beside each prefix); ``eod_id`` (token that ends a document inside a sequence);
-``tokenizer`` and ``vocab_size`` are accepted for the trainer's use. Prefixes are relative to the CWD.
+Keys of its data section: ``prefix`` (str) or ``blend`` ([[weight, prefix], ...]); ``split`` (default
+"969,30,1"); ``per_document_attention`` (adds position_ids/segment_ids); ``cache_dir`` (default: an
+``index-cache`` directory beside each prefix); ``eod_id`` (token that ends a document inside a sequence).
+Prefixes are relative to the CWD.
 """
 
 from __future__ import annotations
@@ -25,22 +25,11 @@ from llama_megatron.data.sample_index import (
     parse_split,
     split_document_ranges,
 )
-from llama_megatron.data.synthetic import SyntheticDataset
 from llama_megatron.errors import ConfigError, DataError
 
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES = ("train", "valid", "test")
-KNOWN_KEYS = {
-    "prefix",
-    "blend",
-    "synthetic",
-    "split",
-    "per_document_attention",
-    "cache_dir",
-    "eod_id",
-    "tokenizer",
-    "vocab_size",
-}
+KNOWN_KEYS = {"type", "prefix", "blend", "split", "per_document_attention", "cache_dir", "eod_id"}
 # Megatron over-samples each blended component by 0.5% so the greedy blend never runs a component dry.
 BLEND_OVERSAMPLE = 1.005
 INDEX_VERSION = 2
@@ -195,19 +184,15 @@ def validate_data_config(data_config: dict) -> None:
     unknown = sorted(set(data_config) - KNOWN_KEYS)
     if unknown:
         raise ConfigError(f"unknown data keys {', '.join(unknown)} (known: {', '.join(sorted(KNOWN_KEYS))})")
-    sources = [k for k in ("prefix", "blend", "synthetic") if data_config.get(k) not in (None, False)]
+    sources = [k for k in ("prefix", "blend") if data_config.get(k) is not None]
     if len(sources) != 1:
-        raise ConfigError("data needs exactly one of prefix, blend or synthetic: true")
+        raise ConfigError("pretraining data needs exactly one of prefix or blend")
     parse_split(data_config.get("split", DEFAULT_SPLIT))
     if not isinstance(data_config.get("per_document_attention", False), bool):
         raise ConfigError("data.per_document_attention must be true or false")
     eod = data_config.get("eod_id")
     if eod is not None and (isinstance(eod, bool) or not isinstance(eod, int) or eod < 0):
         raise ConfigError("data.eod_id must be a non-negative integer")
-    if sources[0] == "synthetic":
-        if data_config["synthetic"] is not True:
-            raise ConfigError("data.synthetic must be true or absent")
-        return
     for _, prefix in _blend_entries(data_config):
         missing = [p for p in data_paths(prefix) if not os.path.isfile(p)]
         if missing:
@@ -229,8 +214,7 @@ def build_train_valid_test_datasets(
 ):
     """(train, valid, test) datasets for ``num_samples`` = (train, valid, test) sample counts.
 
-    ``vocab_size`` (the model's) sizes synthetic data and makes every real sample check that its ids fit the
-    embedding table; ``eod_id`` (or data.eod_id) marks document ends inside sequences for per-document attention.
+    ``vocab_size`` (the model's) makes every sample check that its ids fit the embedding table; ``eod_id`` (or data.eod_id) marks document ends inside sequences for per-document attention.
 
     A split is None when it was asked for 0 samples or the split string gives it no documents (as Megatron);
     an empty train split with train samples requested is an error. In a blend, components whose split has no
@@ -243,14 +227,6 @@ def build_train_valid_test_datasets(
         raise ConfigError(f"num_samples must be three non-negative counts, got {num_samples!r}")
     per_doc = bool(data_config.get("per_document_attention", False))
     eod = data_config.get("eod_id", eod_id)
-    if data_config.get("synthetic"):
-        vocab = vocab_size or data_config.get("vocab_size")
-        if not vocab:
-            raise ConfigError("synthetic data needs the model vocab_size (data.vocab_size)")
-        return tuple(
-            SyntheticDataset(int(n), seq_length, int(vocab), seed, split_id, per_doc) if n else None
-            for split_id, n in enumerate(num_samples)
-        )
     fractions = parse_split(data_config.get("split", DEFAULT_SPLIT))
     entries = _blend_entries(data_config)
     indexed = [(w, MMapIndexedDataset(p)) for w, p in entries]

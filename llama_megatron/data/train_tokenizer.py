@@ -1,4 +1,4 @@
-"""``llama-megatron train-tokenizer``: a LLaMA-style sentencepiece BPE from the same inputs as ``preprocess``.
+"""Train a LLaMA-style sentencepiece BPE from the same inputs as ``preprocess`` (the ``train-tokenizer`` verb).
 
 LLaMA-1/2 trainer settings: BPE, byte fallback (no <unk> on unseen characters), digits split one per piece,
 unk/bos/eos = 0/1/2, no pad piece, no normalisation (identity, whitespace kept), a dummy "▁" prefix.
@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from llama_megatron.data.readers import FORMATS, TEXT_UNITS, decode_chunk, iter_chunks
+from llama_megatron.data.readers import decode_chunk, iter_chunks
 from llama_megatron.errors import DataError
 
 # sentencepiece drops longer "sentences"; LLaMA used 4192 bytes.
@@ -22,26 +22,6 @@ MAX_SENTENCE_BYTES = 4192
 # Printable ASCII always gets its own piece, even when rare in the corpus (digits 3-9 are rare in Shakespeare);
 # everything else unseen falls back to bytes.
 REQUIRED_CHARS = "".join(chr(c) for c in range(33, 127))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--input", nargs="+", required=True, help="JSONL / text / parquet files or HF dataset dirs"
-    )
-    parser.add_argument("--input-format", default="auto", choices=("auto", *FORMATS))
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields whose text is used")
-    parser.add_argument("--text-unit", default="line", choices=TEXT_UNITS, help="document unit of text files")
-    parser.add_argument("--hf-split", default="train")
-    parser.add_argument(
-        "--output-dir", required=True, help="writes tokenizer.model and tokenizer_config.json here"
-    )
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--character-coverage", type=float, default=0.99995)
-    parser.add_argument(
-        "--max-sentences", type=int, default=0, help="sample at most this many lines (0: all)"
-    )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.model")
 
 
 def _sentences(args: argparse.Namespace) -> Iterator[str]:
@@ -114,14 +94,3 @@ def train(args: argparse.Namespace) -> str:
         json.dump(config, f, indent=2)
         f.write("\n")
     return model_path
-
-
-def run(args: argparse.Namespace) -> int:
-    path = train(args)
-    from llama_megatron.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(path)
-    print(
-        f"wrote {path}: vocab {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id} (= eos)"
-    )
-    return 0

@@ -90,7 +90,7 @@ class ParallelAttention(nn.Module):
         self.groups_per_rank = config.num_key_value_heads // pctx.tp_size
         self.queries_per_group = config.queries_per_group
         qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_rows, pctx, bias=config.attention_bias)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_rows, pctx, "qkv", bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, pctx,
                                         bias=config.attention_bias)
 

@@ -13,7 +13,6 @@ from llama_megatron.parallel.context import ParallelContext
 def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelContext, seed: int = 1234,
                 activation_checkpoint_interval: int = 0, partition_method: str = "type:DecoderLayerPipe",
                 initialize: bool = True) -> nn.Module:
-    parallel.validate(config, pctx.world_size)
     padded = parallel.padded_vocab_size(config.vocab_size)
     if pctx.pp_size == 1:
         model: nn.Module = LlamaCausalLM(config, pctx, padded, activation_checkpoint_interval)

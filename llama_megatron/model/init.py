@@ -13,8 +13,9 @@ import hashlib
 import torch
 from torch import nn
 
-from llama_megatron.checkpoint.hf_mapping import canonical_name, shard_for_rank
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.param_layout import ParamLayout, ParamSpec
+from llama_megatron.model.tp_slicing import shard_for_rank
 from llama_megatron.parallel.context import ParallelContext
 
 
@@ -23,46 +24,27 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def hf_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
-    h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
-    leaf = name.rsplit(".", 2)
-    module, kind = leaf[-2], leaf[-1]
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return (config.vocab_size, h)
-    if module.endswith("norm"):
-        return (h,)
-    out_in = {
-        "q_proj": (config.num_attention_heads * hd, h),
-        "k_proj": (config.num_key_value_heads * hd, h),
-        "v_proj": (config.num_key_value_heads * hd, h),
-        "o_proj": (h, config.num_attention_heads * hd),
-        "gate_proj": (ffn, h),
-        "up_proj": (ffn, h),
-        "down_proj": (h, ffn),
-    }[module]
-    return out_in if kind == "weight" else out_in[:1]
-
-
-def initial_hf_tensor(name: str, config: ModelConfig, seed: int) -> torch.Tensor:
-    """The full fp32 tensor HF name ``name`` starts from: N(0, initializer_range) weights, zero biases, unit norms."""
-    shape = hf_shape(name, config)
-    if name.endswith("norm.weight"):
+def initial_hf_tensor(name: str, shape: tuple[int, ...], init: str, std: float, seed: int) -> torch.Tensor:
+    """The full fp32 HF tensor ``name`` starts from: N(0, std) weights (own generator), zero biases, unit norms."""
+    if init == "ones":
         return torch.ones(shape)
-    if name.endswith(".bias"):
+    if init == "zeros":
         return torch.zeros(shape)
-    return torch.normal(0.0, config.initializer_range, shape, generator=_generator(seed, name))
+    return torch.normal(0.0, std, shape, generator=_generator(seed, name))
 
 
 @torch.no_grad()
 def initialize_weights(model: nn.Module, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
                        seed: int) -> None:
     """Fill every parameter of ``model`` (plain or pipeline form, any TP rank) from the seeded full tensors."""
-    def get_hf(name: str) -> torch.Tensor:
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            name = "model.embed_tokens.weight"
-        return initial_hf_tensor(name, config, seed)
+    layout = ParamLayout(config)
 
     for name, param in model.named_parameters():
-        canonical = canonical_name(name, config)
-        shard = shard_for_rank(canonical, get_hf, config, pctx.tp_rank, pctx.tp_size, padded_vocab_size)
+        spec = layout.for_module(name)
+
+        def get_hf(hf_name: str, spec: ParamSpec = spec) -> torch.Tensor:
+            shape = spec.hf_shapes[spec.hf_names.index(hf_name)]
+            return initial_hf_tensor(hf_name, shape, spec.init, config.initializer_range, seed)
+
+        shard = shard_for_rank(spec, get_hf, config, pctx.tp_rank, pctx.tp_size, padded_vocab_size)
         param.copy_(shard.to(param.dtype))

@@ -85,7 +85,7 @@ class LMHeadPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int) -> None:
         super().__init__()
-        self.lm_head = ColumnParallelLinear(config.hidden_size, padded_vocab_size, pctx, bias=False)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, padded_vocab_size, pctx, "vocab", bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -26,10 +26,9 @@ from llama_megatron.model.layers import (
 )
 from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.cross_entropy import masked_mean_loss, vocab_parallel_cross_entropy
+from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
 
 TIED_KEY = "embed"
-IGNORE_INDEX = -100
 
 
 class CausalLMLoss:

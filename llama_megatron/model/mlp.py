@@ -18,7 +18,7 @@ from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLine
 class ParallelMLP(nn.Module):
     def __init__(self, config: ModelConfig, pctx: ParallelContext) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size, pctx,
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size, pctx, "gate_up",
                                                  bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, pctx, bias=config.mlp_bias)
 

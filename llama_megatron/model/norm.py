@@ -7,6 +7,7 @@ from torch import nn
 
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.layers import mark_replicated
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +21,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.pctx = pctx
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = mark_replicated(nn.Parameter(torch.ones(hidden_size)))
         if pctx.sequence_parallel:
             self.weight.sequence_parallel = True
 

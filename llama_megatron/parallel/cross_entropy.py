@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from llama_megatron.parallel.context import ParallelContext
 
+IGNORE_INDEX = -100  # label of a token that is not trained (HF's and PyTorch's convention)
+
 
 def _all_reduce(x: torch.Tensor, op, pctx: ParallelContext) -> None:
     if pctx.tp_size > 1:

@@ -1,7 +1,9 @@
 """Megatron tensor-parallel layers: column/row parallel linear and vocab-parallel embedding.
 
 Sharded parameters carry ``tensor_model_parallel=True`` plus ``partition_dim`` so DeepSpeed counts them once per
-TP rank in gradient norms and its universal checkpoint knows how to merge them. With sequence parallelism the
+TP rank in gradient norms. Every parameter also carries ``tp_split``, how it relates to the full tensor (the
+model names the fused layouts: ``qkv``, ``gate_up``, ``vocab``; ``row``; ``replicated``), so checkpoint and
+initialisation code reads the layout off the parameter instead of guessing it from a name. With sequence parallelism the
 activations entering a column-parallel layer are sequence shards (gathered here) and the output of a
 row-parallel layer is reduce-scattered back into sequence shards.
 """
@@ -23,10 +25,16 @@ from llama_megatron.parallel.collectives import (
 from llama_megatron.parallel.context import ParallelContext
 
 
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, split: str) -> nn.Parameter:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = 1
+    param.tp_split = split
+    return param
+
+
+def mark_replicated(param: nn.Parameter) -> nn.Parameter:
+    param.tp_split = "replicated"
     return param
 
 
@@ -39,18 +47,21 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split along its output rows; each rank returns its output slice.
 
-    ``out_features`` is the full (all ranks) size; a fused layout inside the rows is the caller's business.
+    ``out_features`` is the full (all ranks) size; ``split`` names the layout of the rows (``qkv``, ``gate_up``,
+    ``vocab``: the caller's fused layout, recorded on the parameters).
     """
 
-    def __init__(self, in_features: int, out_features: int, pctx: ParallelContext, bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, pctx: ParallelContext, split: str, bias: bool = False,
                  gather_output: bool = False) -> None:
         super().__init__()
         self.pctx = pctx
         self.gather_output = gather_output
         self.in_features = in_features
         self.out_features_per_rank = _divide(out_features, pctx.tp_size, "output size")
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.out_features_per_rank, in_features)), 0)
-        self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(self.out_features_per_rank)), 0) if bias else None
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.out_features_per_rank, in_features)), 0,
+                                           split)
+        self.bias = (mark_tensor_parallel(nn.Parameter(torch.zeros(self.out_features_per_rank)), 0, split)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.pctx.sequence_parallel:
@@ -69,8 +80,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.pctx = pctx
         self.in_features_per_rank = _divide(in_features, pctx.tp_size, "input size")
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, self.in_features_per_rank)), 1)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, self.in_features_per_rank)), 1,
+                                           "row")
+        self.bias = mark_replicated(nn.Parameter(torch.zeros(out_features))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -91,7 +103,7 @@ class VocabParallelEmbedding(nn.Module):
         self.pctx = pctx
         self.rows_per_rank = _divide(padded_vocab_size, pctx.tp_size, "padded vocab size")
         self.vocab_start = pctx.tp_rank * self.rows_per_rank
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), 0)
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), 0, "vocab")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.pctx.tp_size == 1:

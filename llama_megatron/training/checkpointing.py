@@ -1,9 +1,5 @@
-"""Training checkpoints in DeepSpeed's format, written so a crash never breaks ``latest``.
-
-Layout of ``SAVE_DIR``::
-
-    latest                      text: the newest complete tag (replaced atomically)
-    global_step{N}/             DeepSpeed files (mp_rank_*, layer_*, zero_pp_rank_*) + llama_megatron.json
+"""Training checkpoints in DeepSpeed's format (directory layout: :mod:`llama_megatron.checkpoint.meta`),
+written so a crash never breaks ``latest``.
 
 A save writes into ``.tmp-global_step{N}``, and only when every rank has finished does rank 0 rename it and
 then replace ``latest`` (write to a temp file, ``os.replace``). A process killed mid-save leaves a ``.tmp-`` dir
@@ -15,88 +11,17 @@ DeepSpeed's universal checkpoint (converted once, beside the original).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Any
 
+from llama_megatron.checkpoint.atomic import write_text_atomic
+from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, TMP_PREFIX, CheckpointMeta, step_tag
+from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError
 from llama_megatron.parallel.launch import barrier
-
-META_FILE = "llama_megatron.json"
-LATEST_FILE = "latest"
-TMP_PREFIX = ".tmp-"
-FORMAT_VERSION = 1
-
-
-def step_tag(step: int) -> str:
-    return f"global_step{step}"
-
-
-@dataclass
-class CheckpointMeta:
-    step: int
-    consumed_samples: int
-    tensor: int
-    pipeline: int
-    data_parallel: int
-    zero_stage: int
-    model: dict[str, Any]
-    padded_vocab_size: int
-    format_version: int = FORMAT_VERSION
-    tag: str = ""
-
-    def to_json(self) -> str:
-        data = dict(self.__dict__)
-        data.pop("tag")
-        return json.dumps(data, indent=2, sort_keys=True)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def read_latest(load_dir: str) -> str:
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"checkpoint directory not found: {load_dir}")
-    path = os.path.join(load_dir, LATEST_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint in {load_dir}: no '{LATEST_FILE}' file (name a tag to load)")
-    with open(path, encoding="utf-8") as fh:
-        tag = fh.read().strip()
-    if not tag:
-        raise CheckpointError(f"{path} is empty")
-    return tag
-
-
-def read_meta(load_dir: str, tag: str | None = None) -> CheckpointMeta:
-    """The checkpoint's run position and layout; one-line errors for anything missing or unreadable."""
-    tag = tag or read_latest(load_dir)
-    tag_dir = os.path.join(load_dir, tag)
-    if not os.path.isdir(tag_dir):
-        raise CheckpointError(f"checkpoint {tag_dir} not found")
-    meta_path = os.path.join(tag_dir, META_FILE)
-    try:
-        with open(meta_path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        meta = CheckpointMeta(**data, tag=tag)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {tag_dir} is incomplete or not a llama_megatron checkpoint "
-                              f"(no {META_FILE})") from None
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint metadata {meta_path} is corrupt: {exc}") from None
-    if meta.format_version != FORMAT_VERSION:
-        raise CheckpointError(f"{meta_path}: format version {meta.format_version}, expected {FORMAT_VERSION}")
-    return meta
 
 
 def check_resume_layout(meta: CheckpointMeta, tensor: int, pipeline: int, load_dir: str) -> None:
@@ -140,10 +65,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(os.path.join(save_dir, tmp_tag), ignore_errors=True)
     barrier()
-    # imported here: converters use this module's readers without paying for DeepSpeed's import
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
-
-    from llama_megatron.checkpoint.universal import universal_checkpoint_info
 
     client_state = {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine.config.model)}
     engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)

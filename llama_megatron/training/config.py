@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_megatron.config import ModelConfig, ParallelConfig, read_json
+from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.errors import ConfigError
 
 
@@ -21,6 +22,10 @@ from llama_megatron.errors import ConfigError
 class BatchConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 1
+
+    def accumulation_steps(self, data_parallel: int) -> int:
+        """Micro batches per optimizer step on each data-parallel rank (the one place this is computed)."""
+        return self.global_batch_size // (self.micro_batch_size * data_parallel)
 
 
 @dataclass
@@ -91,7 +96,7 @@ _SECTIONS = {
 class TrainingConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: dict[str, Any] = field(default_factory=lambda: {"synthetic": True})
+    data: DataConfig = field(default_factory=SyntheticData)
     tokenizer: str | None = None
     seq_length: int = 128
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -121,6 +126,8 @@ class TrainingConfig:
         }
         if "parallel" in data:
             kwargs["parallel"] = ParallelConfig.from_dict(data.pop("parallel"))
+        if "data" in data:
+            kwargs["data"] = data_config_from_dict(data.pop("data"))
         for name, section_cls in _SECTIONS.items():
             if name in data:
                 kwargs[name] = _section(section_cls, name, data.pop(name))
@@ -136,10 +143,11 @@ class TrainingConfig:
             apply_override(data, item)
         return cls.from_dict(data)
 
-    def validate(self, world_size: int | None = None) -> None:
+    def validate(self) -> None:
+        """Everything that does not depend on the world size; run once, when the config is read."""
         if not isinstance(self.seq_length, int) or self.seq_length < 1:
             raise ConfigError(f"seq_length must be a positive integer, got {self.seq_length!r}")
-        self.parallel.validate(self.model, world_size)
+        self.parallel.validate(self.model)
         if self.parallel.sequence_parallel and self.seq_length % self.parallel.tensor:
             raise ConfigError(
                 f"sequence_parallel needs seq_length {self.seq_length} divisible by tensor {self.parallel.tensor}"
@@ -147,13 +155,6 @@ class TrainingConfig:
         b = self.batch
         if b.micro_batch_size < 1 or b.global_batch_size < 1:
             raise ConfigError("batch.micro_batch_size and batch.global_batch_size must be >= 1")
-        if world_size is not None:
-            dp = self.parallel.data_parallel_size(world_size)
-            if b.global_batch_size % (b.micro_batch_size * dp):
-                raise ConfigError(
-                    f"batch.global_batch_size {b.global_batch_size} is not divisible by micro_batch_size "
-                    f"{b.micro_batch_size} x data parallel {dp}"
-                )
         if self.train.steps < 1:
             raise ConfigError(f"train.steps must be >= 1, got {self.train.steps}")
         opt = self.optimizer
@@ -168,18 +169,29 @@ class TrainingConfig:
         if self.eval.interval < 0 or self.eval.iters < 1:
             raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
 
+    def check_world_size(self, world_size: int) -> None:
+        """What the launch adds to :meth:`validate`: TP x PP divides the world, and the batch divides over DP."""
+        self.parallel.check_world_size(world_size)
+        b, dp = self.batch, self.data_parallel_size(world_size)
+        if b.global_batch_size % (b.micro_batch_size * dp):
+            raise ConfigError(
+                f"batch.global_batch_size {b.global_batch_size} is not divisible by micro_batch_size "
+                f"{b.micro_batch_size} x data parallel {dp}"
+            )
+
     def data_parallel_size(self, world_size: int) -> int:
         return self.parallel.data_parallel_size(world_size)
 
     def gradient_accumulation_steps(self, world_size: int) -> int:
-        dp = self.data_parallel_size(world_size)
-        return self.batch.global_batch_size // (self.batch.micro_batch_size * dp)
+        return self.batch.accumulation_steps(self.data_parallel_size(world_size))
 
     def num_eval_runs(self) -> int:
         return 0 if not self.eval.interval else math.ceil(self.train.steps / self.eval.interval) + 1
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["data"] = self.data.to_dict()
+        return out
 
 
 def _section(section_cls, name: str, value: Any):

@@ -6,14 +6,12 @@ micro batch is a :class:`MicroBatch` of this data-parallel rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from llama_megatron.data.batch import MicroBatch
 from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
@@ -21,39 +19,20 @@ from llama_megatron.training.optimizer import build_optimizer
 from llama_megatron.training.schedule import build_scheduler
 
 
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    segment_ids: torch.Tensor | None = None
-
-    def to(self, device) -> MicroBatch:
-        return MicroBatch(*(None if t is None else t.to(device) for t in
-                            (self.input_ids, self.position_ids, self.labels, self.segment_ids)))
-
-    def pipeline_inputs(self) -> tuple:
-        inputs = (self.input_ids, self.position_ids)
-        if self.segment_ids is not None:
-            inputs += (self.segment_ids,)
-        return inputs, self.labels
-
-
 class TrainingEngine:
     def __init__(self, config: TrainingConfig, ds_config: dict, pctx: ParallelContext,
-                 load_weights: Callable[[torch.nn.Module], None] | None = None) -> None:
-        """``load_weights(model)`` replaces the seeded initial weights before DeepSpeed wraps the model."""
+                 model: torch.nn.Module | None = None) -> None:
+        """Wrap ``model`` (default: the seeded initial model of ``config``) in DeepSpeed's engine."""
         self.config = config
         self.pctx = pctx
         self.device = torch.device(get_accelerator().current_device_name())
         self.pipelined = pctx.pp_size > 1
-        model = build_model(
-            config.model, config.parallel, pctx, seed=config.seed,
-            activation_checkpoint_interval=config.activation_checkpointing.interval,
-            partition_method=config.pipeline.partition_method,
-        )
-        if load_weights is not None:
-            load_weights(model)
+        if model is None:
+            model = build_model(
+                config.model, config.parallel, pctx, seed=config.seed,
+                activation_checkpoint_interval=config.activation_checkpointing.interval,
+                partition_method=config.pipeline.partition_method,
+            )
         model.to(self.device)
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
         optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload)

@@ -18,9 +18,9 @@ def peak_rss_bytes() -> int:
 
 
 if __name__ == "__main__":
-    import llama_megatron.checkpoint.convert_cli  # noqa: F401  (the same imports in both modes)
-    import llama_megatron.checkpoint.export_cli  # noqa: F401
-    import llama_megatron.checkpoint.reshard_cli  # noqa: F401
+    import llama_megatron.commands.convert  # noqa: F401  (the same imports in both modes)
+    import llama_megatron.commands.export  # noqa: F401
+    import llama_megatron.commands.reshard  # noqa: F401
     from llama_megatron.cli import main
 
     rc = 0 if sys.argv[1:] == ["--idle"] else main(sys.argv[1:])

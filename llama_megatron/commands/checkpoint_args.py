@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 from llama_megatron.checkpoint.convert import Result
 from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES
@@ -44,10 +43,6 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: INPUT/hf_config of a converted checkpoint)")
     parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-
-
-def progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def report(what: str, result: Result) -> int:

@@ -1,4 +1,5 @@
-"""Converter outputs appear whole or not at all: written into a hidden temp dir beside the target, then renamed."""
+"""Outputs appear whole or not at all: files and directories are written under a temp name beside the target,
+then renamed into place (converters, exports, checkpoint metadata, ``latest``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from llama_megatron.errors import CheckpointError
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def check_output(path: str, overwrite: bool, inputs: tuple[str, ...] = ()) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from llama_megatron.checkpoint.cli_args import add_export_arguments, parse_size, progress, report
 from llama_megatron.checkpoint.convert import to_hf
+from llama_megatron.commands.checkpoint_args import add_export_arguments, parse_size, report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,5 +14,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = to_hf(args.input, args.output, dtype=args.dtype, tag=args.tag, tokenizer=args.tokenizer,
-                   max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite, log=progress)
+                   max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite, show_progress=True)
     return report("megatron-to-hf", result)

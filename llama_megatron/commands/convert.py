@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from llama_megatron.checkpoint.cli_args import (
-    add_export_arguments,
-    add_layout_arguments,
-    parse_size,
-    progress,
-    report,
-)
 from llama_megatron.checkpoint.convert import to_hf, to_megatron
 from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES
 from llama_megatron.checkpoint.megatron_writer import DEFAULT_TAG
+from llama_megatron.commands.checkpoint_args import (
+    add_export_arguments,
+    add_layout_arguments,
+    parse_size,
+    report,
+)
 
 
 def _add_to_megatron(parser: argparse.ArgumentParser, input_flag: str, input_help: str) -> None:
@@ -42,10 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.direction == "megatron-to-hf":
         result = to_hf(args.input, args.output, dtype=args.dtype, tag=args.tag, tokenizer=args.tokenizer,
-                       max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite, log=progress)
+                       max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite, show_progress=True)
         return report(args.direction, result)
     result = to_megatron(args.input, args.output, args.tp, args.pp, divisible_by=args.divisible_by,
                          dtype=args.dtype, tag=args.tag, overwrite=args.overwrite,
                          max_position_embeddings=args.max_position_embeddings,
-                         input_format="meta" if args.direction == "meta-to-megatron" else "auto", log=progress)
+                         input_format="meta" if args.direction == "meta-to-megatron" else "auto", show_progress=True)
     return report(args.direction, result)

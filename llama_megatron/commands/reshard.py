@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from llama_megatron.checkpoint.cli_args import add_layout_arguments, progress, report
 from llama_megatron.checkpoint.convert import reshard
 from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES
 from llama_megatron.checkpoint.megatron_writer import DEFAULT_TAG
+from llama_megatron.commands.checkpoint_args import add_layout_arguments, report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,5 +24,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = reshard(args.input, args.output, args.tp, args.pp, divisible_by=args.divisible_by, tag=args.tag,
-                     out_tag=args.output_tag, dtype=args.dtype, overwrite=args.overwrite, log=progress)
+                     out_tag=args.output_tag, dtype=args.dtype, overwrite=args.overwrite, show_progress=True)
     return report("reshard", result)

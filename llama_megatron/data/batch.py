@@ -1,0 +1,58 @@
+"""What a micro batch carries through DP, TP, SP and PP: the written contract between data and model.
+
+A dataset item (any ``data.type``) is a dict of numpy arrays: ``tokens`` (seq_length + 1), and optionally
+``loss_mask`` (seq_length; 0 = the next token is not trained), ``position_ids`` and ``segment_ids``
+(seq_length; positions restart and the segment id changes where a packed document starts). :func:`collate`
+turns ``micro_batch_size`` items into a :class:`MicroBatch`:
+
+- ``input_ids`` = tokens[:-1], ``labels`` = tokens[1:] with -100 where the loss mask is 0 (ignored by the loss);
+- ``position_ids``: the item's, or 0..seq_length-1; ``segment_ids``: the item's, or None (plain causal).
+
+Data parallelism: each DP rank collates its own disjoint items (Megatron's sampler order). Tensor and sequence
+parallelism: every TP rank of a DP rank gets the same full-length micro batch; under SP the embedding output
+is what is cut into sequence shards, while positions, segments and labels stay full length (attention and the
+loss see the whole sequence). Pipeline parallelism: the first stage consumes ``(input_ids, position_ids[,
+segment_ids])``, the ids travel with the hidden states to every stage, and the last stage consumes ``labels``.
+The loss is the mean over the micro batch's unmasked tokens; micro batches are weighted equally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llama_megatron.data.sampler import collate as stack_samples
+from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    segment_ids: torch.Tensor | None = None
+
+    def to(self, device) -> MicroBatch:
+        return MicroBatch(*(None if t is None else t.to(device) for t in
+                            (self.input_ids, self.position_ids, self.labels, self.segment_ids)))
+
+    def pipeline_inputs(self) -> tuple:
+        inputs = (self.input_ids, self.position_ids)
+        if self.segment_ids is not None:
+            inputs += (self.segment_ids,)
+        return inputs, self.labels
+
+
+def collate(items: list[dict[str, np.ndarray]]) -> MicroBatch:
+    """Samples of seq+1 tokens -> inputs tokens[:-1], labels tokens[1:] (plus positions/documents if packed)."""
+    arrays = {k: torch.from_numpy(v.astype(np.int64)) for k, v in stack_samples(items).items()}
+    tokens = arrays["tokens"]
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    position_ids = arrays.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()
+    if "loss_mask" in arrays:
+        labels = labels.masked_fill(arrays["loss_mask"] == 0, IGNORE_INDEX)
+    return MicroBatch(input_ids, position_ids, labels, arrays.get("segment_ids"))

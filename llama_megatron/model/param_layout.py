@@ -1,0 +1,149 @@
+"""The model's parameters as one table: names, Hugging Face tensors and shapes, TP split, pipeline layer.
+
+Everything that needs to know what a parameter *is* reads it here: initialisation, conversion from and to HF,
+the checkpoint readers and writers, DeepSpeed's universal-checkpoint patterns, export. The parallel layers
+carry the same split on the parameter they create (``param.tp_split``); a test checks the two agree, so a new
+parameter (a LoRA adapter, say) is one new row here plus the layer that owns it.
+
+Three names per parameter:
+
+- module name, as the model registers it (PipelineModule naming): ``3.self_attn.qkv_proj.weight``, or
+  ``tied_modules.embed.word_embeddings.weight`` for a tied embedding;
+- canonical name, free of layout: ``layers.2.self_attn.qkv_proj.weight``, ``embed.weight``, ``norm.weight``,
+  ``lm_head.weight``;
+- the HF tensors it is made of, in fused order: ``model.layers.2.self_attn.{q,k,v}_proj.weight``.
+
+Pipeline layer indices (they name parameters and checkpoint files, so they never change): 0 embedding,
+1..L decoder layers, L+1 final norm, L+2 LM head (with tied embeddings the head reuses layer 0's table).
+
+Splits over TP: ``vocab`` (rows of the padded vocabulary), ``qkv`` (per KV group ``[q heads | k | v]``),
+``gate_up`` (``cat(gate[rank rows], up[rank rows])``), ``column`` (a plain block of output rows), ``row``
+(input columns), ``replicated``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llama_megatron.config import ModelConfig
+
+SPLITS = ("vocab", "qkv", "gate_up", "column", "row", "replicated")
+TIED_PREFIX = "tied_modules.embed."
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # canonical
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    split: str
+    layers: tuple[int, ...]  # pipeline layers holding it (two for a tied embedding); files live under layers[0]
+    module_name: str
+    init: str  # "normal" (N(0, initializer_range)), "ones" or "zeros"
+
+    @property
+    def layer_key(self) -> str:
+        """Key inside its pipeline layer file: the module name without the layer prefix."""
+        if self.module_name.startswith(TIED_PREFIX):
+            return self.module_name.removeprefix(TIED_PREFIX)
+        return self.module_name.split(".", 1)[1]
+
+
+def embedding_layer() -> int:
+    return 0
+
+
+def final_norm_layer(config: ModelConfig) -> int:
+    return config.num_hidden_layers + 1
+
+
+def lm_head_layer(config: ModelConfig) -> int:
+    return config.num_hidden_layers + 2
+
+
+class ParamLayout:
+    """Every parameter of the model for ``config``, in layer order."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.specs: tuple[ParamSpec, ...] = tuple(_specs(config))
+        self._by_name = {s.name: s for s in self.specs}
+        self._by_module = {s.module_name: s for s in self.specs}
+        self._by_hf = {hf: s for s in self.specs for hf in s.hf_names}
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __getitem__(self, canonical: str) -> ParamSpec:
+        try:
+            return self._by_name[canonical]
+        except KeyError:
+            raise KeyError(f"not a parameter of this model: {canonical}") from None
+
+    def for_module(self, module_name: str) -> ParamSpec:
+        try:
+            return self._by_module[module_name]
+        except KeyError:
+            raise KeyError(f"not a parameter of this model: {module_name}") from None
+
+    def for_hf(self, hf_name: str) -> ParamSpec:
+        try:
+            return self._by_hf[hf_name]
+        except KeyError:
+            raise KeyError(f"not an HF tensor of this model: {hf_name}") from None
+
+    def numel_by_layer(self) -> dict[int, int]:
+        """Elements of the full (unsharded) parameters stored under each pipeline layer index."""
+        out: dict[int, int] = {}
+        for spec in self.specs:
+            out[spec.layers[0]] = out.get(spec.layers[0], 0) + sum(math.prod(s) for s in spec.hf_shapes)
+        return out
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor the config implies (no ``lm_head.weight`` when embeddings are tied), in layer order."""
+        return {hf: shape for s in self.specs for hf, shape in zip(s.hf_names, s.hf_shapes)}
+
+
+def _specs(config: ModelConfig) -> list[ParamSpec]:
+    h, hd, ffn, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    tied = config.tie_word_embeddings
+    embed_module = f"{TIED_PREFIX}word_embeddings.weight" if tied else "0.word_embeddings.weight"
+    embed_layers = (0, lm_head_layer(config)) if tied else (0,)
+    specs = [ParamSpec("embed.weight", ("model.embed_tokens.weight",), ((vocab, h),), "vocab", embed_layers,
+                       embed_module, "normal")]
+    for i in range(config.num_hidden_layers):
+        def row(leaf: str, hf_leaves: list[str], shapes: list[tuple[int, ...]], split: str, init: str,
+                i: int = i) -> ParamSpec:
+            return ParamSpec(f"layers.{i}.{leaf}", tuple(f"model.layers.{i}.{n}" for n in hf_leaves),
+                             tuple(shapes), split, (i + 1,), f"{i + 1}.{leaf}", init)
+
+        specs.append(row("input_layernorm.weight", ["input_layernorm.weight"], [(h,)], "replicated", "ones"))
+        specs.append(row("self_attn.qkv_proj.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"],
+                         [(q_rows, h), (kv_rows, h), (kv_rows, h)], "qkv", "normal"))
+        if config.attention_bias:
+            specs.append(row("self_attn.qkv_proj.bias", [f"self_attn.{p}_proj.bias" for p in "qkv"],
+                             [(q_rows,), (kv_rows,), (kv_rows,)], "qkv", "zeros"))
+        specs.append(row("self_attn.o_proj.weight", ["self_attn.o_proj.weight"], [(h, q_rows)], "row", "normal"))
+        if config.attention_bias:
+            specs.append(row("self_attn.o_proj.bias", ["self_attn.o_proj.bias"], [(h,)], "replicated", "zeros"))
+        specs.append(row("post_attention_layernorm.weight", ["post_attention_layernorm.weight"], [(h,)],
+                         "replicated", "ones"))
+        specs.append(row("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                         [(ffn, h), (ffn, h)], "gate_up", "normal"))
+        if config.mlp_bias:
+            specs.append(row("mlp.gate_up_proj.bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"],
+                             [(ffn,), (ffn,)], "gate_up", "zeros"))
+        specs.append(row("mlp.down_proj.weight", ["mlp.down_proj.weight"], [(h, ffn)], "row", "normal"))
+        if config.mlp_bias:
+            specs.append(row("mlp.down_proj.bias", ["mlp.down_proj.bias"], [(h,)], "replicated", "zeros"))
+    norm = final_norm_layer(config)
+    specs.append(ParamSpec("norm.weight", ("model.norm.weight",), ((h,),), "replicated", (norm,),
+                           f"{norm}.norm.weight", "ones"))
+    if not tied:
+        head = lm_head_layer(config)
+        specs.append(ParamSpec("lm_head.weight", ("lm_head.weight",), ((vocab, h),), "vocab", (head,),
+                               f"{head}.lm_head.weight", "normal"))
+    return specs
+

@@ -1,0 +1,104 @@
+"""PNG of one or more runs: training loss, validation loss, learning rate and tokens/s, against step and tokens.
+
+A run directory holds ``metrics.jsonl`` (one record per logged step) and, when written by this version,
+``run.json`` (its layout and batch shape, :mod:`llama_megatron.training.setup`). The legend names each run and
+its layout; without ``run.json`` it names the directory only, and the token axis is left out for that run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from llama_megatron.errors import ConfigError
+
+PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
+          ("tokens_per_s", "tokens/s"))
+
+
+@dataclass
+class Run:
+    name: str
+    records: list[dict]
+    info: dict | None
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.info.get("seq_length") if self.info else None
+
+
+def read_run(run_dir: str) -> Run:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{run_dir} has no metrics.jsonl (is it a run's output_dir?)")
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ConfigError(f"{path}:{number}: not JSON") from None
+    info_path = os.path.join(run_dir, "run.json")
+    info = None
+    if os.path.isfile(info_path):
+        with open(info_path, encoding="utf-8") as fh:
+            info = json.load(fh)
+    return Run(os.path.basename(os.path.normpath(run_dir)), records, info)
+
+
+def legend_label(run: Run) -> str:
+    """``name (TP2 PP2 DP1 SP, ZeRO-1 bf16)``; the name alone without run.json."""
+    if not run.info:
+        return run.name
+    i = run.info
+    layout = f"TP{i['tensor']} PP{i['pipeline']} DP{i['data_parallel']}" + (" SP" if i.get("sequence_parallel") else "")
+    return f"{run.name} ({layout}, ZeRO-{i['zero_stage']} {i['precision']})"
+
+
+def plot_runs(run_dirs: list[str], output: str, x: str = "both") -> str:
+    """Write one PNG (atomically) with a panel per metric; columns: against step and/or against tokens."""
+    if x not in ("step", "tokens", "both"):
+        raise ConfigError(f"x axis must be step, tokens or both, got {x!r}")
+    runs = [read_run(d) for d in run_dirs]
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    axes_kinds = ["step", "tokens"] if x == "both" else [x]
+    fig, axes = plt.subplots(len(PANELS), len(axes_kinds), figsize=(6 * len(axes_kinds), 3 * len(PANELS)),
+                             squeeze=False)
+    for col, kind in enumerate(axes_kinds):
+        for row, (key, title) in enumerate(PANELS):
+            ax = axes[row][col]
+            for run in runs:
+                points = [(r["step"], r[key], r.get("consumed_samples")) for r in run.records if key in r]
+                if kind == "tokens":
+                    if run.tokens_per_sample is None:
+                        continue
+                    batch = run.info["global_batch_size"]
+                    xs = [(c if c is not None else s * batch) * run.tokens_per_sample for s, _, c in points]
+                else:
+                    xs = [s for s, _, _ in points]
+                if points:
+                    ax.plot(xs, [v for _, v, _ in points], marker="." if len(points) < 50 else None,
+                            label=legend_label(run))
+            ax.set_title(f"{title} vs {kind}")
+            ax.set_xlabel("tokens seen" if kind == "tokens" else "step")
+            if ax.has_data():
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    out_dir = os.path.dirname(os.path.abspath(output))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".tmp-{os.getpid()}-{os.path.basename(output)}")
+    try:
+        fig.savefig(tmp, format="png", dpi=80)
+        os.replace(tmp, output)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return output

@@ -1,0 +1,170 @@
+"""The one setup path of every command that runs the model.
+
+config -> :func:`preflight` (every check that needs no process group) -> :func:`start` (process groups, seeds,
+run logger, ``run.json``) -> :func:`load_model` (seeded init, or weights read from a checkpoint) ->
+:func:`open_session` (DeepSpeed engine, optimizer and the checkpoint's full state). ``train`` and ``evaluate``
+use the whole path; a command that needs only the model (generation, say) stops after :func:`load_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
+from llama_megatron.checkpoint.weights import load_model_weights
+from llama_megatron.errors import ConfigError
+from llama_megatron.model.build import build_model
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.launch import init_distributed
+from llama_megatron.training import checkpointing as ckpt
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.deepspeed_config import build_deepspeed_config, precision, zero_stage
+from llama_megatron.training.engine import TrainingEngine
+from llama_megatron.training.metrics import RunLogger
+
+RUN_INFO_FILE = "run.json"
+
+
+@dataclass
+class Preflight:
+    """A validated run, before any process group exists."""
+
+    config: TrainingConfig
+    world_size: int
+    ds_config: dict
+    checkpoint: CheckpointMeta | None
+    eod_id: int | None
+
+    @property
+    def weights_only(self) -> bool:
+        """Fine-tuning start: read the weights per (layer, TP rank) before DeepSpeed wraps the model, so any PP,
+        DP and ZeRO stage of this run can start from the checkpoint (ZeRO-3 files hold no weights: load fully)."""
+        return self.checkpoint is not None and self.config.checkpoint.finetune and self.checkpoint.zero_stage < 3
+
+
+@dataclass
+class Session:
+    """A started run: process groups, logger, DeepSpeed engine, and where in the data it stands."""
+
+    pre: Preflight
+    pctx: ParallelContext
+    log: RunLogger
+    engine: TrainingEngine
+    step: int
+    consumed_samples: int
+
+    @property
+    def config(self) -> TrainingConfig:
+        return self.pre.config
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_tokenizer(config: TrainingConfig) -> int | None:
+    """Tokenizer ids must fit the model's embedding table; returns its EOD id for per-document attention."""
+    if not config.tokenizer:
+        return None
+    from llama_megatron.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer.check_against_model_vocab(config.model.vocab_size)
+    return tokenizer.eos_id
+
+
+def _check_checkpoint(config: TrainingConfig) -> CheckpointMeta | None:
+    if not config.checkpoint.load:
+        return None
+    meta = read_meta(config.checkpoint.load, config.checkpoint.tag)
+    # weights-only loading reads per (layer, TP rank): any PP of this run will do
+    pipeline = meta.pipeline if config.checkpoint.finetune and meta.zero_stage < 3 else config.parallel.pipeline
+    ckpt.check_resume_layout(meta, config.parallel.tensor, pipeline, config.checkpoint.load)
+    padded = config.parallel.padded_vocab_size(config.model.vocab_size)
+    if meta.padded_vocab_size != padded:
+        raise ConfigError(
+            f"checkpoint {config.checkpoint.load}/{meta.tag} pads the vocab to {meta.padded_vocab_size}, this "
+            f"run to {padded}: set parallel.make_vocab_size_divisible_by to match, or reshard the checkpoint"
+        )
+    if meta.model != config.model.to_dict():
+        raise ConfigError(f"checkpoint {config.checkpoint.load}/{meta.tag} holds a different model config "
+                          "than this run's model section")
+    return meta
+
+
+def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = None) -> Preflight:
+    """Every check that needs no process group, so a bad setup fails in seconds with one line."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    config.check_world_size(world_size)
+    config.data.validate()
+    eod_id = _check_tokenizer(config)
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
+    return Preflight(config, world_size, ds_config, _check_checkpoint(config), eod_id)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
+    """Process groups, seeds, the rank-0 logger, and ``OUTPUT_DIR/run.json`` (the run's layout, for plots)."""
+    config = pre.config
+    init_distributed()
+    pctx = ParallelContext.build(config.parallel.tensor, config.parallel.pipeline, config.parallel.sequence_parallel)
+    _seed_everything(config.seed)
+    log = RunLogger(pctx.rank == 0, config.output_dir, config.logging.tensorboard_dir,
+                    config.logging.wandb_project, config.to_dict())
+    if pctx.rank == 0:
+        info = {"world_size": pctx.world_size, "tensor": pctx.tp_size, "pipeline": pctx.pp_size,
+                "data_parallel": pctx.dp_size, "sequence_parallel": pctx.sequence_parallel,
+                "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
+                "micro_batch_size": config.batch.micro_batch_size,
+                "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
+                "model": config.model.to_dict()}
+        with open(os.path.join(config.output_dir, RUN_INFO_FILE), "w", encoding="utf-8") as fh:
+            json.dump(info, fh, indent=2)
+    return pctx, log
+
+
+def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
+    """This rank's model: seeded initial weights, or the checkpoint's weights when fine-tuning starts from one."""
+    config = pre.config
+    model = build_model(config.model, config.parallel, pctx, seed=config.seed,
+                        activation_checkpoint_interval=config.activation_checkpointing.interval,
+                        partition_method=config.pipeline.partition_method)
+    if pre.weights_only:
+        tag_dir = os.path.join(config.checkpoint.load, pre.checkpoint.tag)
+        load_model_weights(model, tag_dir, config.model, pctx.tp_rank)
+    return model
+
+
+def open_session(config: TrainingConfig, ds_source=None) -> Session:
+    """The whole path: preflight, process groups, model and weights, DeepSpeed engine, checkpoint state."""
+    pre = preflight(config, ds_source)
+    pctx, log = start(pre)
+    meta = pre.checkpoint
+    load_tag = meta.tag if meta else None
+    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_size):
+        log.info(f"data parallel {meta.data_parallel} -> {pctx.dp_size}: loading through a universal checkpoint")
+        load_tag = ckpt.ensure_universal(config.checkpoint.load, meta.tag, pctx.rank)
+        pre.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    engine = TrainingEngine(config, pre.ds_config, pctx, load_model(pre, pctx))
+    step, consumed = 0, 0
+    if meta:
+        if not pre.weights_only:
+            ckpt.load_checkpoint(engine, config.checkpoint.load, load_tag, config.checkpoint.finetune)
+        if not config.checkpoint.finetune:
+            step, consumed = meta.step, meta.consumed_samples
+        log.info(f"loaded checkpoint {config.checkpoint.load}/{meta.tag} (step {meta.step})"
+                 + (" for fine-tuning" if config.checkpoint.finetune else ""))
+    return Session(pre, pctx, log, engine, step, consumed)

@@ -1,0 +1,94 @@
+"""The package's floors, bottom up: config/errors/progress, parallel, model, data, checkpoint, training, commands.
+
+A module may import only from its own floor or a lower one, and no two modules (or folders) import each other
+in a loop. Imports are read from the source (every ``import`` statement, also those inside functions), so a
+lazy import cannot hide a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import llama_megatron
+
+PACKAGE = os.path.dirname(llama_megatron.__file__)
+FLOORS = {  # top-level module or folder -> floor
+    "errors": 0, "config": 0, "progress": 0,
+    "parallel": 1, "model": 2, "data": 3, "checkpoint": 4, "training": 5,
+    "commands": 6, "cli": 6, "train": 7, "__main__": 7, "__init__": 0,
+}
+
+
+def _module_imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+            module = rel.removesuffix(".__init__")
+            targets = set()
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    targets.add(node.module)
+                    targets.update(f"{node.module}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.Import):
+                    targets.update(a.name for a in node.names)
+            graph[module] = {t for t in targets if t.startswith("llama_megatron.")}
+    # keep only targets that are modules (``from pkg import name`` may name a function)
+    return {m: {t for t in ts if t in graph} for m, ts in graph.items()}
+
+
+def _floor(module: str) -> int:
+    part = module.split(".")[1] if "." in module else "__init__"
+    return FLOORS[part]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_every_module_has_a_floor() -> None:
+    unknown = sorted(m for m in _module_imports() if m != "llama_megatron" and m.split(".")[1] not in FLOORS)
+    assert not unknown, f"add these to FLOORS: {unknown}"
+
+
+def test_no_module_imports_a_higher_floor() -> None:
+    upward = [f"{m} -> {t}" for m, ts in _module_imports().items() for t in ts
+              if m != "llama_megatron" and _floor(m) < _floor(t)]
+    assert not upward, "imports that go up a floor:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles_between_modules_or_folders() -> None:
+    graph = _module_imports()
+    assert _cycle(graph) is None, f"module import cycle: {' -> '.join(_cycle(graph))}"
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        src = module.split(".")[1] if "." in module else "__init__"
+        folders.setdefault(src, set()).update(t.split(".")[1] for t in targets if t.split(".")[1] != src)
+    assert _cycle(folders) is None, f"folder import cycle: {' -> '.join(_cycle(folders))}"
+
+
+def test_the_checker_sees_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -39,7 +39,7 @@ def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 6
             env.pop(key, None)
     else:
         launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        module_or_script = ["--module", entry[1]] if entry[0] == "-m" else entry
+        module_or_script = ["--module", *entry[1:]] if entry[0] == "-m" else entry
         cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), *module_or_script, *args]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:

@@ -64,10 +64,10 @@ def setup(tmp_path_factory) -> dict:
     return {"work": work, "hf_dir": hf_dir, "converted": converted, "config": path}
 
 
-def launch(setup: dict, name: str, *args: str) -> str:
+def launch(setup: dict, name: str, *args: str, entry: tuple[str, ...] = ("-m", "llama_megatron.train")) -> str:
     """4 processes under the deepspeed launcher; returns the run's output dir."""
     out = str(setup["work"] / name)
-    run_command(4, ["-m", "llama_megatron.train"], ["--config", setup["config"], "--set", f"output_dir={out}", *args])
+    run_command(4, list(entry), ["--config", setup["config"], "--set", f"output_dir={out}", *args])
     return out
 
 
@@ -110,9 +110,13 @@ def assert_trained(setup: dict, hf_out: str) -> None:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_converted_checkpoint_evaluates_like_hf(setup, sequence_parallel) -> None:
-    """TP2 x PP2 with and without sequence parallelism (sequence shards travel between the stages)."""
-    out = launch(setup, f"eval-only-sp-{sequence_parallel}", "--eval-only",
-                 f"--set=parallel.sequence_parallel={str(sequence_parallel).lower()}")
+    """TP2 x PP2 with and without sequence parallelism (sequence shards travel between the stages); once as
+    `train --eval-only`, once as the `evaluate` verb of `python -m llama_megatron` under the launcher."""
+    sp = f"--set=parallel.sequence_parallel={str(sequence_parallel).lower()}"
+    if sequence_parallel:
+        out = launch(setup, "evaluate-sp", sp, entry=("-m", "llama_megatron", "evaluate"))
+    else:
+        out = launch(setup, "eval-only", "--eval-only", sp)
     assert_close(val_loss(out)[0], hf_val_loss(setup, setup["hf_dir"]))
 
 

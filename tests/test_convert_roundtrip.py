@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zipfile
 
@@ -186,13 +187,17 @@ def test_export_loads_in_transformers_with_tokenizer(tmp_path) -> None:
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
-def test_bin_input_and_dtypes(tmp_path) -> None:
+def test_bin_input_and_dtypes(tmp_path, capsys) -> None:
     config = tiny_config(num_key_value_heads=2)
     model = hf_model(config)
     hf_dir = save_hf_bin(model, str(tmp_path / "hf"))
     ckpt = str(tmp_path / "ckpt")
     assert cli(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", ckpt, "--tp", "2", "--pp", "2",
                 "--dtype", "bf16"]) == 0
+    # the progress line: every parameter of the layout table, its bytes (bf16, all TP ranks), an ETA
+    n = len(ParamLayout(config).specs)
+    assert re.search(rf"^hf-to-megatron: {n}/{n} tensors, \S+B in [\d.]+s \| \S+B/s, ETA 0s$",
+                     capsys.readouterr().err, re.M)
     read = tensor_reader(os.path.join(ckpt, "converted"))
     assert read(ParamLayout(config)["layers.1.mlp.down_proj.weight"], 1).dtype == torch.bfloat16
     out_bf16, out_fp32 = str(tmp_path / "bf16"), str(tmp_path / "fp32")

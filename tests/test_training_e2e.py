@@ -121,7 +121,8 @@ def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
 
 
 def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None:
-    """metrics.jsonl has the documented fields; TensorBoard got events; --eval-only reproduces val_loss."""
+    """metrics.jsonl has the documented fields, run.json the layout; TensorBoard got events; `evaluate`
+    reproduces val_loss."""
     import json
 
     records = [json.loads(line) for line in open(os.path.join(reference["dir"], "metrics.jsonl"))]
@@ -132,10 +133,14 @@ def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None
     assert sorted(evaluated) == [10, 20]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(reference["dir"], "tb")))
 
-    out = str(work / "eval-only")
+    info = json.load(open(os.path.join(reference["dir"], "run.json")))
+    assert (info["tensor"], info["pipeline"], info["data_parallel"], info["zero_stage"], info["precision"],
+            info["seq_length"]) == (1, 1, 1, 0, "fp32", 32)
+
+    out = str(work / "eval-only")  # the evaluate verb through `python -m llama_megatron`
     result = launch(1, CONFIG, _common(data_prefix, out, "train.steps=20", "eval.interval=10",
                                        f"checkpoint.load={reference['dir']}/ckpt"),
-                    entry=["-m", "llama_megatron.train", "--eval-only"])
+                    entry=["-m", "llama_megatron", "evaluate"])
     assert "val loss" in result.stdout
     (record,) = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert record["step"] == 20

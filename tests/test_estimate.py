@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from dist_utils import run_distributed
 
+import llama_megatron.model.llama as llama_module
+from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config
@@ -60,7 +63,61 @@ def _measure(engine) -> dict:
             "wrapper": type(wrapper).__name__}
 
 
-def _states_worker(rank: int, world_size: int, cases: list, out_dir: str) -> None:
+def _measure_activations(config: TrainingConfig, pctx: ParallelContext, bf16: bool) -> int:
+    """Bytes autograd keeps for backward from one micro batch's forward (unique storages, parameters excluded).
+
+    Under recomputation the checkpoint keeps its span inputs (not through saved-tensor hooks, so they are
+    recorded at the call) and re-saves one span's activations during that span's backward: each span is also
+    run once more outside the checkpoint, alone, to measure that, and the largest counts.
+    """
+    model = build_model(config.model, config.parallel, pctx, seed=1,
+                        activation_checkpoint_interval=config.activation_checkpointing.interval)
+    model.train()
+    if bf16:
+        model.to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    spans = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    real_checkpoint = llama_module.checkpoint
+
+    def recording_checkpoint(fn, layers, x, **kwargs):
+        for t in x:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        outer = dict(saved)
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(layers, tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x))
+        spans[0] = max(spans[0], sum(saved.values()))
+        saved.clear()
+        saved.update(outer)
+        return real_checkpoint(fn, layers, x, **kwargs)
+
+    b, s = config.batch.micro_batch_size, config.seq_length
+    ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(s).expand(b, s).contiguous()
+    llama_module.checkpoint = recording_checkpoint
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, pos, None, ids.clone())
+    finally:
+        llama_module.checkpoint = real_checkpoint
+    loss.backward()
+    return sum(saved.values()) + spans[0]
+
+
+def _activation_estimate(config: TrainingConfig, bf16: bool, world_size: int) -> int:
+    stage = estimate(config, build_deepspeed_config(config, _ds(0, bf16), world_size), world_size).stages[0]
+    return stage.activations_per_micro_batch + stage.recompute
+
+
+def _states_worker(rank: int, world_size: int, cases: list, activation_cases: list, out_dir: str) -> None:
     from llama_megatron.parallel.launch import init_distributed
     from llama_megatron.training.engine import MicroBatch, TrainingEngine
 
@@ -78,14 +135,18 @@ def _states_worker(rank: int, world_size: int, cases: list, out_dir: str) -> Non
         engine.train_step([MicroBatch(ids, pos, ids.clone())] * config.gradient_accumulation_steps(world_size))
         results.append({"stage": pctx.pp_rank, **_measure(engine)})
         del engine
+    for overrides, bf16 in activation_cases:  # TP layouts of the activation check share this launch
+        config = _config(overrides)
+        pctx = ParallelContext.build(config.parallel.tensor, 1, config.parallel.sequence_parallel)
+        results.append({"activations": _measure_activations(config, pctx, bf16)})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
         json.dump(results, fh)
 
 
-def _run_states(tmp_path, world_size: int, cases: list) -> list[list[dict]]:
-    run_distributed(_states_worker, world_size, cases, str(tmp_path))
+def _run_states(tmp_path, world_size: int, cases: list, activation_cases: list) -> list[list[dict]]:
+    run_distributed(_states_worker, world_size, cases, activation_cases, str(tmp_path))
     per_rank = [json.load(open(tmp_path / f"rank{r}.json", encoding="utf-8")) for r in range(world_size)]
-    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases) + len(activation_cases))]
 
 
 def _check_states(cases: list, measured: list[list[dict]], world_size: int) -> list[str]:
@@ -120,11 +181,82 @@ TP2_PP2_CASES = [
 ]
 
 
-def test_states_match_deepspeed_dp2(tmp_path):
-    report = _check_states(DP2_CASES, _run_states(tmp_path, 2, DP2_CASES), 2)
+TP2_ACTIVATION_CASES = [
+    (["parallel.tensor=2"], False),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true"], False),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "activation_checkpointing.interval=1"], True),
+]
+
+
+def test_states_match_deepspeed_dp2_and_tp2_activations(tmp_path):
+    measured = _run_states(tmp_path, 2, DP2_CASES, TP2_ACTIVATION_CASES)
+    report = _check_states(DP2_CASES, measured, 2)
+    for (overrides, bf16), ranks in zip(TP2_ACTIVATION_CASES, measured[len(DP2_CASES):]):
+        want = _activation_estimate(_config(overrides), bf16, 2)
+        for got in (r["activations"] for r in ranks):
+            report.append(f"{overrides} bf16={bf16}: activations measured {got} estimate {want}")
+            assert abs(want - got) <= 0.15 * got, report[-1]
     print("\n".join(report))
 
 
 def test_states_match_deepspeed_tp2_pp2(tmp_path):
-    report = _check_states(TP2_PP2_CASES, _run_states(tmp_path, 4, TP2_PP2_CASES), 4)
+    report = _check_states(TP2_PP2_CASES, _run_states(tmp_path, 4, TP2_PP2_CASES, []), 4)
     print("\n".join(report))
+
+
+ACTIVATION_CASES = [
+    ([], False),
+    (["activation_checkpointing.interval=1"], False),
+    ([], True),
+    (["activation_checkpointing.interval=2", "batch.micro_batch_size=4", "seq_length=64"], True),
+    (ODD + ["activation_checkpointing.interval=3"], False),
+]
+
+
+@pytest.mark.parametrize("overrides,bf16", ACTIVATION_CASES)
+def test_activations_single_process(overrides, bf16):
+    config = _config(overrides)
+    got = _measure_activations(config, ParallelContext.single(), bf16)
+    want = _activation_estimate(config, bf16, 1)
+    print(f"\n{overrides} bf16={bf16}: measured {got} estimate {want} ({want / got - 1:+.1%})")
+    assert abs(want - got) <= 0.15 * got
+
+
+def _command(argv: list[str]) -> int:
+    import argparse
+
+    from llama_megatron.commands import estimate as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return command.run(parser.parse_args(argv))
+
+
+def test_command_table_and_largest_micro_batch(capsys, monkeypatch):
+    config_path = os.path.join(ROOT, "configs", "pretrain", "llama2-7b-tp2-pp2.json")
+    monkeypatch.chdir(ROOT)  # the config names its model and DeepSpeed files relative to the repository
+    assert _command(["--config", config_path, "--world-size", "8", "--gpu-memory", "40GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0 (16 layers)" in out and "stage 1 (16 layers)" in out and "largest micro batch" in out
+    config = TrainingConfig.from_file(config_path)
+    ds = build_deepspeed_config(config, config.deepspeed_config, 8, "cuda")
+    best = int(out.split("largest micro batch that fits: ")[1].split()[0])
+    assert estimate(config, ds, 8, best).peak_gpu <= 40 * 2**30
+    larger = [b for b in range(best + 1, 129) if 128 % b == 0]
+    assert estimate(config, ds, 8, larger[0]).peak_gpu > 40 * 2**30
+    # the first stage holds pp = 2 micro batches in flight, the last one
+    stages = estimate(config, ds, 8).stages
+    assert [s.in_flight for s in stages] == [2, 1] and stages[1].logits > 0 == stages[0].logits
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "3", "--set", "parallel.tensor=2"], "not divisible"),
+    (["--gpu-memory", "lots"], "--gpu-memory"),
+    (["--set", "parallel.pipeline=2", "--deepspeed-config", os.path.join(ROOT, "ds_configs", "zero2_bf16.json")],
+     "pipeline"),
+])
+def test_command_errors(argv, message):
+    from llama_megatron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _command(["--config", CONFIG, "--set", 'data={"synthetic": true}', *argv])

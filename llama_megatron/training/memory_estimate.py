@@ -184,18 +184,22 @@ def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int) -> int:
     m, t, s = config.model, config.parallel.tensor, config.seq_length
     sp = config.parallel.sequence_parallel
     h, hd = m.hidden_size, m.head_dim
-    shard = t if sp else 1
     tokens = b * s
-    # RMSNorm: fp32 input (pow) + normalised output (weight *), + fp32 rsqrt per token; two per layer
-    norms = 2 * ((4 + e) * tokens * h + 4 * tokens) // shard
-    # under SP each column-parallel layer saves its all-gathered (full sequence) input
-    gathered = 2 * e * tokens * h if sp else 0
+    norms = 2 * _norm_bytes(tokens, h, t if sp else 1, e)  # input and post-attention norms
     q_width = m.num_attention_heads * hd // t
-    # SDPA saves q, k and v (k, v repeated to the query heads), its output and a fp32 logsumexp per head
+    # SDPA saves q, k and v (k, v repeated to the query heads), its output (o_proj's input: a view, the kernel
+    # allocates it [b, s, heads, d]) and a fp32 logsumexp per head
     attention = 4 * e * tokens * q_width + 4 * tokens * m.num_attention_heads // t
     rotary = 8 * tokens * hd  # cos and sin [b, s, head_dim]: fp32, or bf16 cast once per q and k
     mlp = 4 * e * tokens * m.intermediate_size // t  # gate_up output (2f), silu output, product
-    return norms + gathered + attention + rotary + mlp
+    return norms + attention + rotary + mlp
+
+
+def _norm_bytes(tokens: int, h: int, shard: int, e: int) -> int:
+    """An RMSNorm feeding a column-parallel linear (``shard`` = TP under SP, else 1): its fp32 input (pow),
+    normalised value and fp32 rsqrt on its tokens, plus the linear's input: the norm's output, or under SP
+    the all-gathered full sequence."""
+    return ((4 + e) * tokens * h + 4 * tokens) // shard + e * tokens * h
 
 
 def _spans(kinds: list[str], interval: int, pipelined: bool) -> list[tuple[int, bool]]:
@@ -227,11 +231,10 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
             saved += count * layer
     saved += 8 * tokens if worst_span else 0  # position ids, an input of every recomputed span
     if "EmbeddingPipe" == kinds[0]:
-        saved += 8 * tokens + (3 * tokens if t > 1 else 0)  # token ids, out-of-shard masks
+        saved += 8 * tokens + (tokens if t > 1 else 0)  # token ids, the out-of-shard mask
     logits = 0
     if kinds[-1] in ("LMHeadPipe", "EmbeddingPipe") and "FinalNormPipe" in kinds:
-        saved += ((4 + e) * tokens * m.hidden_size + 4 * tokens) // (t if sp else 1)
-        saved += e * tokens * m.hidden_size if sp else 0  # the head's gathered input
+        saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e)  # final norm + the head's input
         vocab_local = config.parallel.padded_vocab_size(m.vocab_size) // t
         saved += 4 * tokens * vocab_local + 10 * tokens  # fp32 softmax kept by the vocab-parallel CE, targets
         padded = config.parallel.padded_vocab_size(m.vocab_size) > m.vocab_size

@@ -210,6 +210,7 @@ ACTIVATION_CASES = [
     ([], True),
     (["activation_checkpointing.interval=2", "batch.micro_batch_size=4", "seq_length=64"], True),
     (ODD + ["activation_checkpointing.interval=3"], False),
+    (["model.tie_word_embeddings=true"], False),
 ]
 
 

@@ -233,7 +233,7 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
     if "EmbeddingPipe" == kinds[0]:
         saved += 8 * tokens + (tokens if t > 1 else 0)  # token ids, the out-of-shard mask
     logits = 0
-    if kinds[-1] in ("LMHeadPipe", "EmbeddingPipe") and "FinalNormPipe" in kinds:
+    if "FinalNormPipe" in kinds:  # the last stage: final norm, head (own or tied table) and loss
         saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e)  # final norm + the head's input
         vocab_local = config.parallel.padded_vocab_size(m.vocab_size) // t
         saved += 4 * tokens * vocab_local + 10 * tokens  # fp32 softmax kept by the vocab-parallel CE, targets

@@ -1,0 +1,67 @@
+"""``llama-megatron estimate``: per-rank memory of a training config and the largest micro batch that fits."""
+
+from __future__ import annotations
+
+import argparse
+
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.deepspeed_config import build_deepspeed_config
+from llama_megatron.training.memory_estimate import Estimate, estimate, largest_micro_batch, parse_bytes
+
+ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
+        ("activations", "activations"), ("logits + loss", "logits")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="training JSON (model, parallel, batch, ...)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a training-config key, e.g. --set batch.micro_batch_size=2")
+    parser.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None,
+                        help="DeepSpeed JSON (overrides the training config's deepspeed_config)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="number of ranks (default: tensor x pipeline, i.e. data parallel 1)")
+    parser.add_argument("--gpu-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
+
+
+def _unit(est: Estimate) -> tuple[str, int]:
+    return ("GiB", 2**30) if est.peak_gpu >= 2**30 else ("MiB", 2**20)
+
+
+def format_table(est: Estimate) -> str:
+    lines = [f"world size {est.world_size} | data parallel {est.data_parallel} | ZeRO {est.zero} | "
+             f"{est.precision} | optimizer {est.optimizer_wrapper} | micro batch {est.micro_batch_size} x "
+             f"{est.micro_batches} per step", f"{_unit(est)[0]} per rank (GPU; CPU where offloaded)"]
+    scale = _unit(est)[1]
+    header = f"{'':18}" + "".join(f"{f'stage {s.stage} ({s.decoder_layers} layers)':>24}" for s in est.stages)
+    lines.append(header)
+    for label, attr in ROWS:
+        cells = []
+        for s in est.stages:
+            cpu = getattr(s, f"cpu_{attr}", 0)
+            cpu_cell = f" +cpu {cpu / scale:.3f}" if cpu else ""
+            cells.append(f"{f'{getattr(s, attr) / scale:.3f}{cpu_cell}':>24}")
+        lines.append(f"{label:18}" + "".join(cells))
+    lines.append(f"{'  micro batches':18}" + "".join(f"{s.in_flight:>24}" for s in est.stages))
+    lines.append(f"{'total GPU':18}" + "".join(f"{s.gpu_total / scale:>24.3f}" for s in est.stages))
+    if any(s.cpu_total for s in est.stages):
+        lines.append(f"{'total CPU':18}" + "".join(f"{s.cpu_total / scale:>24.3f}" for s in est.stages))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = TrainingConfig.from_file(args.config, args.overrides)
+    world = args.world_size or config.parallel.tensor * config.parallel.pipeline
+    budget = parse_bytes(args.gpu_memory)
+    # "cuda" so fp16 configs (refused on a CPU *run*) can still be estimated for the GPUs they are meant for
+    ds = build_deepspeed_config(config, args.deepspeed_config or config.deepspeed_config, world, "cuda")
+    est = estimate(config, ds, world)
+    print(format_table(est))
+    best = largest_micro_batch(config, ds, world, budget)
+    verdict = "fits" if est.peak_gpu <= budget else "does NOT fit"
+    print(f"peak {est.peak_gpu / 2**30:.3f} GiB per GPU {verdict} in {args.gpu_memory}")
+    if best is None:
+        print("no micro batch fits (global batch kept; micro batch must divide global_batch / data parallel)")
+    else:
+        print(f"largest micro batch that fits: {best} (keeping global batch {config.batch.global_batch_size}; "
+              "micro batch divides global_batch / data parallel)")
+    return 0

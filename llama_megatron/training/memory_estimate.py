@@ -1,0 +1,306 @@
+"""Per-rank memory of a training run, from its configs alone: model states and activations per pipeline stage.
+
+Model states follow what DeepSpeed 0.19.8 allocates (checked against real engines in tests/test_estimate.py):
+
+* ZeRO-1/2 and BF16_Optimizer flatten every parameter group into one buffer padded to a multiple of
+  2 x DP (``nccl_start_alignment_factor``); the parameters become views of it and each DP rank owns 1/DP of it
+  as an fp32 master copy with Adam's exp_avg and exp_avg_sq.
+* ZeRO-3 splits every parameter into ceil(numel / DP) elements per rank; parameters with at most
+  ``stage3_param_persistence_threshold`` elements also stay whole (padded to a multiple of DP) on every rank
+  after the first forward.
+* ZeRO-0 runs the torch optimizer on the parameters themselves (fp32), or on an fp32 copy (bf16/fp16).
+
+Activations count the tensors autograd saves for backward in this repository's layers (SDPA attention path).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from llama_megatron.config import ModelConfig
+from llama_megatron.errors import ConfigError
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.deepspeed_config import precision, zero_stage
+
+GiB = 1024**3
+_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class StageEstimate:
+    """Bytes on one rank of pipeline stage ``stage`` (every TP and DP rank of a stage is alike)."""
+
+    stage: int
+    decoder_layers: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations_per_micro_batch: int
+    in_flight: int
+    recompute: int  # one recomputed span's activations, alive during its backward (once per stage)
+    logits: int
+    cpu_parameters: int = 0
+    cpu_gradients: int = 0
+    cpu_optimizer: int = 0
+
+    @property
+    def activations(self) -> int:
+        return self.activations_per_micro_batch * self.in_flight + self.recompute
+
+    @property
+    def gpu_total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits
+
+    @property
+    def cpu_total(self) -> int:
+        return self.cpu_parameters + self.cpu_gradients + self.cpu_optimizer
+
+
+@dataclass
+class Estimate:
+    world_size: int
+    data_parallel: int
+    zero: int
+    precision: str
+    optimizer_wrapper: str
+    micro_batch_size: int
+    micro_batches: int
+    stages: list[StageEstimate] = field(default_factory=list)
+
+    @property
+    def peak_gpu(self) -> int:
+        return max(s.gpu_total for s in self.stages)
+
+
+@dataclass
+class _Layer:
+    """One entry of the model's layer list (see llama_megatron/model/llama.py) with its per-TP-rank sizes."""
+
+    kind: str  # EmbeddingPipe, DecoderLayerPipe, FinalNormPipe, LMHeadPipe
+    params: list[tuple[int, bool]]  # (numel, decayed: a matrix, not a norm or bias) per parameter
+
+
+def _layers(model: ModelConfig, padded_vocab: int, tp: int) -> list[_Layer]:
+    h, hd = model.hidden_size, model.head_dim
+    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * hd // tp
+    ffn = model.intermediate_size // tp
+    decoder = [(h, False), (h, False), (qkv * h, True), (h * model.num_attention_heads * hd // tp, True),
+               (2 * ffn * h, True), (h * ffn, True)]
+    if model.attention_bias:
+        decoder += [(qkv, False), (h, False)]
+    if model.mlp_bias:
+        decoder += [(2 * ffn, False), (h, False)]
+    table = [(padded_vocab // tp * h, True)]
+    head = _Layer("EmbeddingPipe", table) if model.tie_word_embeddings else _Layer("LMHeadPipe", table)
+    return ([_Layer("EmbeddingPipe", table)] + [_Layer("DecoderLayerPipe", decoder)] * model.num_hidden_layers
+            + [_Layer("FinalNormPipe", [(h, False)]), head])
+
+
+def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:
+    """DeepSpeed PipelineModule's own partitioning of the layer list over ``pp`` stages."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    method = method.lower()
+    if method == "uniform":
+        return partition_uniform(num_items=len(layers), num_parts=pp)
+    if method == "parameters":
+        return partition_balanced(weights=[sum(n for n, _ in layer.params) for layer in layers], num_parts=pp)
+    if method.startswith("type:"):
+        pattern = re.compile(method[5:], re.IGNORECASE)
+        return partition_balanced(weights=[1 if pattern.search(layer.kind) else 0 for layer in layers], num_parts=pp)
+    raise ConfigError(f"pipeline.partition_method {method!r}: estimate knows uniform, parameters and type:REGEX")
+
+
+def optimizer_wrapper(ds: dict, pp: int) -> str:
+    """The optimizer DeepSpeed's engine picks (``_do_optimizer_sanity_check``)."""
+    prec, stage = precision(ds), zero_stage(ds)
+    accum = ds.get("data_types", {}).get("grad_accum_dtype")
+    accum_fp32 = accum in ("fp32", "float32", "float")
+    offload = _offload(ds, "offload_optimizer")
+    if stage >= 1:
+        return "bf16" if prec == "bf16" and accum_fp32 and stage == 1 and not offload else f"zero{stage}"
+    if prec == "fp32":
+        return "basic"
+    if accum_fp32:
+        raise ConfigError(f"DeepSpeed refuses ZeRO-0 with {prec} parameters and fp32 gradient accumulation: "
+                          "use ZeRO-1")
+    return "bf16" if prec == "bf16" and pp > 1 else "fp16_wrapper"
+
+
+def _offload(ds: dict, key: str) -> bool:
+    return ds.get("zero_optimization", {}).get(key, {}).get("device") in ("cpu", "nvme")
+
+
+def _aligned(numel: int, dp: int) -> int:
+    """A flat group padded to a multiple of 2 x DP (DeepSpeed's nccl_start_alignment_factor)."""
+    return math.ceil(numel / (2 * dp)) * 2 * dp
+
+
+def _states(params: list[tuple[int, bool]], ds: dict, wrapper: str, dp: int, e: int) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes of one rank holding ``params``; keys with a ``cpu_`` prefix."""
+    groups = [sum(n for n, decay in params if decay), sum(n for n, decay in params if not decay)]
+    groups = [g for g in groups if g]  # DeepSpeed drops empty parameter groups
+    total = sum(groups)
+    zero = ds.get("zero_optimization", {})
+    out = dict.fromkeys(("parameters", "gradients", "optimizer", "cpu_parameters", "cpu_gradients",
+                         "cpu_optimizer"), 0)
+    opt = "cpu_optimizer" if _offload(ds, "offload_optimizer") else "optimizer"
+    if wrapper == "basic":  # torch AdamW on the fp32 parameters: exp_avg + exp_avg_sq
+        out.update(parameters=4 * total, gradients=4 * total, optimizer=8 * total)
+    elif wrapper == "fp16_wrapper":  # whole fp32 master copy and its gradients, Adam on top
+        out.update(parameters=e * total, gradients=(e + 4) * total, optimizer=12 * total)
+    elif wrapper in ("bf16", "zero1", "zero2"):
+        flat = sum(_aligned(g, dp) for g in groups)
+        out["parameters"] = e * flat
+        out[opt] = 12 * flat // dp  # fp32 master partition + exp_avg + exp_avg_sq
+        if wrapper == "bf16":  # fp32 gradient accumulation buffer over the whole flat group
+            out["gradients"] = 4 * flat
+        else:  # ZeRO-1 keeps whole gradients, ZeRO-2 its partition; both stage reductions in buckets
+            buckets = (2 if zero.get("overlap_comm") else 1) * int(zero.get("reduce_bucket_size", 5e8))
+            kept = flat if wrapper == "zero1" else flat // dp
+            out["gradients"] = e * (kept + min(buckets, flat))
+            out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * flat // dp
+    else:  # zero3
+        part = sum(math.ceil(n / dp) for n, _ in params)
+        threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
+        budget = int(zero.get("stage3_model_persistence_threshold", 2**63 - 1))
+        persistent, counted = 0, 0
+        for n, _ in params:  # DeepSpeed's mark_persistent_parameters, in parameter order
+            if n <= threshold and counted + n <= budget:
+                counted += n
+                persistent += math.ceil(n / dp) * dp  # gathered into a DP-padded buffer
+        out["cpu_parameters" if _offload(ds, "offload_param") else "parameters"] = e * part
+        out["parameters"] += e * persistent
+        out[opt] = 12 * part
+        out["gradients"] = e * part
+        out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * part
+    return out
+
+
+def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int) -> int:
+    """Saved-for-backward bytes of one decoder layer, per TP rank (llama_megatron/model/*.py, SDPA path)."""
+    m, t, s = config.model, config.parallel.tensor, config.seq_length
+    sp = config.parallel.sequence_parallel
+    h, hd = m.hidden_size, m.head_dim
+    tokens = b * s
+    norms = 2 * _norm_bytes(tokens, h, t if sp else 1, e)  # input and post-attention norms
+    q_width = m.num_attention_heads * hd // t
+    # SDPA saves q, k and v (k, v repeated to the query heads), its output (o_proj's input: a view, the kernel
+    # allocates it [b, s, heads, d]) and a fp32 logsumexp per head
+    attention = 4 * e * tokens * q_width + 4 * tokens * m.num_attention_heads // t
+    rotary = 8 * tokens * hd  # cos and sin [b, s, head_dim]: fp32, or bf16 cast once per q and k
+    mlp = 4 * e * tokens * m.intermediate_size // t  # gate_up output (2f), silu output, product
+    return norms + attention + rotary + mlp
+
+
+def _norm_bytes(tokens: int, h: int, shard: int, e: int) -> int:
+    """An RMSNorm feeding a column-parallel linear (``shard`` = TP under SP, else 1): its fp32 input (pow),
+    normalised value and fp32 rsqrt on its tokens, plus the linear's input: the norm's output, or under SP
+    the all-gathered full sequence."""
+    return ((4 + e) * tokens * h + 4 * tokens) // shard + e * tokens * h
+
+
+def _spans(kinds: list[str], interval: int, pipelined: bool) -> list[tuple[int, bool]]:
+    """(decoder layers, recomputed) per checkpoint span, as PipelineModule / LlamaCausalLM form them."""
+    if not interval:
+        return [(kinds.count("DecoderLayerPipe"), False)]
+    if pipelined:  # PipelineModule: fixed windows of `interval` layers; recomputed when all are decoder layers
+        windows = [kinds[i:i + interval] for i in range(0, len(kinds), interval)]
+        return [(w.count("DecoderLayerPipe"), all(k == "DecoderLayerPipe" for k in w)) for w in windows]
+    n = kinds.count("DecoderLayerPipe")  # LlamaCausalLM: runs of `interval` decoder layers
+    return [(min(interval, n - i), True) for i in range(0, n, interval)]
+
+
+def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
+                 pipelined: bool) -> tuple[int, int, int]:
+    """Bytes on a stage with ``kinds`` for one micro batch: (saved for backward, recomputed span, logits/loss)."""
+    m, t, s = config.model, config.parallel.tensor, config.seq_length
+    sp = config.parallel.sequence_parallel
+    tokens = b * s
+    hidden_local = tokens * m.hidden_size // (t if sp else 1)
+    layer = _decoder_layer_bytes(config, b, e)
+    saved = 0
+    worst_span = 0
+    for count, recomputed in _spans(kinds, config.activation_checkpointing.interval, pipelined):
+        if recomputed:  # the span's input stays; its layers' activations exist again during its backward
+            saved += e * hidden_local
+            worst_span = max(worst_span, count * layer)
+        else:
+            saved += count * layer
+    saved += 8 * tokens if worst_span else 0  # position ids, an input of every recomputed span
+    if "EmbeddingPipe" == kinds[0]:
+        saved += 8 * tokens + (tokens if t > 1 else 0)  # token ids, the out-of-shard mask
+    logits = 0
+    if "FinalNormPipe" in kinds:  # the last stage: final norm, head (own or tied table) and loss
+        saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e)  # final norm + the head's input
+        vocab_local = config.parallel.padded_vocab_size(m.vocab_size) // t
+        saved += 4 * tokens * vocab_local + 10 * tokens  # fp32 softmax kept by the vocab-parallel CE, targets
+        padded = config.parallel.padded_vocab_size(m.vocab_size) > m.vocab_size
+        # logits (kept by the pipeline engine until backward) + the CE's transient fp32 copies: cast (bf16),
+        # padding clone and shifted logits
+        logits = tokens * vocab_local * (e + 4 + (4 if e != 4 else 0) + (4 if padded else 0))
+    if pipelined:  # payload buffers DeepSpeed keeps per in-flight micro batch
+        partitioned = t > 1 and not sp and config.parallel.pipeline > 1
+        if kinds[0] != "EmbeddingPipe" and not partitioned:
+            saved += e * hidden_local + 8 * tokens  # received input (the forward runs on a clone)
+        if "FinalNormPipe" not in kinds:
+            saved += e * hidden_local // (t if partitioned else 1) + 8 * tokens  # sent output
+    return saved, worst_span, logits
+
+
+def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size: int | None = None) -> Estimate:
+    """Per-stage bytes of one rank; ``ds`` is the built DeepSpeed config (build_deepspeed_config)."""
+    par = config.parallel
+    tp, pp = par.tensor, par.pipeline
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
+    dp = world_size // (tp * pp)
+    b = micro_batch_size or config.batch.micro_batch_size
+    if config.batch.global_batch_size % (b * dp):
+        raise ConfigError(f"batch.global_batch_size {config.batch.global_batch_size} is not divisible by "
+                          f"micro batch {b} x data parallel {dp}")
+    micro_batches = config.batch.global_batch_size // (b * dp)
+    prec = precision(ds)
+    e = _ELEMENT[prec]
+    wrapper = optimizer_wrapper(ds, pp)
+    layers = _layers(config.model, par.padded_vocab_size(config.model.vocab_size), tp)
+    bounds = [0, len(layers)] if pp == 1 else _stage_bounds(layers, pp, config.pipeline.partition_method)
+    result = Estimate(world_size, dp, zero_stage(ds), prec, wrapper, b, micro_batches)
+    for stage in range(pp):
+        mine = layers[bounds[stage]:bounds[stage + 1]]
+        if pp == 1 and config.model.tie_word_embeddings:
+            mine = mine[:-1]  # one shared table in a single-stage model
+        params = [p for layer in mine for p in layer.params]
+        kinds = [layer.kind for layer in mine]
+        saved, recompute, logits = _activations(config, kinds, b, e, pp > 1)
+        result.stages.append(StageEstimate(
+            stage=stage, decoder_layers=kinds.count("DecoderLayerPipe"),
+            activations_per_micro_batch=saved, in_flight=min(pp - stage, micro_batches), recompute=recompute,
+            logits=logits,
+            **_states(params, ds, wrapper, dp, e)))
+    return result
+
+
+def largest_micro_batch(config: TrainingConfig, ds: dict, world_size: int, gpu_bytes: int) -> int | None:
+    """The largest micro batch dividing global_batch / DP (so the global batch stays) whose peak fits."""
+    dp = world_size // (config.parallel.tensor * config.parallel.pipeline)
+    per_rank = config.batch.global_batch_size // dp
+    for b in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+        if estimate(config, ds, world_size, b).peak_gpu <= gpu_bytes:
+            return b
+    return None
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``512MiB``, ``1e9``: bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in units:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB or 40GB")
+    try:
+        return int(float(match.group(1)) * units[match.group(2).lower()])
+    except ValueError:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB or 40GB") from None

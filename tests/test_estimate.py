@@ -1,0 +1,263 @@
+"""`llama-megatron estimate` against what real DeepSpeed engines and real autograd hold.
+
+Model states: real engines (TrainingEngine under real gloo process groups, one optimizer step) for ZeRO-0..3 at
+DP2 and TP2 x PP2 ZeRO-1; every case of a world size shares one launch. Activations: the storages autograd saves
+during one micro batch's forward (saved_tensors_hooks), with and without recomputation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+import llama_megatron.model.llama as llama_module
+from llama_megatron.model.build import build_model
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.deepspeed_config import build_deepspeed_config
+from llama_megatron.training.memory_estimate import estimate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+# odd sizes so ZeRO's padding shows: 63-wide norms, an 8127-element down projection
+ODD = ["model.hidden_size=63", "model.num_attention_heads=3", "model.num_key_value_heads=3", "model.head_dim=22",
+       "model.intermediate_size=129"]
+ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 10000}  # the embedding and head get partitioned
+
+
+def _config(overrides: list[str]) -> TrainingConfig:
+    return TrainingConfig.from_file(CONFIG, ["data={\"synthetic\": true}", "tokenizer=null", *overrides])
+
+
+def _ds(stage: int | dict, bf16: bool = False) -> dict:
+    zero = stage if isinstance(stage, dict) else {"stage": stage}
+    return {"zero_optimization": zero, "bf16": {"enabled": bf16}}
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _measure(engine) -> dict:
+    """Bytes of the parameters this rank holds and of its optimizer states (fp32 master + Adam)."""
+    params = list(engine.model.parameters())
+    held = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")] + [p.data for p in params]
+    wrapper = engine.optimizer
+    basic = getattr(wrapper, "optimizer", wrapper)
+    masters = []
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+                 "fp32_groups_flat"):
+        masters += list(getattr(wrapper, name, None) or [])
+    # Adam's scalar `step` tensors (4 bytes per parameter tensor) are left out: not model-sized state
+    adam = [v for state in basic.state.values() for k, v in state.items() if torch.is_tensor(v) and k != "step"]
+    return {"parameters": _storage_bytes(held), "optimizer": _storage_bytes(masters + adam),
+            "wrapper": type(wrapper).__name__}
+
+
+def _measure_activations(config: TrainingConfig, pctx: ParallelContext, bf16: bool) -> int:
+    """Bytes autograd keeps for backward from one micro batch's forward (unique storages, parameters excluded).
+
+    Under recomputation the checkpoint keeps its span inputs (not through saved-tensor hooks, so they are
+    recorded at the call) and re-saves one span's activations during that span's backward: each span is also
+    run once more outside the checkpoint, alone, to measure that, and the largest counts.
+    """
+    model = build_model(config.model, config.parallel, pctx, seed=1,
+                        activation_checkpoint_interval=config.activation_checkpointing.interval)
+    model.train()
+    if bf16:
+        model.to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    spans = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    real_checkpoint = llama_module.checkpoint
+
+    def recording_checkpoint(fn, layers, x, **kwargs):
+        for t in x:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        outer = dict(saved)
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(layers, tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x))
+        spans[0] = max(spans[0], sum(saved.values()))
+        saved.clear()
+        saved.update(outer)
+        return real_checkpoint(fn, layers, x, **kwargs)
+
+    b, s = config.batch.micro_batch_size, config.seq_length
+    ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(s).expand(b, s).contiguous()
+    llama_module.checkpoint = recording_checkpoint
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, pos, None, ids.clone())
+    finally:
+        llama_module.checkpoint = real_checkpoint
+    loss.backward()
+    return sum(saved.values()) + spans[0]
+
+
+def _activation_estimate(config: TrainingConfig, bf16: bool, world_size: int) -> int:
+    stage = estimate(config, build_deepspeed_config(config, _ds(0, bf16), world_size), world_size).stages[0]
+    return stage.activations_per_micro_batch + stage.recompute
+
+
+def _states_worker(rank: int, world_size: int, cases: list, activation_cases: list, out_dir: str) -> None:
+    from llama_megatron.parallel.launch import init_distributed
+    from llama_megatron.training.engine import MicroBatch, TrainingEngine
+
+    init_distributed()
+    results = []
+    for overrides, ds_source in cases:
+        config = _config(overrides)
+        ds = build_deepspeed_config(config, ds_source, world_size)
+        pctx = ParallelContext.build(config.parallel.tensor, config.parallel.pipeline,
+                                     config.parallel.sequence_parallel)
+        engine = TrainingEngine(config, ds, pctx)
+        b, s = config.batch.micro_batch_size, config.seq_length
+        ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+        pos = torch.arange(s).expand(b, s).contiguous()
+        engine.train_step([MicroBatch(ids, pos, ids.clone())] * config.gradient_accumulation_steps(world_size))
+        results.append({"stage": pctx.pp_rank, **_measure(engine)})
+        del engine
+    for overrides, bf16 in activation_cases:  # TP layouts of the activation check share this launch
+        config = _config(overrides)
+        pctx = ParallelContext.build(config.parallel.tensor, 1, config.parallel.sequence_parallel)
+        results.append({"activations": _measure_activations(config, pctx, bf16)})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
+        json.dump(results, fh)
+
+
+def _run_states(tmp_path, world_size: int, cases: list, activation_cases: list) -> list[list[dict]]:
+    run_distributed(_states_worker, world_size, cases, activation_cases, str(tmp_path))
+    per_rank = [json.load(open(tmp_path / f"rank{r}.json", encoding="utf-8")) for r in range(world_size)]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases) + len(activation_cases))]
+
+
+def _check_states(cases: list, measured: list[list[dict]], world_size: int) -> list[str]:
+    report = []
+    for (overrides, ds_source), ranks in zip(cases, measured):
+        config = _config(overrides)
+        est = estimate(config, build_deepspeed_config(config, ds_source, world_size), world_size)
+        for got in ranks:
+            stage = est.stages[got["stage"]]
+            want = {"parameters": stage.parameters + stage.cpu_parameters,
+                    "optimizer": stage.optimizer + stage.cpu_optimizer}
+            line = (f"{overrides} {ds_source} stage {got['stage']} ({got['wrapper']}): parameters "
+                    f"{got['parameters']} vs {want['parameters']}, optimizer {got['optimizer']} vs {want['optimizer']}")
+            report.append(line)
+            assert got["parameters"] == want["parameters"] and got["optimizer"] == want["optimizer"], line
+    return report
+
+
+DP2_CASES = [
+    ([], _ds(0)),
+    ([], _ds(1)),
+    ([], _ds(2)),
+    ([], _ds(ZERO3)),
+    ([], _ds(2, bf16=True)),
+    (["model.tie_word_embeddings=true"], _ds(1)),
+    (ODD, _ds(1)),
+    (ODD, _ds(ZERO3)),
+]
+TP2_PP2_CASES = [
+    (["parallel.tensor=2", "parallel.pipeline=2"], _ds(1)),
+    (["parallel.tensor=2", "parallel.pipeline=2", "model.tie_word_embeddings=true"], _ds(1, bf16=True)),
+]
+
+
+TP2_ACTIVATION_CASES = [
+    (["parallel.tensor=2"], False),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true"], False),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "activation_checkpointing.interval=1"], True),
+]
+
+
+def test_states_match_deepspeed_dp2_and_tp2_activations(tmp_path):
+    measured = _run_states(tmp_path, 2, DP2_CASES, TP2_ACTIVATION_CASES)
+    report = _check_states(DP2_CASES, measured, 2)
+    for (overrides, bf16), ranks in zip(TP2_ACTIVATION_CASES, measured[len(DP2_CASES):]):
+        want = _activation_estimate(_config(overrides), bf16, 2)
+        for got in (r["activations"] for r in ranks):
+            report.append(f"{overrides} bf16={bf16}: activations measured {got} estimate {want}")
+            assert abs(want - got) <= 0.15 * got, report[-1]
+    print("\n".join(report))
+
+
+def test_states_match_deepspeed_tp2_pp2(tmp_path):
+    report = _check_states(TP2_PP2_CASES, _run_states(tmp_path, 4, TP2_PP2_CASES, []), 4)
+    print("\n".join(report))
+
+
+ACTIVATION_CASES = [
+    ([], False),
+    (["activation_checkpointing.interval=1"], False),
+    ([], True),
+    (["activation_checkpointing.interval=2", "batch.micro_batch_size=4", "seq_length=64"], True),
+    (ODD + ["activation_checkpointing.interval=3"], False),
+    (["model.tie_word_embeddings=true"], False),
+]
+
+
+@pytest.mark.parametrize("overrides,bf16", ACTIVATION_CASES)
+def test_activations_single_process(overrides, bf16):
+    config = _config(overrides)
+    got = _measure_activations(config, ParallelContext.single(), bf16)
+    want = _activation_estimate(config, bf16, 1)
+    print(f"\n{overrides} bf16={bf16}: measured {got} estimate {want} ({want / got - 1:+.1%})")
+    assert abs(want - got) <= 0.15 * got
+
+
+def _command(argv: list[str]) -> int:
+    import argparse
+
+    from llama_megatron.commands import estimate as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return command.run(parser.parse_args(argv))
+
+
+def test_command_table_and_largest_micro_batch(capsys, monkeypatch):
+    config_path = os.path.join(ROOT, "configs", "pretrain", "llama2-7b-tp2-pp2.json")
+    monkeypatch.chdir(ROOT)  # the config names its model and DeepSpeed files relative to the repository
+    assert _command(["--config", config_path, "--world-size", "8", "--gpu-memory", "40GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0 (16 layers)" in out and "stage 1 (16 layers)" in out and "largest micro batch" in out
+    config = TrainingConfig.from_file(config_path)
+    ds = build_deepspeed_config(config, config.deepspeed_config, 8, "cuda")
+    best = int(out.split("largest micro batch that fits: ")[1].split()[0])
+    assert estimate(config, ds, 8, best).peak_gpu <= 40 * 2**30
+    larger = [b for b in range(best + 1, 129) if 128 % b == 0]
+    assert estimate(config, ds, 8, larger[0]).peak_gpu > 40 * 2**30
+    # the first stage holds pp = 2 micro batches in flight, the last one
+    stages = estimate(config, ds, 8).stages
+    assert [s.in_flight for s in stages] == [2, 1] and stages[1].logits > 0 == stages[0].logits
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "3", "--set", "parallel.tensor=2"], "not divisible"),
+    (["--gpu-memory", "lots"], "--gpu-memory"),
+    (["--set", "parallel.pipeline=2", "--deepspeed-config", os.path.join(ROOT, "ds_configs", "zero2_bf16.json")],
+     "pipeline"),
+])
+def test_command_errors(argv, message):
+    from llama_megatron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _command(["--config", CONFIG, "--set", 'data={"synthetic": true}', *argv])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from llama_megatron.commands.train import add_config_arguments
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config
 from llama_megatron.training.memory_estimate import Estimate, estimate, largest_micro_batch, parse_bytes
@@ -13,11 +14,7 @@ ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer st
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="training JSON (model, parallel, batch, ...)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a training-config key, e.g. --set batch.micro_batch_size=2")
-    parser.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None,
-                        help="DeepSpeed JSON (overrides the training config's deepspeed_config)")
+    add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, default=None,
                         help="number of ranks (default: tensor x pipeline, i.e. data parallel 1)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
@@ -51,6 +48,7 @@ def format_table(est: Estimate) -> str:
 def run(args: argparse.Namespace) -> int:
     config = TrainingConfig.from_file(args.config, args.overrides)
     world = args.world_size or config.parallel.tensor * config.parallel.pipeline
+    config.check_world_size(world)
     budget = parse_bytes(args.gpu_memory)
     # "cuda" so fp16 configs (refused on a CPU *run*) can still be estimated for the GPUs they are meant for
     ds = build_deepspeed_config(config, args.deepspeed_config or config.deepspeed_config, world, "cuda")

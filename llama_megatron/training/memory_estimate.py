@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
-from llama_megatron.training.config import TrainingConfig
+from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.model.tp_slicing import shard_shape
+from llama_megatron.training.config import BatchConfig, TrainingConfig
 from llama_megatron.training.deepspeed_config import precision, zero_stage
 
 GiB = 1024**3
@@ -83,19 +85,16 @@ class _Layer:
 
 
 def _layers(model: ModelConfig, padded_vocab: int, tp: int) -> list[_Layer]:
-    h, hd = model.hidden_size, model.head_dim
-    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * hd // tp
-    ffn = model.intermediate_size // tp
-    decoder = [(h, False), (h, False), (qkv * h, True), (h * model.num_attention_heads * hd // tp, True),
-               (2 * ffn * h, True), (h * ffn, True)]
-    if model.attention_bias:
-        decoder += [(qkv, False), (h, False)]
-    if model.mlp_bias:
-        decoder += [(2 * ffn, False), (h, False)]
-    table = [(padded_vocab // tp * h, True)]
-    head = _Layer("EmbeddingPipe", table) if model.tie_word_embeddings else _Layer("LMHeadPipe", table)
-    return ([_Layer("EmbeddingPipe", table)] + [_Layer("DecoderLayerPipe", decoder)] * model.num_hidden_layers
-            + [_Layer("FinalNormPipe", [(h, False)]), head])
+    """The pipeline layer list with each layer's per-TP-rank parameters, from the parameter layout table."""
+    n = model.num_hidden_layers
+    head = "EmbeddingPipe" if model.tie_word_embeddings else "LMHeadPipe"
+    kinds = ["EmbeddingPipe"] + ["DecoderLayerPipe"] * n + ["FinalNormPipe", head]
+    params: list[list[tuple[int, bool]]] = [[] for _ in kinds]
+    for spec in ParamLayout(model):
+        shape = shard_shape(spec, model, tp, padded_vocab)
+        for index in spec.layers:  # a tied table sits on both end layers
+            params[index].append((math.prod(shape), len(shape) >= 2))  # matrices are weight-decayed
+    return [_Layer(kind, layer_params) for kind, layer_params in zip(kinds, params)]
 
 
 def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:
@@ -254,14 +253,14 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     """Per-stage bytes of one rank; ``ds`` is the built DeepSpeed config (build_deepspeed_config)."""
     par = config.parallel
     tp, pp = par.tensor, par.pipeline
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
-    dp = world_size // (tp * pp)
+    par.check_world_size(world_size)
+    dp = config.data_parallel_size(world_size)
     b = micro_batch_size or config.batch.micro_batch_size
-    if config.batch.global_batch_size % (b * dp):
-        raise ConfigError(f"batch.global_batch_size {config.batch.global_batch_size} is not divisible by "
+    batch = BatchConfig(b, config.batch.global_batch_size)
+    if batch.global_batch_size % (b * dp):
+        raise ConfigError(f"batch.global_batch_size {batch.global_batch_size} is not divisible by "
                           f"micro batch {b} x data parallel {dp}")
-    micro_batches = config.batch.global_batch_size // (b * dp)
+    micro_batches = batch.accumulation_steps(dp)
     prec = precision(ds)
     e = _ELEMENT[prec]
     wrapper = optimizer_wrapper(ds, pp)

@@ -15,6 +15,7 @@ from model_utils import LLAMA3_ROPE, hf_model, tiny_config
 
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
+from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
 from llama_megatron.parallel.context import ParallelContext
@@ -40,7 +41,8 @@ def _gather_shards(t: torch.Tensor, pctx: ParallelContext) -> list[torch.Tensor]
     return out
 
 
-def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
+def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kernels: Kernels = REFERENCE,
+                 grad_tol: dict = GRAD_TOL) -> None:
     config = tiny_config(**overrides)
     parallel = ParallelConfig(tensor=pctx.tp_size, sequence_parallel=pctx.sequence_parallel,
                               make_vocab_size_divisible_by=8)
@@ -53,10 +55,11 @@ def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
     ref = hf(input_ids=ids, labels=labels)
     ref.loss.backward()
 
-    model = build_model(config, parallel, pctx, initialize=False)
+    model = build_model(config, parallel, pctx, initialize=False, kernels=kernels)
     model.load_state_dict(hf_to_rank_state_dict(hf.state_dict(), config, pctx.tp_rank, pctx.tp_size, padded))
     local_logits = model(ids)
-    loss = model.loss_fn(local_logits[:, :-1], labels[:, 1:])
+    next_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # HF's shift
+    loss = model(ids, labels=next_labels)
     loss.backward()
 
     logits = model.full_logits(local_logits).detach()
@@ -73,7 +76,7 @@ def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
         if spec.split == "vocab":
             assert not torch.cat(shards)[config.vocab_size:].any(), "padded vocab rows got gradient"
         for hf_name, merged in merge_shards(spec, shards, config).items():
-            torch.testing.assert_close(merged, hf_grads[hf_name], **GRAD_TOL, msg=lambda m, n=hf_name: f"{n}: {m}")
+            torch.testing.assert_close(merged, hf_grads[hf_name], **grad_tol, msg=lambda m, n=hf_name: f"{n}: {m}")
 
 
 def _parity_worker(rank: int, world_size: int) -> None:

@@ -2,7 +2,7 @@
 
 Sections: model (path to a preset / HF config.json, or inline), parallel, data, tokenizer, seq_length,
 batch, train, optimizer (with its schedule), eval, checkpoint, logging, activation_checkpointing, pipeline,
-deepspeed_config, seed, output_dir. ``--set a.b=value`` overrides any key (value parsed as JSON when it parses).
+deepspeed_config, kernels, seed, output_dir. ``--set a.b=value`` overrides any key (value parsed as JSON when it parses).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from llama_megatron.config import ModelConfig, ParallelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.errors import ConfigError
+from llama_megatron.model.kernels import KERNEL_CHOICES
 
 
 @dataclass
@@ -108,6 +109,7 @@ class TrainingConfig:
     activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     deepspeed_config: str | dict | None = None
+    kernels: str = "auto"
     seed: int = 1234
     output_dir: str = "runs/default"
 
@@ -145,6 +147,8 @@ class TrainingConfig:
 
     def validate(self) -> None:
         """Everything that does not depend on the world size; run once, when the config is read."""
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         if not isinstance(self.seq_length, int) or self.seq_length < 1:
             raise ConfigError(f"seq_length must be a positive integer, got {self.seq_length!r}")
         self.parallel.validate(self.model)

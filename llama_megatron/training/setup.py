@@ -21,6 +21,7 @@ from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
 from llama_megatron.checkpoint.weights import load_model_weights
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import build_model
+from llama_megatron.model.kernels import Kernels, resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import init_distributed
 from llama_megatron.training import checkpointing as ckpt
@@ -41,6 +42,7 @@ class Preflight:
     ds_config: dict
     checkpoint: CheckpointMeta | None
     eod_id: int | None
+    kernels: Kernels
 
     @property
     def weights_only(self) -> bool:
@@ -107,7 +109,8 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     eod_id = _check_tokenizer(config)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
-    return Preflight(config, world_size, ds_config, _check_checkpoint(config), eod_id)
+    kernels = resolve_kernels(config.kernels, accelerator)
+    return Preflight(config, world_size, ds_config, _check_checkpoint(config), eod_id, kernels)
 
 
 def _seed_everything(seed: int) -> None:
@@ -130,9 +133,10 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
                 "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
-                "model": config.model.to_dict()}
+                "kernels": pre.kernels.describe(), "model": config.model.to_dict()}
         with open(os.path.join(config.output_dir, RUN_INFO_FILE), "w", encoding="utf-8") as fh:
             json.dump(info, fh, indent=2)
+    log.info("kernels: " + " | ".join(f"{k} {v}" for k, v in pre.kernels.describe().items()))
     return pctx, log
 
 
@@ -141,7 +145,7 @@ def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
     config = pre.config
     model = build_model(config.model, config.parallel, pctx, seed=config.seed,
                         activation_checkpoint_interval=config.activation_checkpointing.interval,
-                        partition_method=config.pipeline.partition_method)
+                        partition_method=config.pipeline.partition_method, kernels=pre.kernels)
     if pre.weights_only:
         tag_dir = os.path.join(config.checkpoint.load, pre.checkpoint.tag)
         load_model_weights(model, tag_dir, config.model, pctx.tp_rank)

@@ -21,8 +21,8 @@ from launch_utils import run_command
 from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import hf_tensors, save_hf
 
-from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.checkpoint.megatron_reader import load_model_weights
+from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.cli import main as cli
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model

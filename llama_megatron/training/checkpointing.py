@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import sys
 
+import torch
+
 from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, TMP_PREFIX, CheckpointMeta, step_tag
 from llama_megatron.checkpoint.safe_load import load_through_safe_engine, verify_checkpoint_dir
@@ -126,6 +128,7 @@ def _prune(save_dir: str, keep_last: int) -> None:
 
 def load_checkpoint(engine, load_dir: str, tag: str) -> None:
     """Resume: model, optimizer and LR state through DeepSpeed, its files read by our weights-only loader."""
+    weight_decay = [group["weight_decay"] for group in engine.optimizer.param_groups]
     try:
         path, _ = load_through_safe_engine(engine.engine).load_checkpoint(load_dir, tag=tag)
     except CheckpointError:
@@ -135,3 +138,17 @@ def load_checkpoint(engine, load_dir: str, tag: str) -> None:
         raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: {message}") from None
     if path is None:
         raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: DeepSpeed found no model files")
+    if engine.engine.load_universal_checkpoint():
+        _repair_universal_optimizer(engine.optimizer, weight_decay)
+
+
+def _repair_universal_optimizer(optimizer, weight_decay: list[float]) -> None:
+    """Undo two slips of DeepSpeed 0.19.8's ZeRO-3 universal loader (``stage3.py``,
+    ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): it gives every param group the hyperparameters of
+    group 0 (weight decay on norms), and one Adam ``step`` tensor to every group, so the step count advances once
+    per group per step. The ZeRO-1/2 and bf16 loaders restore each group's own (a no-op for them)."""
+    for group, decay in zip(optimizer.param_groups, weight_decay):
+        group["weight_decay"] = decay
+    for state in optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()

@@ -21,6 +21,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from launch_utils import ROOT, launch_many, run_command, train_args
+from model_utils import hf_model, tiny_config
+from test_convert_roundtrip import save_hf_bin, save_meta
 
 from llama_megatron import train
 from llama_megatron.checkpoint.safe_load import load_file
@@ -60,15 +62,19 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return {name: f"{out}/ckpt" for name, out in dirs.items()}
 
 
+def poison(path: str, marker: str, **save_kwargs) -> None:
+    state = load_file(path, mmap=False)
+    state["extra"] = Payload(marker)
+    torch.save(state, path, **save_kwargs)
+
+
 def poisoned_copy(checkpoints: dict[str, str], kind: str, tmp_path) -> tuple[str, str, str, str]:
     """(save dir, tag, poisoned file, marker) of a copy of the kind's checkpoint with one file poisoned."""
     layout, tag, name = KINDS[kind]
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(checkpoints[layout], ckpt)
     path, marker = os.path.join(ckpt, tag, name), str(tmp_path / "MARKER")
-    state = load_file(path, mmap=False)
-    state["extra"] = Payload(marker)
-    torch.save(state, path)
+    poison(path, marker)
     return ckpt, tag, path, marker
 
 
@@ -122,6 +128,27 @@ def test_poisoned_file_is_refused(path_name, kind, checkpoints, tmp_path, monkey
             argv += ["--tp", "1", "--pp", "1" if layout == "pp2" else "2", "--make-vocab-size-divisible-by", "64"]
         rc = cli(argv)
     assert rc == 2
+    assert error_lines(capsys.readouterr().err) == [refusal(path)]
+    assert not os.path.exists(marker)
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("source", ["hf-bin", "hf-bin-legacy-format", "meta"])
+def test_poisoned_conversion_input_is_refused(source, tmp_path, capsys) -> None:
+    """The same loader reads HF ``pytorch_model*.bin`` and Meta ``consolidated.XX.pth`` (zip or pre-zip format)."""
+    model = hf_model(tiny_config(num_key_value_heads=2, intermediate_size=192))
+    marker, out = str(tmp_path / "MARKER"), str(tmp_path / "out")
+    if source == "meta":
+        params = {"dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5}
+        src = save_meta(model, str(tmp_path / "meta"), shards=2, embedding_dim=1, params=params)
+        path = os.path.join(src, "consolidated.01.pth")
+        argv = ["convert", "meta-to-megatron", "--meta-dir", src, "--output", out, "--tp", "1"]
+    else:
+        src = save_hf_bin(model, str(tmp_path / "hf"))
+        path = os.path.join(src, "pytorch_model-00002-of-00002.bin")
+        argv = ["convert", "hf-to-megatron", "--hf-dir", src, "--output", out, "--tp", "1"]
+    poison(path, marker, _use_new_zipfile_serialization=source != "hf-bin-legacy-format")
+    assert cli(argv) == 2
     assert error_lines(capsys.readouterr().err) == [refusal(path)]
     assert not os.path.exists(marker)
     assert not os.path.exists(out)
@@ -187,9 +214,7 @@ def test_deepspeed_engines_read_through_our_loader(checkpoints, tmp_path, monkey
         tag_dir = os.path.join(ckpt, "global_step2")
         for file in os.listdir(tag_dir) if prefix else []:
             if file.startswith(prefix) and file.endswith(".pt"):
-                state = load_file(os.path.join(tag_dir, file), mmap=False)
-                state["extra"] = Payload(marker)
-                torch.save(state, os.path.join(tag_dir, file))
+                poison(os.path.join(tag_dir, file), marker)
         cases[name] = (layout, ckpt)
     monkeypatch.chdir(ROOT)
     run_distributed(_engine_worker, 2, cases, str(tmp_path))

@@ -25,12 +25,14 @@ from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import save_hf_bin, save_meta
 
 from llama_megatron import train
-from llama_megatron.checkpoint.safe_load import load_file
+from llama_megatron.checkpoint.safe_load import load_file, verify_checkpoint_dir
 from llama_megatron.cli import main as cli
+from llama_megatron.errors import CheckpointError
 from llama_megatron.training.checkpointing import ensure_universal
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
-COMMON = ['data={"type": "synthetic"}', "tokenizer=null", "train.steps=2", "deepspeed_config=ds_configs/zero1_fp32.json"]
+COMMON = ['data={"type": "synthetic"}', "tokenizer=null", "train.steps=2",
+          "deepspeed_config=ds_configs/zero1_fp32.json"]
 LAYOUTS = {"pp2": ["parallel.pipeline=2"], "dp2": []}  # both 2 processes: TP1-PP2-DP1 and TP1-PP1-DP2
 # kind -> (layout, tag, file inside the tag); the universal file is the first parameter's fp32 weights
 KINDS = {
@@ -55,9 +57,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     """layout -> a clean training save dir (step 2); the DP2 one also holds its universal checkpoint."""
     work = tmp_path_factory.mktemp("safety")
     dirs = {name: str(work / name) for name in LAYOUTS}
-    launch_many(2, [train_args(CONFIG, [*COMMON, *extra, f"output_dir={dirs[name]}", f"checkpoint.save={dirs[name]}/ckpt",
-                                        "checkpoint.interval=2"]) for name, extra in LAYOUTS.items()],
-                str(work / "runs.json"))
+    runs = [[*COMMON, *extra, f"output_dir={dirs[name]}", f"checkpoint.save={dirs[name]}/ckpt",
+             "checkpoint.interval=2"] for name, extra in LAYOUTS.items()]
+    launch_many(2, [train_args(CONFIG, run) for run in runs], str(work / "runs.json"))
     ensure_universal(f"{dirs['dp2']}/ckpt", "global_step2", rank=0)
     return {name: f"{out}/ckpt" for name, out in dirs.items()}
 
@@ -152,6 +154,19 @@ def test_poisoned_conversion_input_is_refused(source, tmp_path, capsys) -> None:
     assert error_lines(capsys.readouterr().err) == [refusal(path)]
     assert not os.path.exists(marker)
     assert not os.path.exists(out)
+
+
+def test_check_follows_symlinked_directories_once(tmp_path) -> None:
+    """A tag whose ``zero/`` is a symlink (DeepSpeed would follow it) is checked there too; a loop ends."""
+    elsewhere, tag, marker = tmp_path / "elsewhere", tmp_path / "tag", str(tmp_path / "MARKER")
+    elsewhere.mkdir()
+    tag.mkdir()
+    torch.save({"param": torch.zeros(2), "extra": Payload(marker)}, elsewhere / "fp32.pt")
+    (tag / "zero").symlink_to(elsewhere)
+    (elsewhere / "back").symlink_to(tag)
+    with pytest.raises(CheckpointError, match=r"refused .*/zero/fp32.pt: it holds a pickled posix.system"):
+        verify_checkpoint_dir(str(tag))
+    assert not os.path.exists(marker)
 
 
 def test_refused_under_the_launcher(checkpoints, tmp_path) -> None:

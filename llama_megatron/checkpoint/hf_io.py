@@ -2,8 +2,8 @@
 
 Weights: ``model.safetensors`` or ``pytorch_model.bin``, each alone or sharded with its ``*.index.json``.
 safetensors files are opened with ``safe_open`` (memory-mapped; a tensor's pages are read when used), legacy
-``.bin`` files with :func:`~llama_megatron.checkpoint.safe_load.load_state_file` (weights-only, memory-mapped). Handles
-are closed on :meth:`release`.
+``.bin`` files with :func:`~llama_megatron.checkpoint.safe_load.load_state_file` (weights-only, memory-mapped).
+Handles are closed on :meth:`release`.
 """
 
 from __future__ import annotations

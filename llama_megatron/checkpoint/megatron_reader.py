@@ -9,8 +9,8 @@ Per-rank tensors come from, in this order of preference:
 
 Every ``*.pt`` file of the checkpoint is checked first (weights-only, :mod:`llama_megatron.checkpoint.safe_load`),
 before any tensor is read. Files are memory-mapped and re-opened per parameter (see :meth:`release`), so a PP=1
-file holding a whole TP rank never becomes resident at once. TP shards are merged as views where the layout allows (``tp_slicing.merge_parts``),
-the vocab padding stripped.
+file holding a whole TP rank never becomes resident at once. TP shards are merged as views where the layout
+allows (``tp_slicing.merge_parts``), the vocab padding stripped.
 """
 
 from __future__ import annotations

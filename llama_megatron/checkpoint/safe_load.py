@@ -89,16 +89,22 @@ def _refused_globals(path: str, exc: Exception) -> list[str]:
     return names or re.findall(r"GLOBAL (\S+)", str(exc))
 
 
-def verify_checkpoint_dir(tag_dir: str) -> int:
-    """Load every ``*.pt`` file under ``tag_dir`` weights-only (pickles only); returns how many were checked."""
-    checked = 0
-    for root, dirs, files in os.walk(tag_dir):
+def verify_checkpoint_dir(tag_dir: str) -> None:
+    """Load every ``*.pt`` file under ``tag_dir`` weights-only (pickles only; tensors stay mapped, unread).
+
+    Symlinked directories are followed, as DeepSpeed's loaders would follow them, each real directory once.
+    """
+    seen: set[str] = set()
+    for root, dirs, files in os.walk(tag_dir, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            dirs.clear()
+            continue
+        seen.add(real)
         dirs.sort()
         for name in sorted(files):
             if name.endswith(".pt"):
                 load_file(os.path.join(root, name), mmap=True)
-                checked += 1
-    return checked
 
 
 class SafeCheckpointEngine:

@@ -61,4 +61,3 @@ def tensor_reader(ckpt_dir: str) -> Callable[[ParamSpec, int], torch.Tensor]:
         return tensor
 
     return read
-

@@ -1,7 +1,8 @@
 """fp32 master weights out of DeepSpeed ZeRO optimizer files, one parameter at a time.
 
-Files are read by :func:`~llama_megatron.checkpoint.safe_load.load_state_file` (weights-only, DeepSpeed's few classes
-allow-listed) and memory-mapped, so the Adam moments stored beside the weights are never read. Layouts (as DeepSpeed's ``zero_to_fp32.py`` reconstructs them):
+Files are read by :func:`~llama_megatron.checkpoint.safe_load.load_state_file` (weights-only, DeepSpeed's few
+classes allow-listed) and memory-mapped, so the Adam moments stored beside the weights are never read. Layouts (as
+DeepSpeed's ``zero_to_fp32.py`` reconstructs them):
 
 - ZeRO-3: every parameter of param group g is flattened, padded to a multiple of DP and split evenly; DP rank r's
   ``fp32_flat_groups[g]`` holds its ``ceil(numel / DP)`` elements of each parameter, in ``param_shapes[g]`` order

@@ -53,6 +53,9 @@ class EvalConfig:
     iters: int = 1
 
 
+AUTO_LOAD = "auto"  # checkpoint.load: resume from checkpoint.save when it holds a checkpoint, else start fresh
+
+
 @dataclass
 class CheckpointConfig:
     save: str | None = None
@@ -168,8 +171,15 @@ class TrainingConfig:
             raise ConfigError(f"optimizer.min_lr {opt.min_lr} must lie in [0, lr={opt.lr}]")
         if opt.warmup_steps < 0 or opt.clip_grad < 0:
             raise ConfigError("optimizer.warmup_steps and optimizer.clip_grad must be >= 0")
-        if self.checkpoint.interval and not self.checkpoint.save:
+        ckpt = self.checkpoint
+        if ckpt.interval and not ckpt.save:
             raise ConfigError("checkpoint.interval is set but checkpoint.save (a directory) is not")
+        if ckpt.load == AUTO_LOAD:
+            if not ckpt.save:
+                raise ConfigError('checkpoint.load "auto" resumes from checkpoint.save, which is not set')
+            if ckpt.finetune or ckpt.tag:
+                raise ConfigError('checkpoint.load "auto" resumes the latest checkpoint in checkpoint.save: it '
+                                  "takes no checkpoint.tag and no checkpoint.finetune (name the directory to load)")
         if self.eval.interval < 0 or self.eval.iters < 1:
             raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
 

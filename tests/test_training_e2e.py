@@ -163,8 +163,10 @@ def _matrix() -> dict[str, tuple[str, list[str], float]]:
     """Every 4-rank layout a user can configure, as name -> (reference, overrides, relative tolerance).
 
     SP x PP x recompute x per-document attention at TP2 (PP1 runs are TP2 x DP2), then SP with ZeRO-2/3, bf16
-    with SP and PP, tied embeddings with SP and PP, and TP1 x PP2 x DP2. The reference is the TP1-PP1
-    single-process run on the same data: "causal", "per_document" or "tied".
+    with SP and PP, tied embeddings with SP and PP, and TP1 x PP2 x DP2; then the fast kernels (`kernels:
+    compiled`: torch.compile'd elementwise kernels, chunked linear cross-entropy, GQA without K/V copies) under
+    the hardest of these against the same reference-kernel runs. The reference is the TP1-PP1 single-process
+    run on the same data: "causal", "per_document" or "tied".
     """
     runs: dict[str, tuple[str, list[str], float]] = {}
     for per_document in (False, True):
@@ -186,6 +188,13 @@ def _matrix() -> dict[str, tuple[str, list[str], float]]:
                                                  "deepspeed_config=ds_configs/zero1_bf16.json"], BF16_REL)
     runs["tied-tp2-pp2-sp"] = ("tied", [*sp_tp2, "parallel.pipeline=2", TIED, ZERO1], REL)
     runs["causal-tp1-pp2-dp2"] = ("causal", ["parallel.pipeline=2", ZERO1], REL)
+    compiled = "kernels=compiled"
+    runs["compiled-perdoc-tp2-pp2-sp-recompute"] = ("per_document", [
+        *sp_tp2, "parallel.pipeline=2", "activation_checkpointing.interval=1", "data.per_document_attention=true",
+        ZERO1, compiled], REL)
+    runs["compiled-tied-tp2-sp-zero3-dp2"] = ("tied", [*sp_tp2, TIED, ZERO3, compiled], REL)
+    runs["compiled-causal-tp2-pp2-sp-bf16"] = ("causal", [*sp_tp2, "parallel.pipeline=2", compiled,
+                                                          "deepspeed_config=ds_configs/zero1_bf16.json"], BF16_REL)
     return runs
 
 

@@ -53,13 +53,19 @@ REFERENCE = Kernels("reference", reference.rms_norm, reference.add_rms_norm, ref
                     reference.swiglu, ReferenceAttention(), fused_loss=False, elementwise="eager PyTorch")
 
 
-def resolve_kernels(choice: str, device: torch.device | str) -> Kernels:
-    """The kernels for the ``kernels`` config value on ``device``; one-line ConfigError when unavailable."""
+def kernel_choice(choice: str, device: torch.device | str) -> str:
+    """The concrete choice ``choice`` stands for on ``device`` (``auto`` resolved), without importing kernels."""
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"kernels {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
-    on_cuda = torch.device(device).type == "cuda"
     if choice == "auto":
-        choice = "compiled" if on_cuda else "reference"
+        return "compiled" if torch.device(device).type == "cuda" else "reference"
+    return choice
+
+
+def resolve_kernels(choice: str, device: torch.device | str) -> Kernels:
+    """The kernels for the ``kernels`` config value on ``device``; one-line ConfigError when unavailable."""
+    choice = kernel_choice(choice, device)
+    on_cuda = torch.device(device).type == "cuda"
     if choice == "reference":
         return REFERENCE
     if choice == "compiled":

@@ -53,8 +53,23 @@ def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     forward so ZeRO-3 gathers the weight for it."""
     x = column_parallel_input(x, pctx)
     if return_operands:
-        return x, weight
+        return x, _as_module_output(weight)
     return F.linear(x, weight, bias)
+
+
+def _as_module_output(param: nn.Parameter) -> torch.Tensor:
+    """A parameter handed out of a module's forward, as a non-leaf alias (an autograd view).
+
+    DeepSpeed hooks the gradients of a module's outputs: its backward prologue (which, with the bf16 optimizer,
+    clears the low-precision gradients of the previous micro batch) runs at the first such gradient. A bare
+    parameter has no autograd node to hook, so its gradient could be accumulated before the prologue and then
+    cleared by it. ZeRO-3 finds the partitioned parameter behind the alias through ``ds_param_alias`` and keeps
+    it gathered for the caller.
+    """
+    alias = param.view_as(param)
+    if hasattr(param, "ds_id"):
+        alias.ds_param_alias = param
+    return alias
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:

@@ -14,6 +14,7 @@ import shutil
 import torch
 from safetensors import safe_open
 
+from llama_megatron.data.tokenizer import TOKENIZER_FILES
 from llama_megatron.errors import CheckpointError
 
 _SAFE_TO_TORCH = {
@@ -22,9 +23,6 @@ _SAFE_TO_TORCH = {
     "BOOL": torch.bool,
 }
 
-# Files a tokenizer may consist of (sentencepiece, fast tokenizer, their configs).
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 HF_ASSET_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 

@@ -32,15 +32,23 @@ TIED_KEY = "embed"
 
 
 class CausalLMLoss:
-    """Token-mean cross-entropy over vocab-parallel logits; the PipelineModule ``loss_fn``."""
+    """Cross-entropy over vocab-parallel logits; the PipelineModule ``loss_fn``.
+
+    ``labels`` is a tensor (the micro batch's token mean, HF's reduction) or ``(labels, divisor)``: the sum of the
+    micro batch's token losses divided by ``divisor``, which the training engine sets so that the step's loss is the
+    token mean over its whole global batch (training/engine.py, "the loss rule").
+    """
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext) -> None:
         self.vocab_size = config.vocab_size
         self.pctx = pctx
 
-    def __call__(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, local_logits: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
+        labels, divisor = labels if isinstance(labels, (tuple, list)) else (labels, None)
         per_token = vocab_parallel_cross_entropy(local_logits, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
-        return masked_mean_loss(per_token, labels, IGNORE_INDEX)
+        if divisor is None:
+            return masked_mean_loss(per_token, labels, IGNORE_INDEX)
+        return per_token.sum() / divisor
 
 
 def layer_specs(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int) -> list[LayerSpec]:
@@ -83,8 +91,9 @@ class LlamaCausalLM(nn.Module):
                 self._forward_funcs.append(module)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean loss when ``labels`` are given, else this rank's vocab shard of the logits."""
+                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | tuple | None = None) -> torch.Tensor:
+        """The loss when ``labels`` (or ``(labels, divisor)``, see CausalLMLoss) are given, else this rank's vocab
+        shard of the logits."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)

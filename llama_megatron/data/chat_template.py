@@ -24,7 +24,7 @@ from datetime import datetime
 import numpy as np
 
 from llama_megatron.data.tokenizer import TOKENIZER_FILES
-from llama_megatron.errors import ConfigError, DataError
+from llama_megatron.errors import ConfigError
 
 
 class TemplateRenderError(ValueError):
@@ -124,7 +124,11 @@ class Encoded:
 class ChatEncoder:
     """Renders conversations with a chat template and tokenises them with the HF tokenizer, with training masks."""
 
-    def __init__(self, tokenizer_path: str, template_file: str | None = None) -> None:
+    def __init__(self, tokenizer_path: str | None, template_file: str | None = None) -> None:
+        if not tokenizer_path:
+            raise ConfigError("SFT data needs the training config's tokenizer (its chat template renders the data)")
+        if template_file and not os.path.isfile(template_file):
+            raise ConfigError(f"chat template {template_file} not found (cwd {os.getcwd()})")
         self.tokenizer_path = tokenizer_path
         self.template_file = template_file
         self.tokenizer = load_hf_tokenizer(tokenizer_path)
@@ -204,12 +208,3 @@ class ChatEncoder:
                     h.update(fh.read())
         return {"template_sha256": hashlib.sha256(self.source.encode()).hexdigest(),
                 "tokenizer_sha256": h.hexdigest()}
-
-
-def check_template(tokenizer_path: str | None, template_file: str | None) -> None:
-    """Fail before launch when no template can be found or it does not compile."""
-    if not tokenizer_path:
-        raise ConfigError("data.type sft needs the training config's tokenizer (its chat template renders the data)")
-    if template_file and not os.path.isfile(template_file):
-        raise DataError(f"chat template {template_file} not found (cwd {os.getcwd()})")
-    ChatEncoder(tokenizer_path, template_file)

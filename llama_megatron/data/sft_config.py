@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from llama_megatron.data.chat_template import ChatEncoder, check_template
+from llama_megatron.data.chat_template import ChatEncoder
 from llama_megatron.data.gpt_dataset import DEFAULT_SPLIT
 from llama_megatron.data.index_cache import cached_directory, check_entry, file_fingerprint
 from llama_megatron.data.indexed_dataset import prefix_exists
@@ -104,7 +104,6 @@ class SFTData:
         if self.prefix is not None:
             self._shards = SFTShards(self.prefix)
             return
-        check_template(tokenizer, self.chat_template)
         encoder = ChatEncoder(tokenizer, self.chat_template)
         fmt, masking = self.format or "auto", self.masking or "assistant"
         description = {"kind": "sft-shards", "version": SFT_VERSION, "format": fmt, "masking": masking,

@@ -372,3 +372,36 @@ def test_skip_bad_lines_counts_them(tmp_path, capsys) -> None:
     assert (meta["samples"], meta["skipped_records"]) == (1, 1)
     with pytest.raises(DataError, match="exists; pass --overwrite"):
         preprocess_sft([args[1]], TOKENIZER, str(tmp_path / "out" / "sft"), skip_bad=True, quiet=True)
+
+
+def test_preprocess_sft_verb_makes_what_data_path_caches(tmp_path, capsys) -> None:
+    """`preprocess-sft` shards named by data.prefix give the same rows as data.path's cache."""
+    src = write_jsonl(tmp_path / "chat.jsonl", read_jsonl(CHAT / "chat_sharegpt.jsonl", 40))
+    prefix = str(tmp_path / "processed" / "chat")
+    assert cli_main(["preprocess-sft", "--input", src, "--tokenizer", TOKENIZER, "--output-prefix", prefix,
+                     "--workers", "2", "--quiet"]) == 0
+    assert "40 samples" in capsys.readouterr().out
+    from_prefix = SFTData(prefix=prefix, pack=True, cache_dir=str(tmp_path / "c1"))
+    from_prefix.validate()
+    from_path = SFTData(path=src, pack=True, workers=1, cache_dir=str(tmp_path / "c2"))
+    rows = []
+    for data in (from_prefix, from_path):
+        data.prepare(TOKENIZER)
+        train, _, _ = data.build(96, 7, (12, 0, 0), 4096, 2)
+        rows.append([train[i] for i in range(12)])
+    for a, b in zip(*rows):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(tmp_path) -> None:
+    """A generation prompt unlike the header a finished turn gets (Qwen3-style thinking) cannot be masked by spans."""
+    path = tmp_path / "t.jinja"
+    path.write_text(CHATML.replace("{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start|>assistant\\n<think>' }}"),
+                    encoding="utf-8")
+    encoder = ChatEncoder(TOKENIZER, str(path))
+    messages = template_messages(to_messages(_conv("Hi?", "Hello.")))
+    from llama_megatron.data.chat_template import TemplateRenderError
+
+    with pytest.raises(TemplateRenderError, match="before message 1 differently"):
+        encoder.encode(messages, [False, True])
+    assert encoder.encode(messages, None).trained[1:].all()  # masking: all needs no spans

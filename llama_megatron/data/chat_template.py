@@ -165,16 +165,16 @@ class ChatEncoder:
         for i, train in enumerate(trained):
             if not train:
                 continue
-            start = len(self.render(messages[:i], add_generation_prompt=True))
+            start_text = self.render(messages[:i], add_generation_prompt=True)
             end_text = self.render(messages[: i + 1])
-            for name, prefix in (("before", text[:start]), ("through", end_text)):
+            for name, prefix in (("before", start_text), ("through", end_text)):
                 if not text.startswith(prefix):
                     raise TemplateRenderError(
                         f"the chat template renders the conversation {name} message {i} differently when later "
                         "messages follow, so its assistant turns cannot be located (use masking: all)")
-            if len(end_text) <= start:
+            if len(end_text) <= len(start_text):
                 raise TemplateRenderError(f"message {i} renders to no text")
-            spans.append((start, len(end_text)))
+            spans.append((len(start_text), len(end_text)))
         return spans
 
     def encode(self, messages: Sequence[dict], trained: Sequence[bool] | None) -> Encoded:

@@ -55,8 +55,11 @@ class SFTShards:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def fingerprint(self) -> list[str]:
-        return [file_fingerprint(data_paths(p)[1]) for p in shard_prefixes(self.prefix).values()]
+    def fingerprint(self) -> dict:
+        """What rows built from these shards depend on: both indexes and how the shards were made (masks can change
+        under an unchanged index)."""
+        return {"indexes": [file_fingerprint(data_paths(p)[1]) for p in shard_prefixes(self.prefix).values()],
+                "meta": self.meta}
 
 
 class SFTDataset:

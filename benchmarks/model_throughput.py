@@ -1,9 +1,11 @@
 """Training-step throughput of llama_megatron's model (TP=1) against transformers.LlamaForCausalLM (sdpa).
 
-Same config, same weights, same batches, same (fused) AdamW, one process. Prints one JSON line:
-tokens/s of each, their ratio, achieved GFLOP/s and MFU against a fp32 matmul peak measured in this run.
+Same config, same weights, same batches, same (fused) AdamW, one process. Prints one JSON line per kernel
+choice of ours (``--kernels``, default: reference and compiled): tokens/s of each, their ratio, achieved
+GFLOP/s and MFU against a fp32 matmul peak measured in this run.
 
     python benchmarks/model_throughput.py [--config configs/models/llama-50m.json] [--seq 512] [--steps 5]
+        [--kernels reference,compiled]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, ROOT)
 
 from llama_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from llama_megatron.model.build import build_model  # noqa: E402
+from llama_megatron.model.kernels import resolve_kernels  # noqa: E402
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
 from llama_megatron.training.flops import training_flops_per_token  # noqa: E402
@@ -44,6 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kernels", default="reference,compiled", help="comma-separated kernel choices")
     args = parser.parse_args()
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,9 +56,7 @@ def main() -> None:
     config = ModelConfig.from_file(args.config)
     hf = LlamaForCausalLM(LlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa")).float()
     parallel = ParallelConfig()
-    ours = build_model(config, parallel, ParallelContext.single(), initialize=False)
-    ours.load_state_dict(hf_to_rank_state_dict(hf.state_dict(), config, 0, 1,
-                                               parallel.padded_vocab_size(config.vocab_size)))
+    state = hf_to_rank_state_dict(hf.state_dict(), config, 0, 1, parallel.padded_vocab_size(config.vocab_size))
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
                for _ in range(args.warmup + args.steps)]
@@ -69,34 +71,39 @@ def main() -> None:
             optimizer.step()
         return step
 
-    ours_step = make_step(ours, lambda m, ids: m(ids[:, :-1], labels=ids[:, 1:]))
     hf_step = make_step(hf, lambda m, ids: m(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss)
-
     tokens = args.batch * args.seq * args.steps
-    # Alternate the two for several rounds and keep each side's best, so machine noise hits both alike.
-    hf_time = ours_time = float("inf")
-    for _ in range(args.rounds):
-        hf_time = min(hf_time, time_steps(hf_step, batches, args.warmup))
-        ours_time = min(ours_time, time_steps(ours_step, batches, args.warmup))
     peak = measured_matmul_tflops(n=2048, repeats=10) * 1e3  # GFLOP/s
     flops = training_flops_per_token(config, args.seq) * tokens
-    result = {
-        "benchmark": "model_throughput",
-        "config": os.path.basename(args.config),
-        "params_m": round(config.num_parameters() / 1e6, 1),
-        "seq": args.seq,
-        "batch": args.batch,
-        "threads": torch.get_num_threads(),
-        "ours_tokens_per_s": round(tokens / ours_time, 1),
-        "hf_tokens_per_s": round(tokens / hf_time, 1),
-        "ratio": round(hf_time / ours_time, 3),
-        "ours_gflops": round(flops / ours_time / 1e9, 2),
-        "hf_gflops": round(flops / hf_time / 1e9, 2),
-        "matmul_peak_gflops": round(peak, 2),
-        "ours_mfu": round(flops / ours_time / 1e9 / peak, 3),
-        "hf_mfu": round(flops / hf_time / 1e9 / peak, 3),
-    }
-    print(json.dumps(result))
+    for choice in args.kernels.split(","):
+        kernels = resolve_kernels(choice, "cpu")
+        ours = build_model(config, parallel, ParallelContext.single(), initialize=False, kernels=kernels)
+        ours.load_state_dict(state)
+        ours_step = make_step(ours, lambda m, ids: m(ids[:, :-1], labels=ids[:, 1:]))
+        ours_step(batches[0])  # compiles, for kernels that do
+        # Alternate the two for several rounds and keep each side's best, so machine noise hits both alike.
+        hf_time = ours_time = float("inf")
+        for _ in range(args.rounds):
+            hf_time = min(hf_time, time_steps(hf_step, batches, args.warmup))
+            ours_time = min(ours_time, time_steps(ours_step, batches, args.warmup))
+        result = {
+            "benchmark": "model_throughput",
+            "config": os.path.basename(args.config),
+            "kernels": kernels.name,
+            "params_m": round(config.num_parameters() / 1e6, 1),
+            "seq": args.seq,
+            "batch": args.batch,
+            "threads": torch.get_num_threads(),
+            "ours_tokens_per_s": round(tokens / ours_time, 1),
+            "hf_tokens_per_s": round(tokens / hf_time, 1),
+            "ratio": round(hf_time / ours_time, 3),
+            "ours_gflops": round(flops / ours_time / 1e9, 2),
+            "hf_gflops": round(flops / hf_time / 1e9, 2),
+            "matmul_peak_gflops": round(peak, 2),
+            "ours_mfu": round(flops / ours_time / 1e9 / peak, 3),
+            "hf_mfu": round(flops / hf_time / 1e9 / peak, 3),
+        }
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ def train_args(config: str, overrides: list[str]) -> list[str]:
 
 
 def launch(nprocs: int, config: str, overrides: list[str], timeout: int = 600,
-           entry: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+           entry: list[str] | None = None, check: bool = True, launcher: bool = False) -> subprocess.CompletedProcess:
     """Run a training command from the repo root; ``entry`` replaces ``-m llama_megatron.train``."""
-    return run_command(nprocs, entry or ["-m", "llama_megatron.train"], train_args(config, overrides), timeout, check)
+    return run_command(nprocs, entry or ["-m", "llama_megatron.train"], train_args(config, overrides), timeout, check,
+                       launcher)
 
 
 def launch_many(nprocs: int, runs: list[list[str]], runs_file: str, timeout: int = 1200) -> subprocess.CompletedProcess:
@@ -30,17 +31,19 @@ def launch_many(nprocs: int, runs: list[list[str]], runs_file: str, timeout: int
 
 
 def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 600,
-                check: bool = True) -> subprocess.CompletedProcess:
-    """``entry args`` in one plain process, or under the deepspeed launcher for several."""
+                check: bool = True, launcher: bool = False) -> subprocess.CompletedProcess:
+    """``entry args`` in one plain process, or under the deepspeed launcher for several (or when asked)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if nprocs == 1:
+    if nprocs == 1 and not launcher:
         cmd = [sys.executable, *entry, *args]
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
             env.pop(key, None)
     else:
-        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        script = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        # where deepspeed was installed without its script (a --target install), its module is the launcher
+        runner = [script] if os.path.exists(script) else [sys.executable, "-m", "deepspeed.launcher.runner"]
         module_or_script = ["--module", *entry[1:]] if entry[0] == "-m" else entry
-        cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), *module_or_script, *args]
+        cmd = [*runner, "--num_gpus", str(nprocs), "--master_port", str(free_port()), *module_or_script, *args]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"

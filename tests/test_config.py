@@ -123,3 +123,31 @@ def test_vocab_padding() -> None:
     assert padded_vocab_size(32000, 128, 3) == 32256
     assert padded_vocab_size(128256, 128, 8) == 129024
     assert ParallelConfig(tensor=4).padded_vocab_size(250) == 512
+
+
+
+TRAINING_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "pretrain", "*.json"))
+                          + glob.glob(os.path.join(ROOT, "configs", "finetune", "*.json")))
+
+
+@pytest.mark.parametrize("path", TRAINING_CONFIGS)
+def test_shipped_training_configs_load(path: str, monkeypatch) -> None:
+    """Every shipped training config parses, validates and yields a DeepSpeed config for its own layout."""
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+
+    monkeypatch.chdir(ROOT)
+    config = TrainingConfig.from_file(path)
+    world = config.parallel.tensor * config.parallel.pipeline
+    ds = build_deepspeed_config(config, config.deepspeed_config, world, "cuda")
+    assert ds["train_batch_size"] == config.batch.global_batch_size
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))))
+def test_shipped_deepspeed_configs_load(path: str) -> None:
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+
+    config = TrainingConfig.from_dict({"model": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                                 "num_hidden_layers": 2, "num_attention_heads": 2}})
+    assert build_deepspeed_config(config, path, 1, "cuda")["train_micro_batch_size_per_gpu"] == 1

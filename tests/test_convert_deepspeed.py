@@ -21,8 +21,8 @@ from launch_utils import run_command
 from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import hf_tensors, save_hf
 
+from llama_megatron.checkpoint.megatron_reader import load_model_weights
 from llama_megatron.checkpoint.meta import read_meta
-from llama_megatron.checkpoint.weights import load_model_weights
 from llama_megatron.cli import main as cli
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
@@ -137,7 +137,7 @@ def test_zero1_pipeline_training_exports_exactly(setup) -> None:
     config = TrainingConfig.from_file(setup["config"]).model
     ours = build_model(config, ParallelConfig(make_vocab_size_divisible_by=64), ParallelContext.single(),
                        initialize=False)
-    load_model_weights(ours, os.path.join(tp1, "converted"), config, tp_rank=0)
+    load_model_weights(ours, tp1, "converted", tp_rank=0)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_out, local_files_only=True, dtype=torch.float32)

@@ -16,6 +16,7 @@ from dist_utils import run_distributed
 
 import llama_megatron.model.llama as llama_module
 from llama_megatron.model.build import build_model
+from llama_megatron.model.kernels import resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config
@@ -30,7 +31,9 @@ ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 10000}  # the embeddi
 
 
 def _config(overrides: list[str]) -> TrainingConfig:
-    return TrainingConfig.from_file(CONFIG, ["data={\"synthetic\": true}", "tokenizer=null", *overrides])
+    """The e2e config on synthetic data; the reference kernels unless ``overrides`` choose others."""
+    return TrainingConfig.from_file(CONFIG, ["data={\"synthetic\": true}", "tokenizer=null", "kernels=reference",
+                                             *overrides])
 
 
 def _ds(stage: int | dict, bf16: bool = False) -> dict:
@@ -71,7 +74,8 @@ def _measure_activations(config: TrainingConfig, pctx: ParallelContext, bf16: bo
     run once more outside the checkpoint, alone, to measure that, and the largest counts.
     """
     model = build_model(config.model, config.parallel, pctx, seed=1,
-                        activation_checkpoint_interval=config.activation_checkpointing.interval)
+                        activation_checkpoint_interval=config.activation_checkpointing.interval,
+                        kernels=resolve_kernels(config.kernels, "cpu"))
     model.train()
     if bf16:
         model.to(torch.bfloat16)
@@ -211,6 +215,10 @@ ACTIVATION_CASES = [
     (["activation_checkpointing.interval=2", "batch.micro_batch_size=4", "seq_length=64"], True),
     (ODD + ["activation_checkpointing.interval=3"], False),
     (["model.tie_word_embeddings=true"], False),
+    # the fast kernels (what `auto` means on a GPU), compiled here for the CPU
+    (["kernels=compiled"], False),
+    (["kernels=compiled", "activation_checkpointing.interval=2", "batch.micro_batch_size=4", "seq_length=64"], True),
+    (["kernels=compiled", "model.tie_word_embeddings=true", "model.num_hidden_layers=2"], True),
 ]
 
 

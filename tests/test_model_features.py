@@ -6,8 +6,8 @@ import torch
 from model_utils import tiny_config
 
 from llama_megatron.config import ParallelConfig
-from llama_megatron.model.attention import _cu_seqlens, document_causal_mask
 from llama_megatron.model.build import build_model
+from llama_megatron.model.kernels.attention import cu_seqlens, document_causal_mask
 from llama_megatron.model.layers import DecoderLayerPipe, EmbeddingPipe
 from llama_megatron.parallel.context import ParallelContext
 
@@ -46,7 +46,7 @@ def test_activation_checkpointing_recomputes_decoder_spans_only() -> None:
 
 def test_varlen_boundaries_match_the_block_diagonal_mask() -> None:
     segments = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
-    cu, max_len = _cu_seqlens(segments)
+    cu, max_len = cu_seqlens(segments)
     assert cu.tolist() == [0, 3, 5, 6, 7, 12] and cu.dtype == torch.int32
     assert max_len == 5
     mask = document_causal_mask(segments)[:, 0]

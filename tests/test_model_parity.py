@@ -14,6 +14,7 @@ from model_utils import LLAMA3_ROPE, assert_grads_match_hf, hf_model, tiny_confi
 
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
+from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict
 from llama_megatron.parallel.context import ParallelContext
 
@@ -30,7 +31,8 @@ CASES = {
 }
 
 
-def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
+def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kernels: Kernels = REFERENCE,
+                 grad_tol: dict = GRAD_TOL) -> None:
     config = tiny_config(**overrides)
     parallel = ParallelConfig(tensor=pctx.tp_size, sequence_parallel=pctx.sequence_parallel,
                               make_vocab_size_divisible_by=8)
@@ -43,17 +45,18 @@ def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
     ref = hf(input_ids=ids, labels=labels)
     ref.loss.backward()
 
-    model = build_model(config, parallel, pctx, initialize=False)
+    model = build_model(config, parallel, pctx, initialize=False, kernels=kernels)
     model.load_state_dict(hf_to_rank_state_dict(hf.state_dict(), config, pctx.tp_rank, pctx.tp_size, padded))
     local_logits = model(ids)
-    loss = model.loss_fn(local_logits[:, :-1], labels[:, 1:])
+    next_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # HF's shift
+    loss = model(ids, labels=next_labels)
     loss.backward()
 
     logits = model.full_logits(local_logits).detach()
     assert (logits - ref.logits).abs().max().item() <= LOGITS_ATOL
     torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-6)
 
-    assert_grads_match_hf(model, hf, config, pctx, **GRAD_TOL)
+    assert_grads_match_hf(model, hf, config, pctx, **grad_tol)
 
 
 def _parity_worker(rank: int, world_size: int) -> None:

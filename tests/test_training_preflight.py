@@ -117,6 +117,20 @@ def test_resume_with_other_model_or_corrupt_metadata(tmp_path) -> None:
         preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
 
 
+def test_auto_load_resumes_from_the_save_dir_or_starts_fresh(tmp_path) -> None:
+    save = tmp_path / "ckpt"
+    pre = preflight(_config(f"checkpoint.save={save}", "checkpoint.load=auto"), None, 1)
+    assert pre.load_dir is None and pre.checkpoint is None  # nothing saved yet (the dir need not exist)
+    _fake_checkpoint(save)
+    pre = preflight(_config(f"checkpoint.save={save}", "checkpoint.load=auto"), None, 1)
+    assert pre.load_dir == str(save) and (pre.checkpoint.tag, pre.checkpoint.step) == ("global_step3", 3)
+    with pytest.raises(ConfigError, match='"auto" resumes from checkpoint.save, which is not set'):
+        _config("checkpoint.load=auto")
+    for extra in ("checkpoint.finetune=true", "checkpoint.tag=global_step3"):
+        with pytest.raises(ConfigError, match="takes no checkpoint.tag and no checkpoint.finetune"):
+            _config(f"checkpoint.save={save}", "checkpoint.load=auto", extra)
+
+
 def test_command_line_error_is_one_line_and_nonzero() -> None:
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE"):

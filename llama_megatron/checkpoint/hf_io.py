@@ -2,7 +2,8 @@
 
 Weights: ``model.safetensors`` or ``pytorch_model.bin``, each alone or sharded with its ``*.index.json``.
 safetensors files are opened with ``safe_open`` (memory-mapped; a tensor's pages are read when used), legacy
-``.bin`` files with ``torch.load(weights_only=True, mmap=True)``. Handles are closed on :meth:`release`.
+``.bin`` files with :func:`~llama_megatron.checkpoint.safe_load.load_state_file` (weights-only, memory-mapped).
+Handles are closed on :meth:`release`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import torch
 from safetensors import safe_open
 
+from llama_megatron.checkpoint.safe_load import load_state_file
 from llama_megatron.data.tokenizer import TOKENIZER_FILES
 from llama_megatron.errors import CheckpointError
 
@@ -48,23 +50,6 @@ def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None, list[str]]:
                           "index (model.safetensors.index.json / pytorch_model.bin.index.json)")
 
 
-def load_torch_file(path: str) -> dict:
-    """A tensor file via ``torch.load(weights_only=True)``, memory-mapped when it is a zip archive."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):  # legacy (pre-zip) archives cannot be mapped: read them whole
-            raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): {exc}") from None
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): "
-                              f"{type(exc).__name__}: {exc}") from None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): "
-                              f"{type(exc).__name__}: {exc}") from None
-
-
 class HFCheckpoint:
     """A :class:`~llama_megatron.checkpoint.sources.TensorSource` over an HF model directory."""
 
@@ -90,10 +75,7 @@ class HFCheckpoint:
                 except Exception as exc:  # safetensors raises its own error type for bad headers/sizes
                     raise CheckpointError(f"cannot read {path} (truncated or not safetensors): {exc}") from None
             else:
-                state = load_torch_file(path)
-                if not isinstance(state, dict):
-                    raise CheckpointError(f"{path} does not hold a state dict")
-                self._open[file] = state
+                self._open[file] = load_state_file(path)
         return self._open[file]
 
     def _keys(self, file: str) -> list[str]:

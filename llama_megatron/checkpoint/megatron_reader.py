@@ -7,9 +7,10 @@ Per-rank tensors come from, in this order of preference:
   master partitions, when the optimizer files have them;
 - otherwise the module weights: pipeline layer files, or ``mp_rank_XX_model_states.pt['module']``.
 
-Files are memory-mapped and re-opened per parameter (see :meth:`release`), so a PP=1 file holding a whole TP rank
-never becomes resident at once. TP shards are merged as views where the layout allows (``tp_slicing.merge_parts``),
-the vocab padding stripped.
+Every ``*.pt`` file of the checkpoint is checked first (weights-only, :mod:`llama_megatron.checkpoint.safe_load`),
+before any tensor is read. Files are memory-mapped and re-opened per parameter (see :meth:`release`), so a PP=1
+file holding a whole TP rank never becomes resident at once. TP shards are merged as views where the layout
+allows (``tp_slicing.merge_parts``), the vocab padding stripped.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
-from llama_megatron.checkpoint.hf_io import load_torch_file
 from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
+from llama_megatron.checkpoint.safe_load import load_state_file, verify_checkpoint_dir
 from llama_megatron.checkpoint.weights import is_pipeline_checkpoint, layer_file, model_states_file
 from llama_megatron.checkpoint.zero_fp32 import (
     Zero3Partitions,
     Zero12Partitions,
     has_optimizer_files,
-    load_deepspeed_file,
     zero3_model_file,
 )
 from llama_megatron.config import ModelConfig
@@ -40,6 +41,7 @@ class MegatronCheckpoint:
     def __init__(self, load_dir: str, tag: str | None = None, fp32_master: bool = False) -> None:
         self.meta: CheckpointMeta = read_meta(load_dir, tag)
         self.tag_dir = os.path.join(load_dir, self.meta.tag)
+        verify_checkpoint_dir(self.tag_dir)
         try:
             self.config = ModelConfig.from_dict(self.meta.model)
         except ConfigError as exc:
@@ -68,19 +70,14 @@ class MegatronCheckpoint:
 
     def _file(self, path: str) -> dict:
         if path not in self._files:
-            if not os.path.isfile(path):
-                raise CheckpointError(f"checkpoint file missing: {path}")
-            state = load_torch_file(path)
-            if not isinstance(state, dict):
-                raise CheckpointError(f"{path} does not hold a state dict")
-            self._files[path] = state
+            self._files[path] = load_state_file(path)
         return self._files[path]
 
     def _stored_dtype(self) -> torch.dtype:
         """dtype of the module weights (ZeRO-3 model files keep empty tensors of the training dtype)."""
         first = self.layout.specs[0]
         if self._zero3:
-            module = load_deepspeed_file(zero3_model_file(self.tag_dir, 0, 0)).get("module") or {}
+            module = load_state_file(zero3_model_file(self.tag_dir, 0, 0)).get("module") or {}
             tensor = module.get(first.module_name)
             if tensor is None:
                 raise CheckpointError(f"{self.tag_dir}: ZeRO-3 model file lacks {first.module_name}")
@@ -149,3 +146,18 @@ class MegatronCheckpoint:
             part.release()
         for part in self._masters or []:
             part.release()
+
+
+@torch.no_grad()
+def load_model_weights(model: nn.Module, load_dir: str, tag: str | None, tp_rank: int) -> None:
+    """Fill every parameter of ``model`` (plain or pipeline form, any PP) with TP rank ``tp_rank``'s tensors of a
+    checkpoint with the same TP degree: the fine-tuning start, before DeepSpeed wraps the model. ZeRO-3 and bf16
+    checkpoints give their fp32 master weights."""
+    source = MegatronCheckpoint(load_dir, tag, fp32_master=True)
+    for name, param in model.named_parameters():
+        tensor = source.read_rank(source.layout.for_module(name), tp_rank)
+        if tensor.shape != param.shape:
+            raise CheckpointError(f"{source.tag_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "
+                                  f"{tuple(param.shape)}")
+        param.copy_(tensor.to(param.dtype))
+        source.release()

@@ -4,7 +4,7 @@ Model-parallel releases split tensors over several ``consolidated.XX.pth``: colu
 w3, output) on dim 0, row-parallel ones (wo, w2) on dim 1, the embedding on dim 1 in LLaMA-2's release
 (ParallelEmbedding) and dim 0 in LLaMA-3's (VocabParallelEmbedding), norms replicated. Meta's rotary embedding
 pairs interleaved dimensions (2i, 2i+1), HF's pairs (i, i + d/2): q and k rows are permuted per head on the way.
-Files are read with ``torch.load(weights_only=True, mmap=True)``.
+Files are read weights-only and memory-mapped (:mod:`llama_megatron.checkpoint.safe_load`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from llama_megatron.checkpoint.hf_io import load_torch_file
+from llama_megatron.checkpoint.safe_load import load_state_file
 from llama_megatron.config import ModelConfig, read_json
 from llama_megatron.errors import CheckpointError, ConfigError
 
@@ -86,10 +86,7 @@ class MetaCheckpoint:
 
     def _shard(self, i: int) -> dict:
         if i not in self._open:
-            state = load_torch_file(self.files[i])
-            if not isinstance(state, dict):
-                raise CheckpointError(f"{self.files[i]} does not hold a state dict")
-            self._open[i] = state
+            self._open[i] = load_state_file(self.files[i])
         return self._open[i]
 
     def _embedding_dim(self) -> int:

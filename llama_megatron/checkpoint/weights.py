@@ -8,7 +8,7 @@ Two layouts exist, both written by DeepSpeed (and by our converter, which mimics
   in module naming (``3.self_attn.qkv_proj.weight``).
 
 Because parameters are addressed by (canonical name, TP rank), a checkpoint saved with PP=2 loads into a PP=1
-or PP=4 model with the same TP. Files are opened with ``weights_only=True``.
+or PP=4 model with the same TP. Files are read weights-only (:mod:`llama_megatron.checkpoint.safe_load`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import os
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from llama_megatron.config import ModelConfig
+from llama_megatron.checkpoint.safe_load import load_state_file
 from llama_megatron.errors import CheckpointError
-from llama_megatron.model.param_layout import ParamLayout, ParamSpec
+from llama_megatron.model.param_layout import ParamSpec
 
 
 def layer_file(ckpt_dir: str, layer_idx: int, tp_rank: int) -> str:
@@ -30,15 +29,6 @@ def layer_file(ckpt_dir: str, layer_idx: int, tp_rank: int) -> str:
 
 def model_states_file(ckpt_dir: str, mp_rank: int) -> str:
     return os.path.join(ckpt_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
-
-
-def _load(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file missing: {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {path} (truncated or not a checkpoint): {type(exc).__name__}") from None
 
 
 def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
@@ -53,7 +43,7 @@ def tensor_reader(ckpt_dir: str) -> Callable[[ParamSpec, int], torch.Tensor]:
     def cached(path: str) -> dict:
         if path not in cache:
             cache.clear()
-            cache[path] = _load(path)
+            cache[path] = load_state_file(path)
         return cache[path]
 
     def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
@@ -71,15 +61,3 @@ def tensor_reader(ckpt_dir: str) -> Callable[[ParamSpec, int], torch.Tensor]:
         return tensor
 
     return read
-
-
-@torch.no_grad()
-def load_model_weights(model: nn.Module, ckpt_dir: str, config: ModelConfig, tp_rank: int) -> None:
-    """Fill every parameter of ``model`` (plain or pipeline form) from a checkpoint with the same TP degree."""
-    read, layout = tensor_reader(ckpt_dir), ParamLayout(config)
-    for name, param in model.named_parameters():
-        tensor = read(layout.for_module(name), tp_rank)
-        if tensor.shape != param.shape:
-            raise CheckpointError(f"{ckpt_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "
-                                  f"{tuple(param.shape)}")
-        param.copy_(tensor.to(param.dtype))

@@ -1,8 +1,8 @@
 """fp32 master weights out of DeepSpeed ZeRO optimizer files, one parameter at a time.
 
-Optimizer files pickle a few DeepSpeed classes, so ``weights_only=True`` needs them allow-listed; we allow exactly
-those (never ``weights_only=False``) and memory-map the files, so the Adam moments stored beside the weights are
-never read. Layouts (as DeepSpeed's ``zero_to_fp32.py`` reconstructs them):
+Files are read by :func:`~llama_megatron.checkpoint.safe_load.load_state_file` (weights-only, DeepSpeed's few
+classes allow-listed) and memory-mapped, so the Adam moments stored beside the weights are never read. Layouts (as
+DeepSpeed's ``zero_to_fp32.py`` reconstructs them):
 
 - ZeRO-3: every parameter of param group g is flattened, padded to a multiple of DP and split evenly; DP rank r's
   ``fp32_flat_groups[g]`` holds its ``ceil(numel / DP)`` elements of each parameter, in ``param_shapes[g]`` order
@@ -19,28 +19,8 @@ import os
 
 import torch
 
+from llama_megatron.checkpoint.safe_load import load_state_file
 from llama_megatron.errors import CheckpointError
-
-
-def _safe_globals() -> list:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-
-
-def load_deepspeed_file(path: str) -> dict:
-    """A DeepSpeed model/optimizer state file: weights_only with the allow-listed classes, memory-mapped."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file missing: {path}")
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CheckpointError(f"cannot read {path} (truncated or not a DeepSpeed checkpoint): "
-                              f"{type(exc).__name__} {message}".rstrip()) from None
 
 
 def optim_file(ckpt_dir: str, dp_rank: int, mp_rank: int) -> str:
@@ -70,7 +50,7 @@ class _FileCache:
 
     def get(self, path: str) -> dict:
         if path not in self._files:
-            self._files[path] = load_deepspeed_file(path)
+            self._files[path] = load_state_file(path)
         return self._files[path]
 
     def release(self) -> None:

@@ -27,7 +27,8 @@ def _unit(est: Estimate) -> tuple[str, int]:
 def format_table(est: Estimate) -> str:
     lines = [f"world size {est.world_size} | data parallel {est.data_parallel} | ZeRO {est.zero} | "
              f"{est.precision} | optimizer {est.optimizer_wrapper} | micro batch {est.micro_batch_size} x "
-             f"{est.micro_batches} per step", f"{_unit(est)[0]} per rank (GPU; CPU where offloaded)"]
+             f"{est.micro_batches} per step | kernels {est.kernels}",
+             f"{_unit(est)[0]} per rank (GPU; CPU where offloaded)"]
     scale = _unit(est)[1]
     header = f"{'':18}" + "".join(f"{f'stage {s.stage} ({s.decoder_layers} layers)':>24}" for s in est.stages)
     lines.append(header)

@@ -6,18 +6,22 @@ from torch import nn
 
 from llama_megatron.config import ModelConfig, ParallelConfig
 from llama_megatron.model.init import initialize_weights
+from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.llama import LlamaCausalLM, build_pipeline_module
 from llama_megatron.parallel.context import ParallelContext
 
 
 def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelContext, seed: int = 1234,
                 activation_checkpoint_interval: int = 0, partition_method: str = "type:DecoderLayerPipe",
-                initialize: bool = True) -> nn.Module:
+                initialize: bool = True, kernels: Kernels = REFERENCE) -> nn.Module:
+    """This rank's model; ``kernels`` (see :func:`llama_megatron.model.kernels.resolve_kernels`) is the one
+    place its operator implementations are chosen."""
     padded = parallel.padded_vocab_size(config.vocab_size)
     if pctx.pp_size == 1:
-        model: nn.Module = LlamaCausalLM(config, pctx, padded, activation_checkpoint_interval)
+        model: nn.Module = LlamaCausalLM(config, pctx, padded, activation_checkpoint_interval, kernels)
     else:
-        model = build_pipeline_module(config, pctx, padded, partition_method, activation_checkpoint_interval)
+        model = build_pipeline_module(config, pctx, padded, partition_method, activation_checkpoint_interval,
+                                      kernels)
     if initialize:
         initialize_weights(model, config, pctx, padded, seed)
     return model

@@ -17,22 +17,26 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.layers import (
     DecoderLayerPipe,
     EmbeddingPipe,
     FinalNormPipe,
+    HeadOutput,
     LMHeadPipe,
     tied_lm_head_forward,
 )
 from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
+from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
 
 TIED_KEY = "embed"
 
 
 class CausalLMLoss:
-    """Cross-entropy over vocab-parallel logits; the PipelineModule ``loss_fn``.
+    """Cross-entropy of the head's output (the PipelineModule ``loss_fn``): over vocab-parallel logits, or, when the
+    head hands over (input, weight), chunk by chunk without full logits.
 
     ``labels`` is a tensor (the micro batch's token mean, HF's reduction) or ``(labels, divisor)``: the sum of the
     micro batch's token losses divided by ``divisor``, which the training engine sets so that the step's loss is the
@@ -43,32 +47,45 @@ class CausalLMLoss:
         self.vocab_size = config.vocab_size
         self.pctx = pctx
 
-    def __call__(self, local_logits: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
+    def __call__(self, head: HeadOutput, labels: torch.Tensor | tuple) -> torch.Tensor:
         labels, divisor = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        per_token = vocab_parallel_cross_entropy(local_logits, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
+        if isinstance(head, tuple):
+            hidden, weight = head
+            total = linear_cross_entropy_sum(hidden, weight, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
+        else:
+            total = vocab_parallel_cross_entropy(head, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
         if divisor is None:
-            return masked_mean_loss(per_token, labels, IGNORE_INDEX)
-        return per_token.sum() / divisor
+            return masked_mean_loss(total, labels, IGNORE_INDEX)
+        return total.sum() / divisor
 
 
-def layer_specs(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int) -> list[LayerSpec]:
+def logits_of(head: HeadOutput) -> torch.Tensor:
+    """This rank's vocab shard of the logits from the head's output (either form)."""
+    if isinstance(head, tuple):
+        hidden, weight = head
+        return torch.nn.functional.linear(hidden, weight)
+    return head
+
+
+def layer_specs(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+                kernels: Kernels = REFERENCE) -> list[LayerSpec]:
     if config.tie_word_embeddings:
-        embed = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size,
+        embed = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size, kernels,
                               tied_weight_attr="word_embeddings.weight")
-        head = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size,
+        head = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size, kernels,
                              forward_fn=tied_lm_head_forward, tied_weight_attr="word_embeddings.weight")
     else:
-        embed = LayerSpec(EmbeddingPipe, config, pctx, padded_vocab_size)
-        head = LayerSpec(LMHeadPipe, config, pctx, padded_vocab_size)
-    decoder = [LayerSpec(DecoderLayerPipe, config, pctx, i) for i in range(config.num_hidden_layers)]
-    return [embed, *decoder, LayerSpec(FinalNormPipe, config, pctx), head]
+        embed = LayerSpec(EmbeddingPipe, config, pctx, padded_vocab_size, kernels)
+        head = LayerSpec(LMHeadPipe, config, pctx, padded_vocab_size, kernels)
+    decoder = [LayerSpec(DecoderLayerPipe, config, pctx, i, kernels) for i in range(config.num_hidden_layers)]
+    return [embed, *decoder, LayerSpec(FinalNormPipe, config, pctx, kernels), head]
 
 
 class LlamaCausalLM(nn.Module):
     """The whole model in one process group stage (PP=1): the same layers, run in order."""
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
-                 activation_checkpoint_interval: int = 0) -> None:
+                 activation_checkpoint_interval: int = 0, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         if pctx.pp_size != 1:
             raise ValueError("LlamaCausalLM is the PP=1 form; use build_pipeline_module for PP>1")
@@ -79,7 +96,7 @@ class LlamaCausalLM(nn.Module):
         self.loss_fn = CausalLMLoss(config, pctx)
         self.tied_modules = nn.ModuleDict()
         self._forward_funcs: list = []
-        for idx, spec in enumerate(layer_specs(config, pctx, padded_vocab_size)):
+        for idx, spec in enumerate(layer_specs(config, pctx, padded_vocab_size, kernels)):
             if isinstance(spec, TiedLayerSpec):
                 if spec.key not in self.tied_modules:
                     self.tied_modules[spec.key] = spec.build()
@@ -107,7 +124,7 @@ class LlamaCausalLM(nn.Module):
             if span:
                 x, span = checkpoint(_run_layers, span, x, use_reentrant=False), []
             x = fn(x)
-        return x if labels is None else self.loss_fn(x, labels)
+        return logits_of(x) if labels is None else self.loss_fn(x, labels)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Gather the vocab shards and drop the padding (for evaluation and tests, not for the loss)."""
@@ -122,10 +139,10 @@ def _run_layers(layers: list, x):
 
 def build_pipeline_module(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
                           partition_method: str = "type:DecoderLayerPipe",
-                          activation_checkpoint_interval: int = 0) -> PipelineModule:
+                          activation_checkpoint_interval: int = 0, kernels: Kernels = REFERENCE) -> PipelineModule:
     """The PP>1 form over ``pctx.topology``; only decoder layers are ever recomputed."""
     return PipelineModule(
-        layers=layer_specs(config, pctx, padded_vocab_size),
+        layers=layer_specs(config, pctx, padded_vocab_size, kernels),
         loss_fn=CausalLMLoss(config, pctx),
         topology=pctx.topology,
         partition_method=partition_method,

@@ -7,21 +7,21 @@ output splits into gate and up halves with no communication.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, config: ModelConfig, pctx: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size, pctx, "gate_up",
                                                  bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, pctx, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))

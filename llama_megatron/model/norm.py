@@ -1,10 +1,11 @@
-"""RMSNorm with HF's exact cast order."""
+"""RMSNorm (optionally fused with the residual add before it); the arithmetic is the kernel seam's."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.layers import mark_replicated
@@ -17,17 +18,18 @@ class RMSNorm(nn.Module):
     the TP group (see :func:`all_reduce_grad_in_tp`).
     """
 
-    def __init__(self, hidden_size: int, eps: float, pctx: ParallelContext) -> None:
+    def __init__(self, hidden_size: int, eps: float, pctx: ParallelContext, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.eps = eps
         self.pctx = pctx
+        self.kernels = kernels
         self.weight = mark_replicated(nn.Parameter(torch.ones(hidden_size)))
         if pctx.sequence_parallel:
             self.weight.sequence_parallel = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, the pair ``(residual + x, norm(residual + x))``."""
         weight = all_reduce_grad_in_tp(self.weight, self.pctx) if self.pctx.sequence_parallel else self.weight
-        return weight * h.to(dtype)
+        if residual is None:
+            return self.kernels.rms_norm(x, weight, self.eps)
+        return self.kernels.add_rms_norm(residual, x, weight, self.eps)

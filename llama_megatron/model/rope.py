@@ -1,8 +1,7 @@
 """Rotary position embeddings (rotate-half convention, as HF weights expect) with LLaMA's scaling variants.
 
-cos/sin tables are precomputed once per process for positions below ``max_position_embeddings`` and shared by
-every layer (a per-layer table would cost layers x positions x head_dim floats); positions are always explicit,
-so packed documents and pipeline stages see the same rotation.
+cos/sin are computed from the explicit positions once per micro batch and shared by every layer of a stage
+(:mod:`llama_megatron.model.batch_cache`), so packed documents and pipeline stages see the same rotation.
 
 'dynamic' (NTK) scaling depends on the longest position in the batch and is computed per call; unlike HF, which
 keeps the largest length it has seen as state, the result here depends only on the batch itself.
@@ -10,12 +9,12 @@ keeps the largest length it has seen as state, the result here depends only on t
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.batch_cache import per_micro_batch
 
 
 def inverse_frequencies(config: ModelConfig, seq_len: int | None = None) -> torch.Tensor:
@@ -51,26 +50,41 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+_inv_freq_on_device: dict[tuple, torch.Tensor] = {}
+
+
+def _inverse_frequencies_on(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """Cached per device: a host-to-device copy would wait for the device's queue (a sync per micro batch)."""
+    key = (config.head_dim, config.rope_theta, repr(config.rope_scaling), device)
+    if key not in _inv_freq_on_device:
+        _inv_freq_on_device[key] = inverse_frequencies(config).to(device)
+    return _inv_freq_on_device[key]
+
+
 def _angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     return torch.cat((freqs, freqs), dim=-1)
 
 
-@functools.lru_cache(maxsize=8)
-def _cos_sin_table(inv_freq: tuple[float, ...], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = _angles(torch.tensor(inv_freq, dtype=torch.float32, device=device), torch.arange(length, device=device))
+def _cos_sin(config: ModelConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if config.rope_type == "dynamic":
+        # NTK scaling depends on the batch's longest position: the one host sync, as in HF
+        max_pos = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        inv_freq = inverse_frequencies(config, max_pos).to(position_ids.device)
+    else:
+        inv_freq = _inverse_frequencies_on(config, position_ids.device)
+    angles = _angles(inv_freq, position_ids)
     return angles.cos(), angles.sin()
 
 
 def rotary_cos_sin(config: ModelConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin of shape [*position_ids.shape, head_dim]."""
-    max_pos = int(position_ids.max()) + 1 if position_ids.numel() else 0
-    if config.rope_type == "dynamic" or max_pos > config.max_position_embeddings:
-        angles = _angles(inverse_frequencies(config, max_pos).to(position_ids.device), position_ids)
-        return angles.cos(), angles.sin()
-    inv_freq = tuple(inverse_frequencies(config).tolist())
-    cos, sin = _cos_sin_table(inv_freq, config.max_position_embeddings, position_ids.device)
-    return cos[position_ids], sin[position_ids]
+    """fp32 cos and sin of shape [*position_ids.shape, head_dim], computed once per micro batch.
+
+    Computed from the positions directly, as HF does (the same fp32 angle and cos/sin for every position), so
+    no table bounds the positions and no device-to-host sync is needed except for 'dynamic' scaling.
+    """
+    rope = (config.rope_type, repr(config.rope_scaling), config.head_dim, config.rope_theta)
+    return per_micro_batch(("rope", rope), (position_ids,), lambda: _cos_sin(config, position_ids))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,25 @@ def mark_replicated(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def column_parallel_input(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """What every TP rank multiplies by its rows: the all-gathered sequence under SP; otherwise ``x`` itself,
+    with its gradient all-reduced over TP in backward."""
+    if pctx.sequence_parallel:
+        return gather_from_sequence_region(x, pctx)
+    return copy_to_tp_region(x, pctx)
+
+
+def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pctx: ParallelContext,
+                           return_operands: bool = False):
+    """``x A^T + b`` for a column-parallel ``A``; with ``return_operands`` the pair (input, weight) instead, for a
+    caller that fuses the matmul with what follows it (the chunked loss). Called inside the owning module's
+    forward so ZeRO-3 gathers the weight for it."""
+    x = column_parallel_input(x, pctx)
+    if return_operands:
+        return x, weight
+    return F.linear(x, weight, bias)
+
+
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} {numerator} is not divisible by tensor parallel size {denominator}")
@@ -63,12 +82,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_tensor_parallel(nn.Parameter(torch.zeros(self.out_features_per_rank)), 0, split)
                      if bias else None)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        if self.pctx.sequence_parallel:
-            x = gather_from_sequence_region(x, self.pctx)
-        else:
-            x = copy_to_tp_region(x, self.pctx)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+    def forward(self, x: torch.Tensor, return_operands: bool = False):
+        """Local output slice (gathered if ``gather_output``); see :func:`column_parallel_matmul` for
+        ``return_operands``."""
+        if return_operands:
+            return column_parallel_matmul(x, self.weight, self.bias, self.pctx, return_operands=True)
+        y = column_parallel_matmul(x, self.weight, self.bias, self.pctx)
         return gather_from_tp_region(y, self.pctx) if self.gather_output else y
 
 
@@ -105,7 +124,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = pctx.tp_rank * self.rows_per_rank
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), 0, "vocab")
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, as_lm_head: bool = False, return_operands: bool = False):
+        """Look up ``input_ids``; with ``as_lm_head`` multiply hidden states by the table instead (tied
+        embeddings; see :func:`column_parallel_matmul`)."""
+        if as_lm_head:
+            return column_parallel_matmul(input_ids, self.weight, None, self.pctx, return_operands)
         if self.pctx.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.vocab_start

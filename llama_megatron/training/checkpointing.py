@@ -7,6 +7,11 @@ that the next save removes; ``latest`` still names the previous complete checkpo
 holds the run position (step, consumed samples) and the layout (TP, PP, DP, ZeRO stage, model config): resume
 reads it before building anything, so layout changes are caught early, and a DP change is handled through
 DeepSpeed's universal checkpoint (converted once, beside the original).
+
+Nothing in a checkpoint is unpickled beyond tensors and plain data (:mod:`llama_megatron.checkpoint.safe_load`):
+:func:`verify_load` checks every file a load may open before anything is built, and DeepSpeed's engine reads its
+files through our loader. ``checkpoint.load: "auto"`` resumes from ``checkpoint.save`` when it holds a ``latest``
+(a job restarted with the same command) and starts fresh otherwise.
 """
 
 from __future__ import annotations
@@ -17,11 +22,23 @@ import shutil
 import subprocess
 import sys
 
+import torch
+
 from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, TMP_PREFIX, CheckpointMeta, step_tag
+from llama_megatron.checkpoint.safe_load import load_through_safe_engine, verify_checkpoint_dir
 from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError
 from llama_megatron.parallel.launch import barrier
+from llama_megatron.training.config import AUTO_LOAD, CheckpointConfig
+
+
+def resolve_load_dir(cfg: CheckpointConfig) -> str | None:
+    """The directory to load: ``checkpoint.load``, or for ``"auto"`` ``checkpoint.save`` once it holds a
+    ``latest`` (None: nothing saved yet, start fresh)."""
+    if cfg.load != AUTO_LOAD:
+        return cfg.load
+    return cfg.save if os.path.isfile(os.path.join(cfg.save, LATEST_FILE)) else None
 
 
 def check_resume_layout(meta: CheckpointMeta, tensor: int, pipeline: int, load_dir: str) -> None:
@@ -38,12 +55,27 @@ def needs_universal(meta: CheckpointMeta, data_parallel: int) -> bool:
     return meta.data_parallel != data_parallel and meta.zero_stage >= 1
 
 
+def universal_tag(tag: str) -> str:
+    return f"{tag}_universal"
+
+
+def verify_load(load_dir: str, meta: CheckpointMeta, data_parallel: int | None) -> None:
+    """Check every file this load may open, weights-only, before any process group or output exists: the tag,
+    and the universal checkpoint beside it when a resume at another DP degree (``data_parallel``; None for
+    fine-tuning) will load it. DeepSpeed reads universal checkpoints, and ``ds_to_universal`` the tag, with its
+    own ``torch.load(weights_only=False)``: this check is what stands before those."""
+    verify_checkpoint_dir(os.path.join(load_dir, meta.tag))
+    universal = os.path.join(load_dir, universal_tag(meta.tag))
+    if data_parallel is not None and needs_universal(meta, data_parallel) and os.path.isdir(universal):
+        verify_checkpoint_dir(universal)
+
+
 def ensure_universal(load_dir: str, tag: str, rank: int) -> str:
     """Convert ``tag`` to a universal checkpoint once (rank 0; atomic), return the universal tag."""
-    universal_tag = f"{tag}_universal"
-    target = os.path.join(load_dir, universal_tag)
+    converted = universal_tag(tag)
+    target = os.path.join(load_dir, converted)
     if rank == 0 and not os.path.isdir(target):
-        tmp = os.path.join(load_dir, TMP_PREFIX + universal_tag)
+        tmp = os.path.join(load_dir, TMP_PREFIX + converted)
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                os.path.join(load_dir, tag), "--output_folder", tmp, "--num_extract_workers", "1",
@@ -55,7 +87,7 @@ def ensure_universal(load_dir: str, tag: str, rank: int) -> str:
         shutil.copy(os.path.join(load_dir, tag, META_FILE), os.path.join(tmp, META_FILE))
         os.replace(tmp, target)
     barrier()
-    return universal_tag
+    return converted
 
 
 def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, rank: int) -> str:
@@ -91,15 +123,14 @@ def _prune(save_dir: str, keep_last: int) -> None:
     )
     for _, name in steps[:-keep_last]:
         shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-        shutil.rmtree(os.path.join(save_dir, name + "_universal"), ignore_errors=True)
+        shutil.rmtree(os.path.join(save_dir, universal_tag(name)), ignore_errors=True)
 
 
-def load_checkpoint(engine, load_dir: str, tag: str, finetune: bool) -> None:
+def load_checkpoint(engine, load_dir: str, tag: str) -> None:
+    """Resume: model, optimizer and LR state through DeepSpeed, its files read by our weights-only loader."""
+    weight_decay = [group["weight_decay"] for group in engine.optimizer.param_groups]
     try:
-        path, _ = engine.engine.load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=not finetune, load_lr_scheduler_states=not finetune,
-            load_module_only=finetune,
-        )
+        path, _ = load_through_safe_engine(engine.engine).load_checkpoint(load_dir, tag=tag)
     except CheckpointError:
         raise
     except Exception as exc:  # DeepSpeed/torch raise many types for truncated or mismatched files
@@ -107,3 +138,17 @@ def load_checkpoint(engine, load_dir: str, tag: str, finetune: bool) -> None:
         raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: {message}") from None
     if path is None:
         raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: DeepSpeed found no model files")
+    if engine.engine.load_universal_checkpoint():
+        _repair_universal_optimizer(engine.optimizer, weight_decay)
+
+
+def _repair_universal_optimizer(optimizer, weight_decay: list[float]) -> None:
+    """Undo two slips of DeepSpeed 0.19.8's ZeRO-3 universal loader (``stage3.py``,
+    ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): it gives every param group the hyperparameters of
+    group 0 (weight decay on norms), and one Adam ``step`` tensor to every group, so the step count advances once
+    per group per step. The ZeRO-1/2 and bf16 loaders restore each group's own (a no-op for them)."""
+    for group, decay in zip(optimizer.param_groups, weight_decay):
+        group["weight_decay"] = decay
+    for state in optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()

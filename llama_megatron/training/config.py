@@ -2,7 +2,7 @@
 
 Sections: model (path to a preset / HF config.json, or inline), parallel, data, tokenizer, seq_length,
 batch, train, optimizer (with its schedule), eval, checkpoint, logging, activation_checkpointing, pipeline,
-deepspeed_config, seed, output_dir. ``--set a.b=value`` overrides any key (value parsed as JSON when it parses).
+deepspeed_config, kernels, seed, output_dir. ``--set a.b=value`` overrides any key (value parsed as JSON when it parses).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from llama_megatron.config import ModelConfig, ParallelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.errors import ConfigError
+from llama_megatron.model.kernels import KERNEL_CHOICES
 
 
 @dataclass
@@ -50,6 +51,9 @@ class OptimizerConfig:
 class EvalConfig:
     interval: int = 0
     iters: int = 1
+
+
+AUTO_LOAD = "auto"  # checkpoint.load: resume from checkpoint.save when it holds a checkpoint, else start fresh
 
 
 @dataclass
@@ -108,6 +112,7 @@ class TrainingConfig:
     activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     deepspeed_config: str | dict | None = None
+    kernels: str = "auto"
     seed: int = 1234
     output_dir: str = "runs/default"
 
@@ -145,6 +150,8 @@ class TrainingConfig:
 
     def validate(self) -> None:
         """Everything that does not depend on the world size; run once, when the config is read."""
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         if not isinstance(self.seq_length, int) or self.seq_length < 1:
             raise ConfigError(f"seq_length must be a positive integer, got {self.seq_length!r}")
         self.parallel.validate(self.model)
@@ -164,8 +171,15 @@ class TrainingConfig:
             raise ConfigError(f"optimizer.min_lr {opt.min_lr} must lie in [0, lr={opt.lr}]")
         if opt.warmup_steps < 0 or opt.clip_grad < 0:
             raise ConfigError("optimizer.warmup_steps and optimizer.clip_grad must be >= 0")
-        if self.checkpoint.interval and not self.checkpoint.save:
+        ckpt = self.checkpoint
+        if ckpt.interval and not ckpt.save:
             raise ConfigError("checkpoint.interval is set but checkpoint.save (a directory) is not")
+        if ckpt.load == AUTO_LOAD:
+            if not ckpt.save:
+                raise ConfigError('checkpoint.load "auto" resumes from checkpoint.save, which is not set')
+            if ckpt.finetune or ckpt.tag:
+                raise ConfigError('checkpoint.load "auto" resumes the latest checkpoint in checkpoint.save: it '
+                                  "takes no checkpoint.tag and no checkpoint.finetune (name the directory to load)")
         if self.eval.interval < 0 or self.eval.iters < 1:
             raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
 

@@ -10,7 +10,10 @@ Model states follow what DeepSpeed 0.19.8 allocates (checked against real engine
   after the first forward.
 * ZeRO-0 runs the torch optimizer on the parameters themselves (fp32), or on an fp32 copy (bf16/fp16).
 
-Activations count the tensors autograd saves for backward in this repository's layers (SDPA attention path).
+Activations count the tensors autograd saves for backward in this repository's layers, for the kernels the run
+would use on a GPU (``kernels``: ``auto`` = the fast kernels): the reference kernels (SDPA with K/V repeated for
+GQA, the fp32 softmax of the full logits kept for the loss's backward) or the fast ones (K/V not repeated, fused
+norms and SwiGLU, the chunked loss keeping only its input's and weight's gradients).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from dataclasses import dataclass, field
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
+from llama_megatron.model.kernels import kernel_choice
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import shard_shape
+from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
 from llama_megatron.training.config import BatchConfig, TrainingConfig
 from llama_megatron.training.deepspeed_config import precision, zero_stage
 
@@ -69,6 +74,7 @@ class Estimate:
     optimizer_wrapper: str
     micro_batch_size: int
     micro_batches: int
+    kernels: str = "reference"
     stages: list[StageEstimate] = field(default_factory=list)
 
     @property
@@ -178,27 +184,32 @@ def _states(params: list[tuple[int, bool]], ds: dict, wrapper: str, dp: int, e: 
     return out
 
 
-def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int) -> int:
-    """Saved-for-backward bytes of one decoder layer, per TP rank (llama_megatron/model/*.py, SDPA path)."""
+def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> int:
+    """Saved-for-backward bytes of one decoder layer, per TP rank (llama_megatron/model/*.py)."""
     m, t, s = config.model, config.parallel.tensor, config.seq_length
     sp = config.parallel.sequence_parallel
     h, hd = m.hidden_size, m.head_dim
     tokens = b * s
-    norms = 2 * _norm_bytes(tokens, h, t if sp else 1, e)  # input and post-attention norms
+    norms = 2 * _norm_bytes(tokens, h, t if sp else 1, e, fast)  # input and post-attention norms
     q_width = m.num_attention_heads * hd // t
-    # SDPA saves q, k and v (k, v repeated to the query heads), its output (o_proj's input: a view, the kernel
-    # allocates it [b, s, heads, d]) and a fp32 logsumexp per head
-    attention = 4 * e * tokens * q_width + 4 * tokens * m.num_attention_heads // t
-    rotary = 8 * tokens * hd  # cos and sin [b, s, head_dim]: fp32, or bf16 cast once per q and k
-    mlp = 4 * e * tokens * m.intermediate_size // t  # gate_up output (2f), silu output, product
+    lse = 4 * tokens * m.num_attention_heads // t  # the attention kernel's fp32 logsumexp per head
+    if fast:  # q, k, v (K/V heads not repeated) and the output
+        attention = e * tokens * (2 * q_width + 2 * m.num_key_value_heads * hd // t) + lse
+        mlp = 3 * e * tokens * m.intermediate_size // t  # gate_up output (2f), product
+        rotary = 2 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 (fp32: the shared tensors)
+    else:  # SDPA saves q, k and v (k, v repeated to the query heads) and its output
+        attention = 4 * e * tokens * q_width + lse
+        mlp = 4 * e * tokens * m.intermediate_size // t  # gate_up output (2f), silu output, product
+        rotary = 4 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 once per q and k
     return norms + attention + rotary + mlp
 
 
-def _norm_bytes(tokens: int, h: int, shard: int, e: int) -> int:
-    """An RMSNorm feeding a column-parallel linear (``shard`` = TP under SP, else 1): its fp32 input (pow),
-    normalised value and fp32 rsqrt on its tokens, plus the linear's input: the norm's output, or under SP
-    the all-gathered full sequence."""
-    return ((4 + e) * tokens * h + 4 * tokens) // shard + e * tokens * h
+def _norm_bytes(tokens: int, h: int, shard: int, e: int, fast: bool, feeds_linear: bool = True) -> int:
+    """An RMSNorm on its tokens (``shard`` = TP under SP, else 1) and, when ``feeds_linear``, the input of the
+    column-parallel linear after it (the norm's output, or under SP the all-gathered full sequence). Reference:
+    fp32 input (pow), normalised value and fp32 rsqrt; fused kernels: the input and the fp32 rsqrt."""
+    norm = ((e if fast else 4 + e) * tokens * h + 4 * tokens) // shard
+    return norm + (e * tokens * h if feeds_linear else 0)
 
 
 def _spans(kinds: list[str], interval: int, pipelined: bool) -> list[tuple[int, bool]]:
@@ -213,13 +224,13 @@ def _spans(kinds: list[str], interval: int, pipelined: bool) -> list[tuple[int, 
 
 
 def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
-                 pipelined: bool) -> tuple[int, int, int]:
+                 pipelined: bool, fast: bool) -> tuple[int, int, int]:
     """Bytes on a stage with ``kinds`` for one micro batch: (saved for backward, recomputed span, logits/loss)."""
     m, t, s = config.model, config.parallel.tensor, config.seq_length
     sp = config.parallel.sequence_parallel
     tokens = b * s
     hidden_local = tokens * m.hidden_size // (t if sp else 1)
-    layer = _decoder_layer_bytes(config, b, e)
+    layer = _decoder_layer_bytes(config, b, e, fast)
     saved = 0
     worst_span = 0
     for count, recomputed in _spans(kinds, config.activation_checkpointing.interval, pipelined):
@@ -229,17 +240,25 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
         else:
             saved += count * layer
     saved += 8 * tokens if worst_span else 0  # position ids, an input of every recomputed span
+    if "DecoderLayerPipe" in kinds:  # RoPE's fp32 cos and sin, made once per micro batch for the stage
+        saved += 8 * tokens * m.head_dim
     if "EmbeddingPipe" == kinds[0]:
         saved += 8 * tokens + (tokens if t > 1 else 0)  # token ids, the out-of-shard mask
     logits = 0
     if "FinalNormPipe" in kinds:  # the last stage: final norm, head (own or tied table) and loss
-        saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e)  # final norm + the head's input
         vocab_local = config.parallel.padded_vocab_size(m.vocab_size) // t
-        saved += 4 * tokens * vocab_local + 10 * tokens  # fp32 softmax kept by the vocab-parallel CE, targets
         padded = config.parallel.padded_vocab_size(m.vocab_size) > m.vocab_size
-        # logits (kept by the pipeline engine until backward) + the CE's transient fp32 copies: cast (bf16),
-        # padding clone and shifted logits
-        logits = tokens * vocab_local * (e + 4 + (4 if e != 4 else 0) + (4 if padded else 0))
+        if fast:  # the chunked loss keeps d(loss)/d(head input) and d(loss)/d(weight) (fp32) from its forward
+            saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e, fast, feeds_linear=False)
+            saved += e * tokens * m.hidden_size + 4 * vocab_local * m.hidden_size
+            chunk = min(tokens, default_chunk_tokens(tokens, vocab_local, m.hidden_size))
+            logits = chunk * vocab_local * (4 + (2 * e if e != 4 else 0))  # one chunk: matmul, fp32, grad cast
+        else:
+            saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e, fast)  # final norm + the head's input
+            saved += 4 * tokens * vocab_local + 10 * tokens  # fp32 softmax kept by the vocab-parallel CE, targets
+            # logits (kept by the pipeline engine until backward) + the CE's transient fp32 copies: cast (bf16),
+            # padding clone and shifted logits
+            logits = tokens * vocab_local * (e + 4 + (4 if e != 4 else 0) + (4 if padded else 0))
     if pipelined:  # payload buffers DeepSpeed keeps per in-flight micro batch
         partitioned = t > 1 and not sp and config.parallel.pipeline > 1
         if kinds[0] != "EmbeddingPipe" and not partitioned:
@@ -265,15 +284,17 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     e = _ELEMENT[prec]
     wrapper = optimizer_wrapper(ds, pp)
     layers = _layers(config.model, par.padded_vocab_size(config.model.vocab_size), tp)
+    kernels = kernel_choice(config.kernels, "cuda")  # a GPU's kernels: what the estimate is for
+    fast = kernels != "reference"
     bounds = [0, len(layers)] if pp == 1 else _stage_bounds(layers, pp, config.pipeline.partition_method)
-    result = Estimate(world_size, dp, zero_stage(ds), prec, wrapper, b, micro_batches)
+    result = Estimate(world_size, dp, zero_stage(ds), prec, wrapper, b, micro_batches, kernels)
     for stage in range(pp):
         mine = layers[bounds[stage]:bounds[stage + 1]]
         if pp == 1 and config.model.tie_word_embeddings:
             mine = mine[:-1]  # one shared table in a single-stage model
         params = [p for layer in mine for p in layer.params]
         kinds = [layer.kind for layer in mine]
-        saved, recompute, logits = _activations(config, kinds, b, e, pp > 1)
+        saved, recompute, logits = _activations(config, kinds, b, e, pp > 1, fast)
         result.stages.append(StageEstimate(
             stage=stage, decoder_layers=kinds.count("DecoderLayerPipe"),
             activations_per_micro_batch=saved, in_flight=min(pp - stage, micro_batches), recompute=recompute,

@@ -17,14 +17,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from llama_megatron.checkpoint.megatron_reader import load_model_weights
 from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
-from llama_megatron.checkpoint.weights import load_model_weights
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import build_model
+from llama_megatron.model.kernels import Kernels, resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import init_distributed
 from llama_megatron.training import checkpointing as ckpt
-from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config, precision, zero_stage
 from llama_megatron.training.engine import TrainingEngine
 from llama_megatron.training.metrics import RunLogger
@@ -41,12 +42,14 @@ class Preflight:
     ds_config: dict
     checkpoint: CheckpointMeta | None
     eod_id: int | None
+    kernels: Kernels
+    load_dir: str | None = None  # checkpoint.load, "auto" resolved
 
     @property
     def weights_only(self) -> bool:
         """Fine-tuning start: read the weights per (layer, TP rank) before DeepSpeed wraps the model, so any PP,
-        DP and ZeRO stage of this run can start from the checkpoint (ZeRO-3 files hold no weights: load fully)."""
-        return self.checkpoint is not None and self.config.checkpoint.finetune and self.checkpoint.zero_stage < 3
+        DP and ZeRO stage of this run can start from the checkpoint."""
+        return self.checkpoint is not None and self.config.checkpoint.finetune
 
 
 @dataclass
@@ -80,22 +83,24 @@ def _check_tokenizer(config: TrainingConfig) -> int | None:
     return tokenizer.eos_id
 
 
-def _check_checkpoint(config: TrainingConfig) -> CheckpointMeta | None:
-    if not config.checkpoint.load:
+def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int) -> CheckpointMeta | None:
+    if not load_dir:
         return None
-    meta = read_meta(config.checkpoint.load, config.checkpoint.tag)
+    finetune = config.checkpoint.finetune
+    meta = read_meta(load_dir, config.checkpoint.tag)
     # weights-only loading reads per (layer, TP rank): any PP of this run will do
-    pipeline = meta.pipeline if config.checkpoint.finetune and meta.zero_stage < 3 else config.parallel.pipeline
-    ckpt.check_resume_layout(meta, config.parallel.tensor, pipeline, config.checkpoint.load)
+    pipeline = meta.pipeline if finetune else config.parallel.pipeline
+    ckpt.check_resume_layout(meta, config.parallel.tensor, pipeline, load_dir)
     padded = config.parallel.padded_vocab_size(config.model.vocab_size)
     if meta.padded_vocab_size != padded:
         raise ConfigError(
-            f"checkpoint {config.checkpoint.load}/{meta.tag} pads the vocab to {meta.padded_vocab_size}, this "
+            f"checkpoint {load_dir}/{meta.tag} pads the vocab to {meta.padded_vocab_size}, this "
             f"run to {padded}: set parallel.make_vocab_size_divisible_by to match, or reshard the checkpoint"
         )
     if meta.model != config.model.to_dict():
-        raise ConfigError(f"checkpoint {config.checkpoint.load}/{meta.tag} holds a different model config "
+        raise ConfigError(f"checkpoint {load_dir}/{meta.tag} holds a different model config "
                           "than this run's model section")
+    ckpt.verify_load(load_dir, meta, None if finetune else config.data_parallel_size(world_size))
     return meta
 
 
@@ -108,7 +113,10 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     config.data.prepare(config.tokenizer)  # SFT JSONL: tokenised here once, so bad records stop before launch
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
-    return Preflight(config, world_size, ds_config, _check_checkpoint(config), eod_id)
+    kernels = resolve_kernels(config.kernels, accelerator)
+    load_dir = ckpt.resolve_load_dir(config.checkpoint)
+    return Preflight(config, world_size, ds_config, _check_checkpoint(config, load_dir, world_size), eod_id,
+                     kernels, load_dir)
 
 
 def _seed_everything(seed: int) -> None:
@@ -131,9 +139,10 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
                 "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
-                "model": config.model.to_dict()}
+                "kernels": pre.kernels.describe(), "model": config.model.to_dict()}
         with open(os.path.join(config.output_dir, RUN_INFO_FILE), "w", encoding="utf-8") as fh:
             json.dump(info, fh, indent=2)
+    log.info("kernels: " + " | ".join(f"{k} {v}" for k, v in pre.kernels.describe().items()))
     return pctx, log
 
 
@@ -142,10 +151,9 @@ def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
     config = pre.config
     model = build_model(config.model, config.parallel, pctx, seed=config.seed,
                         activation_checkpoint_interval=config.activation_checkpointing.interval,
-                        partition_method=config.pipeline.partition_method)
+                        partition_method=config.pipeline.partition_method, kernels=pre.kernels)
     if pre.weights_only:
-        tag_dir = os.path.join(config.checkpoint.load, pre.checkpoint.tag)
-        load_model_weights(model, tag_dir, config.model, pctx.tp_rank)
+        load_model_weights(model, pre.load_dir, pre.checkpoint.tag, pctx.tp_rank)
     return model
 
 
@@ -157,15 +165,16 @@ def open_session(config: TrainingConfig, ds_source=None) -> Session:
     load_tag = meta.tag if meta else None
     if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_size):
         log.info(f"data parallel {meta.data_parallel} -> {pctx.dp_size}: loading through a universal checkpoint")
-        load_tag = ckpt.ensure_universal(config.checkpoint.load, meta.tag, pctx.rank)
+        load_tag = ckpt.ensure_universal(pre.load_dir, meta.tag, pctx.rank)
         pre.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     engine = TrainingEngine(config, pre.ds_config, pctx, load_model(pre, pctx))
     step, consumed = 0, 0
-    if meta:
-        if not pre.weights_only:
-            ckpt.load_checkpoint(engine, config.checkpoint.load, load_tag, config.checkpoint.finetune)
-        if not config.checkpoint.finetune:
-            step, consumed = meta.step, meta.consumed_samples
-        log.info(f"loaded checkpoint {config.checkpoint.load}/{meta.tag} (step {meta.step})"
-                 + (" for fine-tuning" if config.checkpoint.finetune else ""))
+    if meta and pre.weights_only:
+        log.info(f"loaded the weights of checkpoint {pre.load_dir}/{meta.tag} (step {meta.step}) for fine-tuning")
+    elif meta:
+        ckpt.load_checkpoint(engine, pre.load_dir, load_tag)
+        step, consumed = meta.step, meta.consumed_samples
+        log.info(f"resumed from checkpoint {pre.load_dir}/{meta.tag} (step {meta.step})")
+    elif config.checkpoint.load == AUTO_LOAD:
+        log.info(f"no checkpoint in {config.checkpoint.save} yet: starting fresh (checkpoint.load auto)")
     return Session(pre, pctx, log, engine, step, consumed)

@@ -1,0 +1,228 @@
+"""GPU training-step throughput: ours (each kernel choice) vs transformers (sdpa) vs transformers + Liger-Kernel.
+
+One process, the same config, weights and batches, bf16 parameters, a train step = forward + backward + fused
+AdamW. Prints one JSON line per model shape (tokens/s, MFU, peak GiB of each variant and the ratios against HF
+and HF + Liger) and one per per-document attention length (fwd+bwd time and peak memory of the reference dense
+mask, our fast path, causal SDPA and FlexAttention with a document block mask).
+
+    python benchmarks/gpu_throughput.py                      # TinyLlama-1.1B seq 2048 x 4, Llama-2-7B dims x 8 layers
+    python benchmarks/gpu_throughput.py --only attention     # per-document attention at seq 2k / 8k / 32k
+    python benchmarks/gpu_throughput.py --smoke              # tiny shapes, any device: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from llama_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
+from llama_megatron.model.build import build_model  # noqa: E402
+from llama_megatron.model.kernels import resolve_kernels  # noqa: E402
+from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention  # noqa: E402
+from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
+from llama_megatron.parallel.context import ParallelContext  # noqa: E402
+from llama_megatron.training.flops import training_flops_per_token  # noqa: E402
+from llama_megatron.training.metrics import device_peak_tflops  # noqa: E402
+
+SHAPES = {  # name -> (model config file, overrides, seq, micro batch)
+    "tinyllama-1.1b": ("configs/models/tinyllama-1.1b.json", {}, 2048, 4),
+    "llama2-7b-8layers": ("configs/models/llama2-7b.json", {"num_hidden_layers": 8}, 4096, 1),
+}
+SMOKE_SHAPES = {"smoke": ("configs/models/tiny.json", {}, 64, 2)}
+ATTENTION_LENGTHS = (2048, 8192, 32768)
+
+
+def have_liger() -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
+
+
+def time_train_steps(model, loss_of, batches, warmup: int, device: torch.device) -> tuple[float, float | None]:
+    """Seconds for the timed steps and the peak memory of the whole (warm-up included) run."""
+    _reset_peak(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def step(ids):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(model, ids).backward()
+        optimizer.step()
+
+    for ids in batches[:warmup]:
+        step(ids)
+    _sync(device)
+    start = time.perf_counter()
+    for ids in batches[warmup:]:
+        step(ids)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    return elapsed, _peak_gib(device)
+
+
+def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path, overrides, seq, micro = spec
+    config = ModelConfig.from_dict({**json.load(open(os.path.join(ROOT, path))), **overrides})
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa")
+    parallel = ParallelConfig()
+    state = hf_to_rank_state_dict(LlamaForCausalLM(hf_config).state_dict(), config, 0, 1,
+                                  parallel.padded_vocab_size(config.vocab_size))
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, config.vocab_size, (micro, seq + 1), generator=gen).to(device)
+               for _ in range(args.warmup + args.steps)]
+    tokens = micro * seq * args.steps
+    flops = training_flops_per_token(config, seq) * tokens
+    peak = device_peak_tflops(None) if device.type == "cuda" else None
+    result: dict = {"benchmark": "gpu_throughput", "shape": name, "device": torch.cuda.get_device_name()
+                    if device.type == "cuda" else "cpu", "dtype": str(dtype).removeprefix("torch."),
+                    "seq": seq, "micro_batch": micro, "layers": config.num_hidden_layers}
+
+    def record(label: str, seconds: float, peak_gib: float | None) -> None:
+        tflops = flops / seconds / 1e12
+        result[label] = {"tokens_per_s": round(tokens / seconds, 1), "tflops": round(tflops, 2),
+                         "mfu": round(tflops / peak, 3) if peak else None, "peak_gib": peak_gib}
+
+    def ours_loss(m, ids):
+        return m(ids[:, :-1], labels=ids[:, 1:])
+
+    def hf_loss(m, ids):
+        return m(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+
+    choices = args.kernels.split(",") if args.kernels else (
+        ["reference", "compiled"] + (["liger"] if have_liger() else []))
+    for choice in choices:
+        model = build_model(config, parallel, ParallelContext.single(), initialize=False,
+                            kernels=resolve_kernels(choice, device))
+        model.load_state_dict(state)
+        model.to(device=device, dtype=dtype)
+        record(f"ours_{choice}", *time_train_steps(model, ours_loss, batches, args.warmup, device))
+        del model
+    hf = LlamaForCausalLM(hf_config).to(device=device, dtype=dtype)
+    record("hf", *time_train_steps(hf, hf_loss, batches, args.warmup, device))
+    del hf
+    if have_liger():  # patches transformers' Llama classes for every model built afterwards: last
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+        hf = LlamaForCausalLM(hf_config).to(device=device, dtype=dtype)
+        record("hf_liger", *time_train_steps(hf, hf_loss, batches, args.warmup, device))
+        del hf
+    for key in [k for k in result if k.startswith("ours_")]:
+        for base in ("hf", "hf_liger"):
+            if base in result:
+                result[f"ratio_{key}_vs_{base}"] = round(result[key]["tokens_per_s"] / result[base]["tokens_per_s"],
+                                                         3)
+    return result
+
+
+def _documents(seq: int, doc_len: int, device: torch.device) -> torch.Tensor:
+    return (torch.arange(seq, device=device) // doc_len).unsqueeze(0)
+
+
+def time_attention(fn, q, k, v, repeats: int, device: torch.device) -> tuple[float, float | None]:
+    """Mean ms of forward + backward, and the peak memory."""
+    for _ in range(2):
+        fn(q, k, v).sum().backward()
+    _reset_peak(device)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(q, k, v).sum().backward()
+    _sync(device)
+    return round((time.perf_counter() - start) / repeats * 1e3, 3), _peak_gib(device)
+
+
+def bench_attention(seq: int, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Packed documents of ~1k tokens (32 heads, 4 KV heads, head_dim 64, batch 1), as gpu-performance.md."""
+    heads, kv_heads, head_dim = (32, 4, 64) if not args.smoke else (4, 2, 16)
+    segments = _documents(seq, max(seq // 32, 1) if args.smoke else 1024, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def leaf(n):
+        return torch.randn(1, seq, n, head_dim, generator=gen, device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    variants = {
+        "reference_dense_mask": lambda q, k, v: ReferenceAttention()(q, k, v, segments),
+        "ours_fast": lambda q, k, v: FastAttention()(q, k, v, segments),
+        "causal_sdpa_no_documents": lambda q, k, v: FastAttention()(q, k, v, None),
+    }
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from llama_megatron.model.kernels.attention import document_block_mask
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        block_mask = document_block_mask(segments)
+        variants["flex_attention"] = lambda q, k, v: flex(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+            enable_gqa=True).transpose(1, 2)
+    result: dict = {"benchmark": "gpu_attention", "seq": seq, "heads": heads, "kv_heads": kv_heads,
+                    "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
+    for label, fn in variants.items():
+        if seq > 8192 and label == "reference_dense_mask" and device.type != "cuda":
+            continue
+        ms, gib = time_attention(fn, q, k, v, args.attention_repeats, device)
+        result[label] = {"ms": ms, "peak_gib": gib}
+    if "flex_attention" in result:
+        ours, flex = result["ours_fast"], result["flex_attention"]
+        result["ours_fast_time_vs_flex"] = round(ours["ms"] / flex["ms"], 3)
+        result["ours_fast_memory_vs_flex"] = round(ours["peak_gib"] / flex["peak_gib"], 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["models", "attention"], help="run one half")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--kernels", default="", help="our kernel choices (default: reference, compiled, liger)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--attention-repeats", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on whatever device there is")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        parser.error("needs a CUDA device (use --smoke to check the script on CPU)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
+    if args.only != "attention":
+        for name, spec in shapes.items():
+            print(json.dumps(bench_shape(name, spec, args, device, dtype)), flush=True)
+    if args.only != "models":
+        for seq in ((128,) if args.smoke else ATTENTION_LENGTHS):
+            print(json.dumps(bench_attention(seq, args, device, dtype)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

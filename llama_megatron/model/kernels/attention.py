@@ -1,0 +1,126 @@
+"""Causal self-attention kernels: q [b, s, heads, d], k/v [b, s, kv_heads, d] -> [b, s, heads, d].
+
+``segment_ids`` (document index per token, or None) restricts attention to each packed document. Whatever a
+kernel derives from it (a dense mask, a FlexAttention block mask, flash-attn's cumulative lengths) is built once
+per micro batch and shared by every layer of the stage (:mod:`llama_megatron.model.batch_cache`); under
+pipeline parallelism each stage rebuilds it from the ids that travel with the hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llama_megatron.model.batch_cache import per_micro_batch
+
+try:  # pragma: no cover - CUDA only
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    HAVE_FLASH_ATTN = True
+except Exception:  # ImportError, or a broken CUDA build
+    HAVE_FLASH_ATTN = False
+
+
+def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean [batch, 1, seq, seq] mask: causal and within the same document."""
+    seq = segment_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
+    same_doc = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    return (same_doc & causal).unsqueeze(1)
+
+
+def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative lengths of the documents of every row, flattened (flash-attn varlen input), and the longest."""
+    batch, seq = segment_ids.shape
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_positions = starts.flatten().nonzero().flatten()
+    ends = torch.cat([start_positions[1:], start_positions.new_tensor([batch * seq])])
+    cu = torch.cat([start_positions.new_zeros(1), ends]).to(torch.int32)
+    max_len = int((ends - start_positions).max())
+    return cu, max_len
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          enable_gqa: bool) -> torch.Tensor:
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)
+
+
+def _dense_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    return per_micro_batch("dense-document-mask", (segment_ids,), lambda: document_causal_mask(segment_ids))
+
+
+class ReferenceAttention:
+    """HF's sdpa path: K/V heads repeated for GQA, a dense block-diagonal causal mask for packed documents."""
+
+    name = "sdpa, K/V repeated, dense document mask"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 segment_ids: torch.Tensor | None) -> torch.Tensor:
+        groups = q.shape[2] // k.shape[2]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=2)
+            v = v.repeat_interleave(groups, dim=2)
+        return _sdpa(q, k, v, None if segment_ids is None else _dense_mask(segment_ids), enable_gqa=False)
+
+
+class FastAttention:
+    """No K/V copies for GQA; packed documents without a dense [s, s] mask.
+
+    flash-attn (dense and varlen) when installed and the inputs are CUDA fp16/bf16; otherwise SDPA with
+    ``enable_gqa``, and FlexAttention with a document block mask for packed documents. FlexAttention has no
+    backward on CPU, so CPU training falls back to the dense mask there (CPU inference uses FlexAttention).
+    """
+
+    name = "flash-attn (varlen for documents) | sdpa enable_gqa + FlexAttention document block mask"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 segment_ids: torch.Tensor | None) -> torch.Tensor:
+        if HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # pragma: no cover
+            return _flash(q, k, v, segment_ids)
+        if segment_ids is None:
+            return _sdpa(q, k, v, None, enable_gqa=True)
+        if q.is_cuda or not (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _flex(q, k, v, segment_ids)
+        return _sdpa(q, k, v, _dense_mask(segment_ids), enable_gqa=True)
+
+
+def _flash(q, k, v, segment_ids):  # pragma: no cover - CUDA only
+    if segment_ids is None:
+        return flash_attn_func(q, k, v, causal=True)
+    b, s = segment_ids.shape
+    cu, max_len = per_micro_batch("cu-seqlens", (segment_ids,), lambda: cu_seqlens(segment_ids))
+    out = flash_attn_varlen_func(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]),
+                                 v.reshape(b * s, *v.shape[2:]), cu, cu, max_len, max_len, causal=True)
+    return out.view(b, s, *out.shape[1:])
+
+
+_compiled_flex = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if _compiled_flex is None:  # FlexAttention is only fast compiled (eager runs a dense reference)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    block_mask = per_micro_batch("flex-document-mask", (segment_ids,), lambda: document_block_mask(segment_ids))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True).transpose(1, 2)
+
+
+def document_block_mask(segment_ids: torch.Tensor):
+    """FlexAttention BlockMask: causal within each document (compiled on CUDA, so no [s, s] mask is made)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (kv_idx <= q_idx)
+
+    batch, seq = segment_ids.shape
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=segment_ids.device,
+                             _compile=segment_ids.is_cuda)

@@ -1,0 +1,103 @@
+"""LM head + vocab-parallel cross-entropy in token chunks: the [tokens, vocab] logits never exist at once.
+
+For each chunk of tokens the local logits are computed (in the weight's dtype, then fp32, as the reference loss
+does), their softmax statistics reduced over TP (the max, then the sum of exponentials and the target logit in
+one all-reduce), and the chunk's gradients with respect to the hidden states and the weight are computed at once,
+while its logits are still in cache: the result is a sum whose gradient is fixed up to the scalar the caller's
+reduction applies, so backward only scales the stored gradients. Neither the logits nor their softmax are kept
+for backward and nothing is recomputed (Liger-Kernel's fused linear cross-entropy does the same at TP=1).
+
+Padded vocabulary columns are masked to -inf as in :mod:`llama_megatron.parallel.cross_entropy`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llama_megatron.parallel.context import ParallelContext
+
+MIN_CHUNK_TOKENS = 1024  # below this the head's matmuls re-read the weight too often per token
+
+
+def default_chunk_tokens(tokens: int, local_vocab: int, hidden_size: int) -> int:
+    """About as many logits per chunk as hidden-state elements (Liger's rule), at least MIN_CHUNK_TOKENS."""
+    return max(MIN_CHUNK_TOKENS, math.ceil(tokens / math.ceil(local_vocab / hidden_size)))
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, pctx, vocab_size, ignore_index, chunk_tokens):
+        rows = weight.shape[0]
+        vocab_start = pctx.tp_rank * rows
+        valid_cols = vocab_size - vocab_start
+        want_hidden_grad, want_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight_grad \
+            else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h = hidden[start:start + chunk_tokens]
+            t = target[start:start + chunk_tokens]
+            logits = F.linear(h, weight).float()
+            if valid_cols < rows:
+                logits[:, max(valid_cols, 0):] = float("-inf")
+            logits_max = logits.max(dim=-1).values
+            if pctx.tp_size > 1:
+                dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=pctx.tp_group)
+            logits.sub_(logits_max.unsqueeze(-1))
+            local_t = t - vocab_start
+            not_here = (local_t < 0) | (local_t >= rows)
+            local_t = local_t.masked_fill(not_here, 0)
+            target_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(not_here, 0.0)
+            logits.exp_()
+            stats = torch.stack([logits.sum(dim=-1), target_logit])
+            if pctx.tp_size > 1:
+                dist.all_reduce(stats, group=pctx.tp_group)
+            sum_exp, target_logit = stats[0], stats[1]
+            ignored = t == ignore_index
+            total += (sum_exp.log() - target_logit).masked_fill(ignored, 0.0).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            logits.div_(sum_exp.unsqueeze(-1))  # softmax; minus one at the target: d(loss)/d(logits)
+            logits.scatter_add_(-1, local_t.unsqueeze(-1), -(~not_here).to(logits.dtype).unsqueeze(-1))
+            logits.masked_fill_(ignored.unsqueeze(-1), 0.0)
+            grad_logits = logits.to(weight.dtype)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:start + chunk_tokens])
+            if grad_weight is not None:
+                if weight.dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    grad_weight += (grad_logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             pctx: ParallelContext, vocab_size: int, ignore_index: int = -100,
+                             chunk_tokens: int | None = None) -> torch.Tensor:
+    """Sum over tokens (fp32 scalar) of the cross-entropy of ``hidden @ weight.T`` against ``target``.
+
+    ``hidden`` [..., H] is this rank's input to the vocab-parallel head (after the TP copy or SP gather),
+    ``weight`` [padded_vocab / tp, H] its shard, ``target`` [...] full-vocabulary ids (``ignore_index`` = not
+    trained). The caller divides by its token count, as the reference loss does.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    target = target.reshape(-1)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(hidden.shape[0], weight.shape[0], weight.shape[1])
+    return _LinearCrossEntropySum.apply(hidden, weight, target, pctx, vocab_size, ignore_index, chunk_tokens)

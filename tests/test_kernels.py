@@ -1,0 +1,178 @@
+"""Every fast kernel against the reference kernels, forward and backward, on CPU (CUDA-only kernels: tests/gpu).
+
+Tolerances: fp32 1e-5 relative (compiled code and chunked sums reorder floating-point operations; observed
+differences are ~1e-7); bf16 2e-2 relative with 1e-2 absolute (bf16 has 8 bits of mantissa: one rounding of a
+value of magnitude 1 is 4e-3). The whole model with the fast kernels must match transformers' LlamaForCausalLM
+as the reference path does (logits 1e-4, gradients 1e-4 relative), at TP1 and TP2 with SP on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_distributed
+from test_model_parity import CASES, check_parity
+
+from llama_megatron.errors import ConfigError
+from llama_megatron.model.kernels import REFERENCE, resolve_kernels
+from llama_megatron.model.kernels import reference as ref_ops
+from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=1e-2)}
+COMPILED = resolve_kernels("compiled", "cpu")
+
+
+def test_kernel_choices_resolve() -> None:
+    assert resolve_kernels("auto", "cpu") is REFERENCE
+    assert resolve_kernels("auto", "cuda").name == "compiled"
+    assert COMPILED.fused_loss and not REFERENCE.fused_loss
+    assert set(COMPILED.describe()) == {"kernels", "norm_rope_swiglu", "attention", "loss"}
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        resolve_kernels("liger", "cpu")
+    with pytest.raises(ConfigError, match="not one of"):
+        resolve_kernels("fast", "cpu")
+
+
+def _leaves(*shapes, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+
+
+def _forward_backward(fn, inputs):
+    outputs = fn(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    gen = torch.Generator().manual_seed(99)
+    grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outputs]
+    torch.autograd.backward(outputs, grads)
+    return [o.detach() for o in outputs], [t.grad for t in inputs if t.grad is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_elementwise_kernels_match_reference(dtype) -> None:
+    b, s, groups, g, d, h = 2, 8, 2, 3, 16, 48
+    cos_sin = torch.randn(b, s, d).cos(), torch.randn(b, s, d).sin()
+    cases = {
+        "rms_norm": (lambda x, w: COMPILED.rms_norm(x, w, 1e-5), lambda x, w: ref_ops.rms_norm(x, w, 1e-5),
+                     [(b, s, h), (h,)]),
+        "add_rms_norm": (lambda r, x, w: COMPILED.add_rms_norm(r, x, w, 1e-5),
+                         lambda r, x, w: ref_ops.add_rms_norm(r, x, w, 1e-5), [(b, s, h), (b, s, h), (h,)]),
+        "rotary_qkv": (lambda qkv: COMPILED.rotary_qkv(qkv, *cos_sin), lambda qkv: ref_ops.rotary_qkv(qkv, *cos_sin),
+                       [(b, s, groups, g + 2, d)]),
+        "swiglu": (COMPILED.swiglu, ref_ops.swiglu, [(b, s, 2 * h)]),
+    }
+    for name, (fast, reference, shapes) in cases.items():
+        got_out, got_grads = _forward_backward(fast, _leaves(*shapes, dtype=dtype))
+        want_out, want_grads = _forward_backward(reference, _leaves(*shapes, dtype=dtype))
+        for got, want in zip(got_out + got_grads, want_out + want_grads):
+            assert got.dtype == want.dtype, name
+            torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _packed_segments(batch: int, seq: int) -> torch.Tensor:
+    lengths = [[3, 7, seq - 10], [seq]][:batch]
+    return torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in lengths])
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fast_attention_matches_reference(groups, packed) -> None:
+    """SDPA enable_gqa (no K/V copies) and, for packed documents, FlexAttention's block mask (CPU: forward
+    only, so it serves inference; CPU training takes the dense mask) equal the reference attention."""
+    b, s, kv, d = 2, 24, 2, 8
+    segments = _packed_segments(b, s) if packed else None
+    shapes = [(b, s, kv * groups, d), (b, s, kv, d), (b, s, kv, d)]
+    got_out, got_grads = _forward_backward(lambda q, k, v: FastAttention()(q, k, v, segments),
+                                           _leaves(*shapes, dtype=torch.float32))
+    want_out, want_grads = _forward_backward(lambda q, k, v: ReferenceAttention()(q, k, v, segments),
+                                             _leaves(*shapes, dtype=torch.float32))
+    for got, want in zip(got_out + got_grads, want_out + want_grads):
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    with torch.no_grad():  # the inference path: FlexAttention on CPU when documents are packed
+        q, k, v = (t.detach() for t in _leaves(*shapes, dtype=torch.float32))
+        torch.testing.assert_close(FastAttention()(q, k, v, segments), ReferenceAttention()(q, k, v, segments),
+                                   **TOL[torch.float32])
+
+
+def _reference_loss_sum(hidden, weight, target, pctx, vocab_size):
+    logits = F.linear(hidden, weight)
+    return vocab_parallel_cross_entropy(logits, target, pctx, vocab_size).sum()
+
+
+def _loss_case(dtype, rows, vocab_size, seed=0, tokens=(3, 11)):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*tokens, 32, generator=gen).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(rows, 32, generator=gen)).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab_size, tokens, generator=gen)
+    target[0, :4] = -100
+    return hidden, weight, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [4, None])
+def test_chunked_linear_cross_entropy_matches_reference(dtype, chunk_tokens) -> None:
+    """Loss sum and gradients of hidden states and weight; padded vocab rows masked; several chunks."""
+    pctx = ParallelContext.single()
+    results = []
+    for fused in (True, False):
+        hidden, weight, target = _loss_case(dtype, rows=40, vocab_size=37)
+        scale = 1.0 / 29  # the caller's token mean: backward scales the gradients computed in forward
+        if fused:
+            loss = linear_cross_entropy_sum(hidden, weight, target, pctx, 37, chunk_tokens=chunk_tokens)
+        else:
+            loss = _reference_loss_sum(hidden, weight, target, pctx, 37)
+        (loss * scale).backward()
+        assert loss.dtype == torch.float32
+        results.append((loss.detach(), hidden.grad, weight.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    assert not results[0][2][37:].any(), "padded vocab rows got gradient"
+
+
+def test_chunked_loss_without_grad() -> None:
+    """Evaluation: no gradient buffers are made, the loss is the same."""
+    pctx = ParallelContext.single()
+    hidden, weight, target = _loss_case(torch.float32, rows=40, vocab_size=37)
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(hidden, weight, target, pctx, 37, chunk_tokens=5)
+        torch.testing.assert_close(loss, _reference_loss_sum(hidden, weight, target, pctx, 37))
+
+
+def _tensor_parallel_loss_worker(rank: int, world_size: int) -> None:
+    """Vocab 37 padded to 48 over TP2: rank 1 holds 13 real and 11 padded rows."""
+    pctx = ParallelContext.build(tensor=world_size)
+    hidden, weight, target = _loss_case(torch.float32, rows=48, vocab_size=37, seed=3)
+    full_loss = _reference_loss_sum(hidden, weight, target, ParallelContext.single(), 37)
+    full_loss.backward()
+    rows = 48 // world_size
+    local_hidden = hidden.detach().clone().requires_grad_()
+    local_weight = weight.detach()[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+    loss = linear_cross_entropy_sum(local_hidden, local_weight, target, pctx, 37, chunk_tokens=4)
+    loss.backward()
+    torch.testing.assert_close(loss, full_loss.detach(), **TOL[torch.float32])
+    # each rank's hidden gradient is its vocab shard's part (the TP copy's backward all-reduces it)
+    torch.distributed.all_reduce(local_hidden.grad, group=pctx.tp_group)
+    torch.testing.assert_close(local_hidden.grad, hidden.grad, **TOL[torch.float32])
+    torch.testing.assert_close(local_weight.grad, weight.grad[rank * rows:(rank + 1) * rows], **TOL[torch.float32])
+
+
+def test_chunked_linear_cross_entropy_tensor_parallel() -> None:
+    run_distributed(_tensor_parallel_loss_worker, 2)
+
+
+@pytest.mark.parametrize("name", ["gqa-untied-bias", "gqa-tied-llama3-oddvocab"])
+def test_compiled_model_matches_hf_tp1(name) -> None:
+    check_parity(CASES[name], ParallelContext.single(), kernels=COMPILED)
+
+
+def _compiled_parity_worker(rank: int, world_size: int) -> None:
+    for sp in (False, True):
+        pctx = ParallelContext.build(tensor=world_size, sequence_parallel=sp)
+        check_parity(CASES["gqa-tied-llama3-oddvocab"], pctx, kernels=resolve_kernels("compiled", "cpu"))
+
+
+def test_compiled_model_matches_hf_tp2_sp() -> None:
+    run_distributed(_compiled_parity_worker, 2)

@@ -2,8 +2,9 @@
 
 The loss of a step is the token mean over the trained tokens of its whole global batch, so runs that cut the same
 global batches into different micro batches, DP ranks and pipeline stages train the same model: TP2 x PP2 (packed
-with SP at micro batch 1, and padded at micro batch 2) and TP2 x DP2 with SP (packed, micro batch 4, ZeRO-1)
-reproduce the TP1-PP1 run (micro batch 2, 4 accumulation steps) step by step, training and validation loss, fp32,
+with SP at micro batch 1, and padded at micro batch 2) and TP2 x DP2 with SP (packed, micro batch 4, ZeRO-1, the
+compiled kernels: chunked linear cross-entropy, document attention without masks) reproduce the TP1-PP1 run
+(micro batch 2, 4 accumulation steps, reference kernels) step by step, training and validation loss, fp32,
 relative 1e-4. The padded TP1-PP1 run itself equals transformers.LlamaForCausalLM + torch AdamW with HF's
 ``num_items_in_batch`` loss (the global-batch token mean) on the same batches.
 """
@@ -33,7 +34,7 @@ TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {  # name -> (reference, overrides)
     "packed-tp2-pp2-sp-micro1": ("packed", [*TP2_SP, "parallel.pipeline=2", "batch.micro_batch_size=1", ZERO1]),
     "padded-tp2-pp2-micro2": ("padded", ["parallel.tensor=2", "parallel.pipeline=2", ZERO1]),
-    "packed-tp2-dp2-sp-micro4": ("packed", [*TP2_SP, "batch.micro_batch_size=4", ZERO1]),
+    "packed-tp2-dp2-sp-micro4-compiled": ("packed", [*TP2_SP, "batch.micro_batch_size=4", ZERO1, "kernels=compiled"]),
 }
 
 

@@ -21,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "estimate": ("llama_megatron.commands.estimate", "per-rank memory estimate and the largest micro batch that fits"),
     "plot": ("llama_megatron.commands.plot", "PNG of loss, validation loss, lr and tokens/s of one or more runs"),
     "preprocess": ("llama_megatron.commands.preprocess", "tokenize JSONL/text/parquet/HF datasets into .bin/.idx"),
+    "preprocess-sft": ("llama_megatron.commands.preprocess_sft", "chat/instruction JSONL -> token + mask shards (SFT)"),
     "train-tokenizer": ("llama_megatron.commands.train_tokenizer", "train a LLaMA-style sentencepiece BPE tokenizer"),
     "convert": ("llama_megatron.commands.convert", "hf-to-megatron, meta-to-megatron, megatron-to-hf"),
     "reshard": ("llama_megatron.commands.reshard", "change a checkpoint's tensor/pipeline-parallel layout"),

@@ -23,11 +23,11 @@ def launch(nprocs: int, config: str, overrides: list[str], timeout: int = 600,
                        launcher)
 
 
-def launch_many(nprocs: int, runs: list[list[str]], runs_file: str, timeout: int = 1200) -> None:
+def launch_many(nprocs: int, runs: list[list[str]], runs_file: str, timeout: int = 1200) -> subprocess.CompletedProcess:
     """Several training runs (each a ``train_args`` list) in one launch: see tests/scripts/train_many.py."""
     with open(runs_file, "w", encoding="utf-8") as fh:
         json.dump(runs, fh)
-    run_command(nprocs, [os.path.join(ROOT, "tests", "scripts", "train_many.py")], [runs_file], timeout)
+    return run_command(nprocs, [os.path.join(ROOT, "tests", "scripts", "train_many.py")], [runs_file], timeout)
 
 
 def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 600,

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.model.tp_slicing import merge_shards
+from llama_megatron.parallel.context import ParallelContext
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -27,3 +31,26 @@ def hf_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
     return model
+
+
+def gather_shards(t: torch.Tensor, pctx: ParallelContext) -> list[torch.Tensor]:
+    if pctx.tp_size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(pctx.tp_size)]
+    dist.all_gather(out, t.contiguous(), group=pctx.tp_group)
+    return out
+
+
+def assert_grads_match_hf(model: torch.nn.Module, hf: LlamaForCausalLM, config: ModelConfig, pctx: ParallelContext,
+                          **tol) -> None:
+    """Every parameter gradient of ``model`` (TP shards gathered and merged as export merges them) equals HF's."""
+    params = dict(model.named_parameters())
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    if config.tie_word_embeddings:
+        hf_grads["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.grad
+    for spec in ParamLayout(config):
+        shards = gather_shards(params[spec.module_name].grad, pctx)
+        if spec.split == "vocab":
+            assert not torch.cat(shards)[config.vocab_size:].any(), "padded vocab rows got gradient"
+        for hf_name, merged in merge_shards(spec, shards, config).items():
+            torch.testing.assert_close(merged, hf_grads[hf_name], **tol, msg=lambda m, n=hf_name: f"{n}: {m}")

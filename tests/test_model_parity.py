@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_distributed
-from model_utils import LLAMA3_ROPE, hf_model, tiny_config
+from model_utils import LLAMA3_ROPE, assert_grads_match_hf, hf_model, tiny_config
 
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import REFERENCE, Kernels
-from llama_megatron.model.param_layout import ParamLayout
-from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
+from llama_megatron.model.tp_slicing import hf_to_rank_state_dict
 from llama_megatron.parallel.context import ParallelContext
 
 LOGITS_ATOL = 1e-4
@@ -31,14 +29,6 @@ CASES = {
     "mqa-like-linear-rope": dict(num_key_value_heads=4, num_attention_heads=16, head_dim=8,
                                  rope_scaling={"type": "linear", "factor": 2.0}),
 }
-
-
-def _gather_shards(t: torch.Tensor, pctx: ParallelContext) -> list[torch.Tensor]:
-    if pctx.tp_size == 1:
-        return [t]
-    out = [torch.empty_like(t) for _ in range(pctx.tp_size)]
-    dist.all_gather(out, t.contiguous(), group=pctx.tp_group)
-    return out
 
 
 def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kernels: Kernels = REFERENCE,
@@ -66,17 +56,7 @@ def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kernels:
     assert (logits - ref.logits).abs().max().item() <= LOGITS_ATOL
     torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-6)
 
-    params = dict(model.named_parameters())
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    if config.tie_word_embeddings:
-        hf_grads["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.grad
-    for spec in ParamLayout(config):
-        grad = params[spec.module_name].grad
-        shards = _gather_shards(grad, pctx)
-        if spec.split == "vocab":
-            assert not torch.cat(shards)[config.vocab_size:].any(), "padded vocab rows got gradient"
-        for hf_name, merged in merge_shards(spec, shards, config).items():
-            torch.testing.assert_close(merged, hf_grads[hf_name], **grad_tol, msg=lambda m, n=hf_name: f"{n}: {m}")
+    assert_grads_match_hf(model, hf, config, pctx, **grad_tol)
 
 
 def _parity_worker(rank: int, world_size: int) -> None:

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from llama_megatron.checkpoint.safe_load import load_state_file
+from llama_megatron.data.tokenizer import TOKENIZER_FILES
 from llama_megatron.errors import CheckpointError
 
 _SAFE_TO_TORCH = {
@@ -24,9 +25,6 @@ _SAFE_TO_TORCH = {
     "BOOL": torch.bool,
 }
 
-# Files a tokenizer may consist of (sentencepiece, fast tokenizer, their configs).
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 HF_ASSET_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 

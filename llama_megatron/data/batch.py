@@ -13,7 +13,8 @@ parallelism: every TP rank of a DP rank gets the same full-length micro batch; u
 is what is cut into sequence shards, while positions, segments and labels stay full length (attention and the
 loss see the whole sequence). Pipeline parallelism: the first stage consumes ``(input_ids, position_ids[,
 segment_ids])``, the ids travel with the hidden states to every stage, and the last stage consumes ``labels``.
-The loss is the mean over the micro batch's unmasked tokens; micro batches are weighted equally.
+The loss of a step is the mean over the unmasked tokens of its whole global batch, whatever the micro batch
+count, DP and PP (training/engine.py, "the loss rule").
 """
 
 from __future__ import annotations
@@ -38,11 +39,17 @@ class MicroBatch:
         return MicroBatch(*(None if t is None else t.to(device) for t in
                             (self.input_ids, self.position_ids, self.labels, self.segment_ids)))
 
-    def pipeline_inputs(self) -> tuple:
+    def pipeline_inputs(self, loss_divisor: torch.Tensor | None = None) -> tuple:
+        """``((input_ids, position_ids[, segment_ids]), labels)``, or ``(labels, loss_divisor)`` as the second item:
+        what DeepSpeed's pipeline engine feeds the first stage and the last stage's loss_fn."""
         inputs = (self.input_ids, self.position_ids)
         if self.segment_ids is not None:
             inputs += (self.segment_ids,)
-        return inputs, self.labels
+        return inputs, (self.labels if loss_divisor is None else (self.labels, loss_divisor))
+
+    def num_targets(self) -> int:
+        """Labels that count in the loss (not ignored); read on the host, before the batch moves to the device."""
+        return int((self.labels != IGNORE_INDEX).sum())
 
 
 def collate(items: list[dict[str, np.ndarray]]) -> MicroBatch:

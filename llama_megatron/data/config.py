@@ -1,9 +1,10 @@
 """The training JSON's ``data`` section: one typed class per ``data.type``, each building its own datasets.
 
 ``{"type": "pretrain", "prefix": ... | "blend": [...], "split": ..., "per_document_attention": ...}`` reads
-Megatron ``.bin``/``.idx`` files; ``{"type": "synthetic"}`` draws random tokens. Without ``type`` a section
+Megatron ``.bin``/``.idx`` files; ``{"type": "synthetic"}`` draws random tokens; ``{"type": "sft", ...}`` is chat /
+instruction JSONL for fine-tuning (``sft_config.py``). Without ``type`` a section
 with ``"synthetic": true`` is synthetic and anything else is pretraining data (the spelling of earlier
-configs). A new kind of data (SFT, say) is a new class in :data:`DATA_TYPES`, not a branch in another one.
+configs). A new kind of data is a new class in :data:`DATA_TYPES`, not a branch in another one.
 
 Every type's datasets honour one sample contract (docs/data.md, "What a sample carries"): ``ds[i]`` is a dict
 with ``tokens`` (int64, seq_length + 1) and optionally ``loss_mask`` (seq_length, 1 = the next token is
@@ -21,6 +22,7 @@ from llama_megatron.data.gpt_dataset import (
     build_train_valid_test_datasets,
     validate_data_config,
 )
+from llama_megatron.data.sft_config import SFTData
 from llama_megatron.data.synthetic import SyntheticDataset
 from llama_megatron.errors import ConfigError
 
@@ -33,6 +35,9 @@ class DataConfig(Protocol):
 
     def validate(self) -> None:
         """Everything checkable before launch (files exist, keys valid); raises ConfigError."""
+
+    def prepare(self, tokenizer: str | None) -> None:
+        """Work done once before the datasets are built (SFT: tokenise JSONL into its cache); idempotent."""
 
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:
@@ -59,6 +64,9 @@ class PretrainData:
     def validate(self) -> None:
         validate_data_config(self.to_dict())
 
+    def prepare(self, tokenizer: str | None) -> None:
+        pass  # preprocessed by the preprocess verb
+
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:
         return build_train_valid_test_datasets(self.to_dict(), seq_length, seed, num_samples,
@@ -77,13 +85,16 @@ class SyntheticData:
         if not isinstance(self.per_document_attention, bool):
             raise ConfigError("data.per_document_attention must be true or false")
 
+    def prepare(self, tokenizer: str | None) -> None:
+        pass  # nothing to read
+
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:
         return tuple(SyntheticDataset(int(n), seq_length, vocab_size, seed, split_id, self.per_document_attention)
                      if n else None for split_id, n in enumerate(num_samples))
 
 
-DATA_TYPES: dict[str, type] = {cls.type: cls for cls in (PretrainData, SyntheticData)}
+DATA_TYPES: dict[str, type] = {cls.type: cls for cls in (PretrainData, SyntheticData, SFTData)}
 
 
 def data_config_from_dict(section: Any) -> DataConfig:
@@ -100,7 +111,7 @@ def data_config_from_dict(section: Any) -> DataConfig:
     if legacy_synthetic and kind != "synthetic":
         raise ConfigError(f"data.synthetic is set but data.type is {kind!r}")
     cls = DATA_TYPES[kind]
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"unknown keys for data.type {kind!r}: {', '.join(unknown)} "

@@ -1,6 +1,6 @@
 """Build-once cache of index arrays shared by every rank that starts at the same time.
 
-Each entry is a directory of ``.npy`` files plus ``description.json``, named by a hash of everything the arrays
+Each entry is a directory of ``.npy`` files (or any files: :func:`cached_directory`) plus ``description.json``, named by a hash of everything the arrays
 depend on. The first process to take an exclusive ``flock`` builds the arrays into a private temporary directory
 and renames it into place (atomic); the others block on the lock, then load. Where ``flock`` is unavailable
 (some network file systems) every process builds the same arrays and the rename race keeps exactly one.
@@ -63,26 +63,38 @@ def _complete(entry: str) -> bool:
     return os.path.isfile(os.path.join(entry, DESCRIPTION))
 
 
+def cached_directory(cache_dir: str, name: str, description: dict, write: Callable[[str], None]) -> str:
+    """The path of a cache entry that ``write(tmp_dir)`` fills, built once per ``description`` under ``cache_dir``."""
+    entry = os.path.join(cache_dir, f"{name}-{cache_key(description)}")
+    if _complete(entry):
+        return entry
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with _exclusive(entry + ".lock"):
+            if not _complete(entry):
+                _write_entry(entry, description, write)
+        # Safe even while others wait on it: whoever gets the lock next finds the entry complete.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(entry + ".lock")
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError(
+            f"cannot write the cache in {cache_dir} ({exc.strerror}); set data.cache_dir to a writable dir"
+        ) from None
+    return entry
+
+
 def cached_arrays(
     cache_dir: str, name: str, description: dict, build: Callable[[], dict[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
     """The arrays ``build()`` returns, computed once per ``description`` and cached under ``cache_dir``."""
-    entry = os.path.join(cache_dir, f"{name}-{cache_key(description)}")
-    if not _complete(entry):
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            with _exclusive(entry + ".lock"):
-                if not _complete(entry):
-                    _write_entry(entry, description, build())
-            # Safe even while others wait on it: whoever gets the lock next finds the entry complete.
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(entry + ".lock")
-        except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
-            raise ConfigError(
-                f"cannot write the index cache in {cache_dir} ({exc.strerror}); set data.cache_dir to a writable dir"
-            ) from None
+
+    def write(tmp: str) -> None:
+        for key, arr in build().items():
+            np.save(os.path.join(tmp, f"{key}.npy"), np.ascontiguousarray(arr), allow_pickle=False)
+
+    entry = cached_directory(cache_dir, name, description, write)
     try:
         return _load_entry(entry, description)
     except (OSError, ValueError, KeyError) as exc:  # truncated .npy, edited description.json, ...
@@ -91,14 +103,13 @@ def cached_arrays(
         ) from None
 
 
-def _write_entry(entry: str, description: dict, arrays: dict[str, np.ndarray]) -> None:
+def _write_entry(entry: str, description: dict, write: Callable[[str], None]) -> None:
     tmp = f"{entry}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
-        for key, arr in arrays.items():
-            np.save(os.path.join(tmp, f"{key}.npy"), np.ascontiguousarray(arr), allow_pickle=False)
+        write(tmp)
         with open(os.path.join(tmp, DESCRIPTION), "w", encoding="utf-8") as f:
-            json.dump({**description, "arrays": sorted(arrays)}, f, indent=1, sort_keys=True)
+            json.dump(description, f, indent=1, sort_keys=True)
         try:
             os.rename(tmp, entry)
         except OSError:
@@ -109,9 +120,15 @@ def _write_entry(entry: str, description: dict, arrays: dict[str, np.ndarray]) -
 
 
 def _load_entry(entry: str, description: dict) -> dict[str, np.ndarray]:
+    check_entry(entry, description)
+    names = sorted(f[:-4] for f in os.listdir(entry) if f.endswith(".npy"))
+    return {k: np.load(os.path.join(entry, f"{k}.npy"), mmap_mode="r", allow_pickle=False) for k in names}
+
+
+def check_entry(entry: str, description: dict) -> None:
+    """The entry's stored description must be the one its name was hashed from (not edited, not a collision)."""
     with open(os.path.join(entry, DESCRIPTION), encoding="utf-8") as f:
         stored = json.load(f)
-    names = stored.pop("arrays")
+    stored.pop("arrays", None)  # entries written before cached_directory existed list their arrays here
     if stored != json.loads(json.dumps(description)):
-        raise ConfigError(f"index cache {entry} does not match its name; delete the directory")
-    return {k: np.load(os.path.join(entry, f"{k}.npy"), mmap_mode="r", allow_pickle=False) for k in names}
+        raise ConfigError(f"cache entry {entry} does not match its name; delete the directory")

@@ -19,6 +19,9 @@ import numpy as np
 
 from llama_megatron.errors import ConfigError, DataError
 
+# Files a tokenizer may consist of (sentencepiece, fast tokenizer, their configs, chat templates).
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 # Names tried, in order, when a tokenizer.json directory has no tokenizer_config.json naming its specials.
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]")
 _EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")

@@ -35,20 +35,28 @@ TIED_KEY = "embed"
 
 
 class CausalLMLoss:
-    """Token-mean cross-entropy of the head's output (the PipelineModule ``loss_fn``): over vocab-parallel
-    logits, or, when the head hands over (input, weight), chunk by chunk without full logits."""
+    """Cross-entropy of the head's output (the PipelineModule ``loss_fn``): over vocab-parallel logits, or, when the
+    head hands over (input, weight), chunk by chunk without full logits.
+
+    ``labels`` is a tensor (the micro batch's token mean, HF's reduction) or ``(labels, divisor)``: the sum of the
+    micro batch's token losses divided by ``divisor``, which the training engine sets so that the step's loss is the
+    token mean over its whole global batch (training/engine.py, "the loss rule").
+    """
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext) -> None:
         self.vocab_size = config.vocab_size
         self.pctx = pctx
 
-    def __call__(self, head: HeadOutput, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, head: HeadOutput, labels: torch.Tensor | tuple) -> torch.Tensor:
+        labels, divisor = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if isinstance(head, tuple):
             hidden, weight = head
             total = linear_cross_entropy_sum(hidden, weight, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
+        else:
+            total = vocab_parallel_cross_entropy(head, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
+        if divisor is None:
             return masked_mean_loss(total, labels, IGNORE_INDEX)
-        per_token = vocab_parallel_cross_entropy(head, labels, self.pctx, self.vocab_size, IGNORE_INDEX)
-        return masked_mean_loss(per_token, labels, IGNORE_INDEX)
+        return total.sum() / divisor
 
 
 def logits_of(head: HeadOutput) -> torch.Tensor:
@@ -100,8 +108,9 @@ class LlamaCausalLM(nn.Module):
                 self._forward_funcs.append(module)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean loss when ``labels`` are given, else this rank's vocab shard of the logits."""
+                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | tuple | None = None) -> torch.Tensor:
+        """The loss when ``labels`` (or ``(labels, divisor)``, see CausalLMLoss) are given, else this rank's vocab
+        shard of the logits."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)

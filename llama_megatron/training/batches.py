@@ -12,6 +12,7 @@ from llama_megatron.training.config import TrainingConfig
 
 def build_datasets(config: TrainingConfig, eod_id: int | None = None):
     """(train, valid, test) datasets of the run's data section, sized for its steps and evaluations."""
+    config.data.prepare(config.tokenizer)
     global_batch = config.batch.global_batch_size
     num_samples = (
         config.train.steps * global_batch,

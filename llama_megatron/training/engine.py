@@ -2,6 +2,15 @@
 
 Both are driven through one interface, ``train_step(micro_batches)`` and ``eval_loss(micro_batches)``, where a
 micro batch is a :class:`MicroBatch` of this data-parallel rank.
+
+The loss rule: a step's loss is sum(token losses over the unmasked labels of the global batch) / (number of
+unmasked labels in the global batch), independent of the micro batch count, DP and PP. DeepSpeed divides each micro
+batch's loss by the gradient accumulation steps M and averages gradients over the DP ranks, so each micro batch's
+loss is its sum of token losses divided by N / (M x DP), N the global count: the host counts its labels (CPU
+tensors, before they move), one all-reduce over DP per step sums the counts, and the divisor rides with the labels
+(``(labels, divisor)``, to the last stage's loss_fn under PP). Pretraining batches, all of whose labels count, get
+the divisor micro_batch x seq_length: exactly the per-micro-batch token mean they always had. Evaluation uses the
+same rule over its batches.
 """
 
 from __future__ import annotations
@@ -50,13 +59,14 @@ class TrainingEngine:
     def train_step(self, micro_batches: list[MicroBatch]) -> float:
         """One optimizer step over this rank's micro batches; returns the loss averaged over DP ranks."""
         self.engine.train()
+        divisor = self._loss_divisor(micro_batches)
         if self.pipelined:
-            return float(self.engine.train_batch(data_iter=self._pipeline_batches(micro_batches)))
+            return float(self.engine.train_batch(data_iter=self._pipeline_batches(micro_batches, divisor)))
         total = torch.zeros((), device=self.device)
         self._grad_norm = None
         for mb in micro_batches:
             mb = mb.to(self.device)
-            loss = self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, mb.labels)
+            loss = self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, (mb.labels, divisor))
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary() and not self.engine.zero_optimization():
                 # DeepSpeed clips plain (ZeRO-0) fp32 gradients without keeping the norm: measure it here,
@@ -69,21 +79,32 @@ class TrainingEngine:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
         self.engine.eval()
+        divisor = self._loss_divisor(micro_batches)
         if self.pipelined:
-            loss = float(self.engine.eval_batch(data_iter=self._pipeline_batches(micro_batches),
+            loss = float(self.engine.eval_batch(data_iter=self._pipeline_batches(micro_batches, divisor),
                                                 num_micro_batches=len(micro_batches)))
         else:
             total = torch.zeros((), device=self.device)
             for mb in micro_batches:
                 mb = mb.to(self.device)
-                total += self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, mb.labels).float()
+                total += self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, (mb.labels, divisor)).float()
             loss = self._dp_mean(total / len(micro_batches))
         self.engine.train()
         return loss
 
-    def _pipeline_batches(self, micro_batches: list[MicroBatch]):
+    def _pipeline_batches(self, micro_batches: list[MicroBatch], divisor: torch.Tensor | None):
         """DeepSpeed's pipeline engine pulls ((inputs...), labels) tuples from an iterator."""
-        return iter([mb.to(self.device).pipeline_inputs() for mb in micro_batches])
+        return iter([mb.to(self.device).pipeline_inputs(divisor) for mb in micro_batches])
+
+    def _loss_divisor(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
+        """N / (M x DP) of the loss rule (module docstring), on the device; None on pipeline stages without the
+        loss (a DP group lies within one stage, so skipping its all-reduce there is safe)."""
+        if self.pipelined and not self.engine.is_last_stage():
+            return None
+        count = torch.tensor(sum(mb.num_targets() for mb in micro_batches), dtype=torch.int64, device=self.device)
+        if self.pctx.dp_size > 1:
+            dist.all_reduce(count, group=self.pctx.dp_group)
+        return (count.clamp(min=1).double() / (len(micro_batches) * self.pctx.dp_size)).float()
 
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()

@@ -46,6 +46,10 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
     step, consumed = session.step, session.consumed_samples
     ds_config = session.pre.ds_config
     train_ds, valid_ds, _ = build_datasets(config, session.pre.eod_id)
+    for split, ds in (("train", train_ds), ("valid", valid_ds)):
+        describe = getattr(ds, "describe", None)  # SFT datasets count truncated/dropped samples and row filling
+        if describe is not None:
+            log.info(f"{split} data: {describe()}")
 
     tokens_per_step = config.batch.global_batch_size * config.seq_length
     flops_per_step = training_flops_per_token(config.model, config.seq_length) * tokens_per_step

@@ -110,6 +110,7 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     config.check_world_size(world_size)
     config.data.validate()
     eod_id = _check_tokenizer(config)
+    config.data.prepare(config.tokenizer)  # SFT JSONL: tokenised here once, so bad records stop before launch
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
     kernels = resolve_kernels(config.kernels, accelerator)

@@ -1,0 +1,135 @@
+"""``data.type: "sft"``: chat / instruction JSONL for supervised fine-tuning (docs/data.md, "SFT data").
+
+    "data": {"type": "sft", "path": "data/chat/chat_messages.jsonl", "masking": "assistant", "pack": true}
+    "data": {"type": "sft", "prefix": "data/processed/chat"}            # shards from `preprocess-sft`
+
+With ``path`` the JSONL is tokenised on first use (multi-process, progress line) into a cache beside it (or in
+``cache_dir``): the first rank to take the lock builds it, the others wait and reuse it, and any later run with the
+same inputs, tokenizer, template, format and masking starts at once. ``prefix`` names shards written by
+``llama-megatron preprocess-sft``, whose format, masking and template were fixed there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from llama_megatron.data.chat_template import ChatEncoder
+from llama_megatron.data.gpt_dataset import DEFAULT_SPLIT
+from llama_megatron.data.index_cache import cached_directory, check_entry, file_fingerprint
+from llama_megatron.data.indexed_dataset import prefix_exists
+from llama_megatron.data.sample_index import parse_split
+from llama_megatron.data.sft_dataset import OVERLONG, SFTShards, build_sft_datasets
+from llama_megatron.data.sft_formats import FORMATS, MASKING
+from llama_megatron.data.sft_preprocess import SFT_VERSION, preprocess_sft, read_meta, shard_prefixes
+from llama_megatron.errors import ConfigError
+
+CACHE_DIR_NAME = "sft-cache"
+# Keys that fix how the JSONL is tokenised: given with ``prefix`` they would silently not apply.
+PREPROCESS_KEYS = ("format", "masking", "chat_template", "workers", "skip_bad_records")
+
+
+@dataclass
+class SFTData:
+    type: ClassVar[str] = "sft"
+    path: str | list[str] | None = None
+    prefix: str | None = None
+    format: str | None = None            # default "auto"
+    masking: str | None = None           # default "assistant"
+    chat_template: str | None = None     # a Jinja file; default: the tokenizer's chat_template
+    pack: bool = False
+    overlong: str = "truncate"
+    split: str = DEFAULT_SPLIT
+    cache_dir: str | None = None
+    workers: int | None = None           # default: min(8, CPUs)
+    skip_bad_records: bool = False
+    _shards: SFTShards | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def per_document_attention(self) -> bool:
+        return self.pack
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path or [])
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        return {"type": self.type, **{k: v for k, v in fields.items() if v is not None}}
+
+    def validate(self) -> None:
+        if (self.path is None) == (self.prefix is None):
+            raise ConfigError("data.type sft needs exactly one of path (JSONL) or prefix (preprocess-sft shards)")
+        if self.path is not None and (not self.paths or not all(isinstance(p, str) and p for p in self.paths)):
+            raise ConfigError("data.path must be a JSONL path or a non-empty list of them")
+        for key, value, allowed in (("format", self.format, FORMATS), ("masking", self.masking, MASKING),
+                                    ("overlong", self.overlong, OVERLONG)):
+            if value is not None and value not in allowed:
+                raise ConfigError(f"data.{key} {value!r}: choose one of {', '.join(allowed)}")
+        for key in ("pack", "skip_bad_records"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"data.{key} must be true or false")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ConfigError("data.workers must be a positive integer")
+        parse_split(self.split)
+        if self.prefix is not None:
+            given = [k for k in PREPROCESS_KEYS if getattr(self, k) not in (None, False)]
+            if given:
+                raise ConfigError(f"data.{given[0]} is fixed when the shards are made (preprocess-sft); "
+                                  "with data.prefix leave it out")
+            missing = [p for p in shard_prefixes(self.prefix).values() if not prefix_exists(p)]
+            if missing:
+                raise ConfigError(f"data.prefix {self.prefix!r}: {missing[0]}.bin/.idx not found "
+                                  f"(cwd {os.getcwd()}); write them with llama-megatron preprocess-sft")
+            read_meta(self.prefix)
+        for path in self.paths:
+            if not os.path.isfile(path):
+                raise ConfigError(f"data.path {path!r} not found (cwd {os.getcwd()})")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"data.chat_template {self.chat_template!r} not found (cwd {os.getcwd()})")
+
+    def _cache_dir(self) -> str:
+        if self.cache_dir:
+            return self.cache_dir
+        anchor = self.paths[0] if self.path is not None else self.prefix
+        return os.path.join(os.path.dirname(os.path.abspath(anchor)), CACHE_DIR_NAME)
+
+    def prepare(self, tokenizer: str | None) -> None:
+        """Tokenise the JSONL into the cache once (or open the preprocessed shards); idempotent."""
+        if self._shards is not None:
+            return
+        if self.prefix is not None:
+            self._shards = SFTShards(self.prefix)
+            return
+        encoder = ChatEncoder(tokenizer, self.chat_template)
+        fmt, masking = self.format or "auto", self.masking or "assistant"
+        description = {"kind": "sft-shards", "version": SFT_VERSION, "format": fmt, "masking": masking,
+                       "skip_bad_records": self.skip_bad_records, **encoder.fingerprint(),
+                       "inputs": [_input_fingerprint(p) for p in self.paths]}
+        workers = self.workers or min(8, os.cpu_count() or 1)
+
+        name = os.path.splitext(os.path.basename(self.paths[0]))[0]
+
+        def write(tmp: str) -> None:
+            preprocess_sft(self.paths, tokenizer, os.path.join(tmp, name), fmt, masking, self.chat_template,
+                           workers, skip_bad=self.skip_bad_records)
+
+        entry = cached_directory(self._cache_dir(), name, description, write)
+        check_entry(entry, description)
+        self._shards = SFTShards(os.path.join(entry, name))
+
+    def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
+              eod_id: int | None) -> tuple:
+        if self._shards is None:
+            raise RuntimeError("SFTData.prepare(tokenizer) must run before build")
+        return build_sft_datasets(self._shards, self.split, seq_length, seed, num_samples, self._cache_dir(),
+                                  self.pack, self.overlong, 0 if eod_id is None else eod_id, vocab_size)
+
+
+def _input_fingerprint(path: str) -> dict:
+    """Name, size, mtime and a hash of the first and last MiB: cheap on huge files, changes when they are rewritten."""
+    stat = os.stat(path)
+    return {"name": os.path.basename(path), "mtime_ns": stat.st_mtime_ns, "sha": file_fingerprint(path)}

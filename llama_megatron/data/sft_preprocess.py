@@ -1,0 +1,158 @@
+"""Tokenise chat / instruction JSONL once into Megatron-format shards: token ids and training masks.
+
+Outputs of ``PREFIX``: ``PREFIX_tokens.bin/.idx`` (each record's rendered conversation, one document per record),
+``PREFIX_mask.bin/.idx`` (uint8, the same sizes: 1 where the token is a trained target) and ``PREFIX_sft.json``
+(how they were made, and counts). The machinery is ``preprocess``'s: the main process reads ~1 MiB chunks of lines,
+worker processes parse, render and tokenise, results are written in input order (identical output for any number
+of workers), memory stays bounded, a progress line runs on stderr, and outputs appear by atomic rename only when
+every record was good: a bad record stops with ``FILE:LINE: reason`` and nothing is written (unless bad records
+are to be skipped, then they are counted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import numpy as np
+
+from llama_megatron.data.chat_template import ChatEncoder, TemplateRenderError
+from llama_megatron.data.indexed_dataset import IndexedDatasetWriter, data_paths, token_dtype
+from llama_megatron.data.preprocess import MAX_BAD_SHOWN, ordered_map
+from llama_megatron.data.readers import Chunk, iter_jsonl
+from llama_megatron.data.sft_formats import RecordError, template_messages, to_messages, trained_turns
+from llama_megatron.errors import DataError
+from llama_megatron.progress import Progress
+
+SFT_VERSION = 1
+
+
+def shard_prefixes(prefix: str) -> dict[str, str]:
+    return {"tokens": f"{prefix}_tokens", "mask": f"{prefix}_mask"}
+
+
+def meta_path(prefix: str) -> str:
+    return f"{prefix}_sft.json"
+
+
+def output_paths(prefix: str) -> list[str]:
+    return [p for shard in shard_prefixes(prefix).values() for p in data_paths(shard)] + [meta_path(prefix)]
+
+
+@dataclass
+class SFTChunk:
+    tokens: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    bad: list[str]
+    nbytes: int
+
+
+_STATE: dict = {}
+
+
+def _init_worker(encoder: ChatEncoder, fmt: str, masking: str) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _STATE.update(encoder=encoder, fmt=fmt, masking=masking)
+
+
+def encode_record(record, encoder: ChatEncoder, fmt: str, masking: str):
+    """(ids, mask) of one parsed JSON record; RecordError or TemplateRenderError when it cannot be used."""
+    messages = to_messages(record, fmt)
+    flags = trained_turns(messages, masking)
+    encoded = encoder.encode(template_messages(messages), flags)
+    if not encoded.trained.any():
+        raise RecordError("no trained token: the trained turns render to no tokens after the first")
+    return encoded.ids, encoded.trained
+
+
+def encode_chunk(chunk: Chunk) -> SFTChunk:
+    encoder, fmt, masking = _STATE["encoder"], _STATE["fmt"], _STATE["masking"]
+    ids, masks, bad = [], [], []
+    for raw, lineno in zip(chunk.items, chunk.locations):
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            bad.append(f"{chunk.file}:{lineno}: invalid JSON ({exc})")
+            continue
+        try:
+            tokens, mask = encode_record(record, encoder, fmt, masking)
+        except (RecordError, TemplateRenderError) as exc:
+            bad.append(f"{chunk.file}:{lineno}: {exc}")
+            continue
+        ids.append(tokens)
+        masks.append(mask)
+    lengths = np.fromiter((a.size for a in ids), dtype=np.int64, count=len(ids))
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+    return SFTChunk(flat, flat_mask, lengths, bad, chunk.nbytes)
+
+
+def preprocess_sft(inputs: list[str], tokenizer: str, output_prefix: str, fmt: str = "auto",
+                   masking: str = "assistant", chat_template: str | None = None, workers: int = 1,
+                   skip_bad: bool = False, overwrite: bool = False, log_interval: float = 2.0,
+                   quiet: bool = False, chunk_bytes: int = 1 << 20) -> dict:
+    """Tokenise ``inputs`` (JSONL, .gz ok) into ``output_prefix``'s shards; returns the counts written to its json."""
+    if workers < 1:
+        raise DataError("workers must be >= 1")
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise DataError(f"input not found: {path}")
+    encoder = ChatEncoder(tokenizer, chat_template)
+    for path in output_paths(output_prefix):
+        if os.path.exists(path) and not overwrite:
+            raise DataError(f"{path} exists; pass --overwrite to replace it")
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    shards = shard_prefixes(output_prefix)
+    progress = Progress("preprocess-sft", log_interval, enabled=not quiet)
+    bad_total = trained = 0
+    with ExitStack() as stack:
+        tokens_out = stack.enter_context(IndexedDatasetWriter(shards["tokens"], token_dtype(len(encoder.tokenizer))))
+        mask_out = stack.enter_context(IndexedDatasetWriter(shards["mask"], np.uint8))
+        chunks = (chunk for path in inputs for chunk in iter_jsonl(path, chunk_bytes))
+        results = ordered_map(encode_chunk, chunks, workers, _init_worker, (encoder, fmt, masking))
+        stack.callback(results.close)  # on error: stop the pool before the writers delete their temp files
+        for res in results:
+            for message in res.bad:
+                if not skip_bad:
+                    raise DataError(message)
+                if bad_total < MAX_BAD_SHOWN:
+                    print(f"skipping {message}", file=sys.stderr)
+                bad_total += 1
+            tokens_out.add_documents(res.tokens, res.lengths)
+            mask_out.add_documents(res.mask, res.lengths)
+            trained += int(res.mask.sum())
+            progress.update(int(res.lengths.size), int(res.tokens.size), res.nbytes)
+        if tokens_out.num_documents == 0:
+            raise DataError(f"no usable records in {', '.join(inputs)}")
+        meta = {"version": SFT_VERSION, "format": fmt, "masking": masking, "inputs": [os.path.basename(p) for p in
+                                                                                       inputs],
+                "tokenizer": tokenizer, "chat_template": chat_template, **encoder.fingerprint(),
+                "samples": tokens_out.num_documents, "tokens": tokens_out.num_tokens, "trained_tokens": trained,
+                "skipped_records": bad_total}
+        tmp = meta_path(output_prefix) + f".tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=1)
+        stack.callback(lambda: os.path.exists(tmp) and os.remove(tmp))
+        tokens_out.finalize()
+        mask_out.finalize()
+        os.replace(tmp, meta_path(output_prefix))
+    progress.close()
+    return {**meta, "outputs": [shards["tokens"], shards["mask"]], "seconds": progress.elapsed}
+
+
+def read_meta(prefix: str) -> dict:
+    path = meta_path(prefix)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except FileNotFoundError:
+        raise DataError(f"{path} not found: SFT shards are written by `llama-megatron preprocess-sft`") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("version") != SFT_VERSION:
+        raise DataError(f"{path}: not SFT shard metadata of version {SFT_VERSION}")
+    return meta

@@ -1,0 +1,133 @@
+"""Whole SFT runs on the shipped chat set under the real `deepspeed` launcher (gloo, CPU).
+
+The loss of a step is the token mean over the trained tokens of its whole global batch, so runs that cut the same
+global batches into different micro batches, DP ranks and pipeline stages train the same model: TP2 x PP2 (packed
+with SP at micro batch 1, and padded at micro batch 2) and TP2 x DP2 with SP (packed, micro batch 4, ZeRO-1, the
+compiled kernels: chunked linear cross-entropy, document attention without masks) reproduce the TP1-PP1 run
+(micro batch 2, 4 accumulation steps, reference kernels) step by step, training and validation loss, fp32,
+relative 1e-4. The padded TP1-PP1 run itself equals transformers.LlamaForCausalLM + torch AdamW with HF's
+``num_items_in_batch`` loss (the global-batch token mean) on the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
+
+from llama_megatron.data.sft_dataset import SFTShards
+from llama_megatron.model.build import build_model
+from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.training.batches import build_datasets, step_batches
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.optimizer import parameter_groups
+from llama_megatron.training.schedule import build_scheduler
+
+CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_sft.json")
+REL = 1e-4
+ZERO1 = "deepspeed_config=ds_configs/zero1_fp32.json"
+TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+LAYOUTS = {  # name -> (reference, overrides)
+    "packed-tp2-pp2-sp-micro1": ("packed", [*TP2_SP, "parallel.pipeline=2", "batch.micro_batch_size=1", ZERO1]),
+    "padded-tp2-pp2-micro2": ("padded", ["parallel.tensor=2", "parallel.pipeline=2", ZERO1]),
+    "packed-tp2-dp2-sp-micro4-compiled": ("packed", [*TP2_SP, "batch.micro_batch_size=4", ZERO1, "kernels=compiled"]),
+}
+
+
+def _args(work, name: str, *overrides: str) -> list[str]:
+    return train_args(CONFIG, [f"data.cache_dir={work / 'cache'}", f"output_dir={work / name}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("sft-runs")
+
+
+@pytest.fixture(scope="module")
+def references(work) -> dict:
+    """TP1-PP1, padded and packed, in one single-process launch; returns its stdout too."""
+    result = launch_many(1, [_args(work, "padded"), _args(work, "packed", "data.pack=true")],
+                         str(work / "references.json"))
+    return {"stdout": result.stdout, "padded": _metrics(work / "padded"), "packed": _metrics(work / "packed")}
+
+
+@pytest.fixture(scope="module")
+def layouts(work, references) -> dict[str, dict]:
+    runs = [_args(work, name, *overrides, *(["data.pack=true"] if ref == "packed" else []))
+            for name, (ref, overrides) in LAYOUTS.items()]
+    launch_many(4, runs, str(work / "layouts.json"))
+    return {name: _metrics(work / name) for name in LAYOUTS}
+
+
+def _metrics(out) -> dict:
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"), encoding="utf-8")]
+    return {"loss": losses(str(out)), "val": {r["step"]: r["val_loss"] for r in records if "val_loss" in r}}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, layouts, references) -> None:
+    want = references[LAYOUTS[name][0]]
+    got = layouts[name]
+    assert_losses_close(got["loss"], want["loss"], REL, range(1, 11))
+    assert sorted(got["val"]) == [5, 10]
+    assert_losses_close(got["val"], want["val"], REL, [5, 10])
+
+
+def test_packing_learns_and_logs_its_counters(references, work) -> None:
+    """Loss falls; the log counts truncated and dropped samples and the row filling, as the shards say."""
+    for kind in ("padded", "packed"):
+        loss = references[kind]["loss"]
+        assert loss[10] < loss[1] - 1.0, kind
+    lines = [line for line in references["stdout"].splitlines() if line.startswith("train data: ")]
+    assert len(lines) == 2, references["stdout"][-3000:]
+    (entry,) = [p for p in (work / "cache").glob("*/chat_messages_sft.json")]
+    shards = SFTShards(str(entry)[: -len("_sft.json")])
+    train = range(int(round(0.9 * len(shards))))
+    long = [i for i in train if shards.sizes[i] > 65]
+    untrained = [i for i in long if not shards.mask[i][1:65].any()]
+    assert long, "seq_length 64 should truncate some of the shipped conversations"
+    for line in lines:
+        assert f"{len(train)} samples, {len(long) - len(untrained)} truncated" in line
+        assert f"{len(untrained)} dropped with no trained token left" in line
+    assert "(padded)" in lines[0] and "(packed)" in lines[1]
+
+
+def test_padded_reference_equals_hf_with_global_token_mean(references, work) -> None:
+    """Each micro batch's HF loss is its summed token loss over the global count (num_items_in_batch), summed
+    over the step's micro batches: the rule the engine implements through DeepSpeed's 1/GA and DP averaging."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = TrainingConfig.from_file(CONFIG, [f"data.cache_dir={work / 'cache'}"])
+    pctx = ParallelContext.single()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        init = build_model(config.model, config.parallel, pctx, seed=config.seed)
+        train_ds, _, _ = build_datasets(config, eod_id=2)
+    finally:
+        os.chdir(cwd)
+    hf = LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict(), attn_implementation="sdpa")).float()
+    hf.load_state_dict(rank_state_dicts_to_hf([init.state_dict()], config.model))
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(parameter_groups(hf, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    scheduler = build_scheduler(optimizer, opt, config.train.steps)
+    ours = references["padded"]["loss"]
+    counts = set()
+    for step, micro_batches in enumerate(step_batches(train_ds, config, pctx, 0, 10), start=1):
+        optimizer.zero_grad()
+        n = torch.tensor(sum(mb.num_targets() for mb in micro_batches))
+        counts.update(mb.num_targets() for mb in micro_batches)
+        total = 0.0
+        for mb in micro_batches:
+            loss = hf(input_ids=mb.input_ids, labels=mb.labels, shift_labels=mb.labels, num_items_in_batch=n).loss
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), opt.clip_grad)
+        optimizer.step()
+        scheduler.step()
+        assert abs(total - ours[step]) <= REL * ours[step], f"step {step}: HF {total} vs ours {ours[step]}"
+    assert len(counts) > 5, "micro batches should hold different numbers of trained tokens"

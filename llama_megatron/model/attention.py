@@ -19,6 +19,7 @@ from torch import nn
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
+from llama_megatron.model.kv_cache import LayerKVCache
 from llama_megatron.model.rope import rotary_cos_sin
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -39,11 +40,15 @@ class ParallelAttention(nn.Module):
                                         bias=config.attention_bias)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+        """``kv_cache`` (generation): keys and values of the earlier positions, extended with this call's."""
         qkv = self.qkv_proj(hidden)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.groups_per_rank, self.queries_per_group + 2, self.config.head_dim)
         cos, sin = rotary_cos_sin(self.config, position_ids)
         q, k, v = self.kernels.rotary_qkv(qkv, cos, sin)
-        out = self.kernels.attention(q, k, v, segment_ids)
+        if kv_cache is None:
+            out = self.kernels.attention(q, k, v, segment_ids)
+        else:
+            out = self.kernels.attention.after(q, *kv_cache.append(k, v))
         return self.o_proj(out.reshape(b, s, -1))

@@ -14,6 +14,7 @@ from torch import nn
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.attention import ParallelAttention
 from llama_megatron.model.kernels import REFERENCE, Kernels
+from llama_megatron.model.kv_cache import LayerKVCache
 from llama_megatron.model.mlp import ParallelMLP
 from llama_megatron.model.norm import RMSNorm
 from llama_megatron.parallel.context import ParallelContext
@@ -54,10 +55,10 @@ class DecoderLayerPipe(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
         self.mlp = ParallelMLP(config, pctx, kernels)
 
-    def forward(self, inputs: Payload) -> Payload:
+    def forward(self, inputs: Payload, kv_cache: LayerKVCache | None = None) -> Payload:
         hidden, position_ids, *rest = inputs
         segment_ids = rest[0] if rest else None
-        attention = self.self_attn(self.input_layernorm(hidden), position_ids, segment_ids)
+        attention = self.self_attn(self.input_layernorm(hidden), position_ids, segment_ids, kv_cache)
         hidden, normed = self.post_attention_layernorm(attention, residual=hidden)  # one fused kernel when fast
         hidden = hidden + self.mlp(normed)
         return (hidden, position_ids, *rest)

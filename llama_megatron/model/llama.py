@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
+from llama_megatron.model.kv_cache import KVCache
 from llama_megatron.model.layers import (
     DecoderLayerPipe,
     EmbeddingPipe,
@@ -125,6 +126,15 @@ class LlamaCausalLM(nn.Module):
                 x, span = checkpoint(_run_layers, span, x, use_reentrant=False), []
             x = fn(x)
         return logits_of(x) if labels is None else self.loss_fn(x, labels)
+
+    @torch.no_grad()
+    def forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Local logits of ``input_ids`` that follow the positions held in ``cache`` (extended here): generation."""
+        x: tuple | torch.Tensor = (input_ids, position_ids)
+        layers = iter(cache.layers)
+        for fn in self._forward_funcs:
+            x = fn(x, kv_cache=next(layers)) if isinstance(fn, DecoderLayerPipe) else fn(x)
+        return logits_of(x)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Gather the vocab shards and drop the padding (for evaluation and tests, not for the loss)."""

@@ -1,9 +1,10 @@
 """The one setup path of every command that runs the model.
 
-config -> :func:`preflight` (every check that needs no process group) -> :func:`start` (process groups, seeds,
-run logger, ``run.json``) -> :func:`load_model` (seeded init, or weights read from a checkpoint) ->
-:func:`open_session` (DeepSpeed engine, optimizer and the checkpoint's full state). ``train`` and ``evaluate``
-use the whole path; a command that needs only the model (generation, say) stops after :func:`load_model`.
+config -> :func:`preflight` (every check that needs no process group) -> :func:`start` (process groups and
+seeds: :func:`start_process_groups`; run logger, ``run.json``) -> :func:`load_model` (seeded init, or weights read
+from a checkpoint) -> :func:`open_session` (DeepSpeed engine, optimizer and the checkpoint's full state).
+``train`` and ``evaluate`` use the whole path; ``generate`` (training/generate.py) needs only the model: process
+groups, then :func:`load_model`.
 """
 
 from __future__ import annotations
@@ -125,12 +126,19 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
-    """Process groups, seeds, the rank-0 logger, and ``OUTPUT_DIR/run.json`` (the run's layout, for plots)."""
+def start_process_groups(pre: Preflight) -> ParallelContext:
+    """torch.distributed, the TP/PP/DP groups, and the seeds."""
     config = pre.config
     init_distributed()
     pctx = ParallelContext.build(config.parallel.tensor, config.parallel.pipeline, config.parallel.sequence_parallel)
     _seed_everything(config.seed)
+    return pctx
+
+
+def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
+    """Process groups and seeds, the rank-0 logger, and ``OUTPUT_DIR/run.json`` (the run's layout, for plots)."""
+    config = pre.config
+    pctx = start_process_groups(pre)
     log = RunLogger(pctx.rank == 0, config.output_dir, config.logging.tensorboard_dir,
                     config.logging.wandb_project, config.to_dict())
     if pctx.rank == 0:

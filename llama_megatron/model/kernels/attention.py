@@ -41,11 +41,12 @@ def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, max_len
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-          enable_gqa: bool) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, enable_gqa: bool,
+          causal: bool = True) -> torch.Tensor:
+    """SDPA on [b, s, heads, d] tensors: ``mask`` if given, else causal (``causal``) or over every key."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     return out.transpose(1, 2)
@@ -68,6 +69,14 @@ class ReferenceAttention:
             v = v.repeat_interleave(groups, dim=2)
         return _sdpa(q, k, v, None if segment_ids is None else _dense_mask(segment_ids), enable_gqa=False)
 
+    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The last ``q.shape[1]`` positions of a sequence attending to all of its keys (cached decoding)."""
+        groups = q.shape[2] // k.shape[2]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=2)
+            v = v.repeat_interleave(groups, dim=2)
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k), enable_gqa=False, causal=False)
+
 
 class FastAttention:
     """No K/V copies for GQA; packed documents without a dense [s, s] mask.
@@ -88,6 +97,18 @@ class FastAttention:
         if q.is_cuda or not (q.requires_grad or k.requires_grad or v.requires_grad):
             return _flex(q, k, v, segment_ids)
         return _sdpa(q, k, v, _dense_mask(segment_ids), enable_gqa=True)
+
+    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """As :meth:`ReferenceAttention.after`, without K/V copies."""
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k), enable_gqa=True, causal=False)
+
+
+def _trailing_causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """Query i (of the last sq positions of sk) sees keys up to sk - sq + i; None when that is every key."""
+    sq, sk = q.shape[1], k.shape[1]
+    if sq == 1:
+        return None
+    return torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
 
 
 def _flash(q, k, v, segment_ids):  # pragma: no cover - CUDA only

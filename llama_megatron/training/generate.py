@@ -1,0 +1,115 @@
+"""Generation from a checkpoint through the one setup path: a config made from the checkpoint's metadata ->
+preflight (tokenizer, checkpoint and files checked) -> process groups -> model with the checkpoint's weights.
+
+The weights are read per (layer, TP rank) as for fine-tuning, so a checkpoint of any PP decodes as one stage;
+every process is one TP rank of the checkpoint (no data parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from llama_megatron.checkpoint.meta import read_meta
+from llama_megatron.errors import ConfigError
+from llama_megatron.model.generation import Sampling, generate
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.setup import load_model, preflight, start_process_groups, world_size_from_env
+
+
+@dataclass
+class GenerationRequest:
+    checkpoint: str
+    prompts: list  # str (text) or a list of {role, content} messages
+    tag: str | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    raw: bool = False
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    use_cache: bool = True
+    kernels: str = "auto"
+    dtype: str | None = None
+
+
+def _tokenizer_dir(request: GenerationRequest) -> str:
+    path = request.tokenizer or os.path.join(request.checkpoint, "hf_config")
+    if not os.path.isdir(path):
+        raise ConfigError(f"no tokenizer: {path} is not a directory (pass --tokenizer DIR)")
+    return path
+
+
+def generation_config(request: GenerationRequest, tokenizer_dir: str) -> TrainingConfig:
+    """A run of the checkpoint's model at its TP, one pipeline stage, its weights loaded for inference."""
+    meta = read_meta(request.checkpoint, request.tag)
+    world = world_size_from_env()
+    if world != meta.tensor:
+        raise ConfigError(f"checkpoint {request.checkpoint}/{meta.tag} is tensor parallel {meta.tensor}: run "
+                          f"generate with {meta.tensor} process(es) (deepspeed --num_gpus {meta.tensor}), not {world}")
+    return TrainingConfig.from_dict({
+        "model": meta.model,
+        "parallel": {"tensor": meta.tensor, "pipeline": 1,
+                     # reproduces the checkpoint's padded vocab: padded / TP rows per rank
+                     "make_vocab_size_divisible_by": meta.padded_vocab_size // meta.tensor},
+        "data": {"type": "synthetic"},
+        "tokenizer": tokenizer_dir,
+        "checkpoint": {"load": request.checkpoint, "tag": meta.tag, "finetune": True},
+        "kernels": request.kernels,
+        "output_dir": os.path.join(request.checkpoint, "generate"),
+    })
+
+
+def _stop_ids(config: TrainingConfig, tokenizer, tokenizer_dir: str) -> set[int]:
+    """EOS of the model config, of the tokenizer and of generation_config.json (LLaMA-3's end of turn)."""
+    ids = set()
+    sources = [config.model.eos_token_id, tokenizer.eos_token_id]
+    generation_file = os.path.join(tokenizer_dir, "generation_config.json")
+    if os.path.isfile(generation_file):
+        with open(generation_file, encoding="utf-8") as fh:
+            sources.append(json.load(fh).get("eos_token_id"))
+    for source in sources:
+        ids.update(source if isinstance(source, list) else [] if source is None else [source])
+    return ids
+
+
+def _encode(request: GenerationRequest, prompt, encoder, tokenizer) -> list[int]:
+    if request.raw:
+        if not isinstance(prompt, str):
+            raise ConfigError("--raw takes text prompts, not messages")
+        return tokenizer(prompt)["input_ids"]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = encoder.render(messages, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run_generation(request: GenerationRequest) -> list[dict] | None:
+    """Completions of every prompt (on global rank 0; None on the others)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from llama_megatron.data.chat_template import ChatEncoder, load_hf_tokenizer
+
+    tokenizer_dir = _tokenizer_dir(request)
+    config = generation_config(request, tokenizer_dir)
+    pre = preflight(config)
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    encoder = None if request.raw else ChatEncoder(tokenizer_dir, request.chat_template)
+    prompts = [_encode(request, p, encoder, tokenizer) for p in request.prompts]
+    pctx = start_process_groups(pre)
+    device = torch.device(get_accelerator().current_device_name())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[request.dtype or ("bf16" if device.type == "cuda"
+                                                                               else "fp32")]
+    model = load_model(pre, pctx).to(device=device, dtype=dtype).eval()
+    sampling = Sampling(request.temperature, request.top_k, request.top_p, request.seed)
+    stop = _stop_ids(config, tokenizer, tokenizer_dir)
+    results = []
+    for prompt, ids in zip(request.prompts, prompts):
+        new = generate(model, ids, request.max_new_tokens, stop, sampling, request.use_cache)
+        text = tokenizer.decode([t for t in new if t not in stop], skip_special_tokens=True)
+        results.append({"prompt": prompt, "completion": text, "prompt_tokens": len(ids), "tokens": new})
+    return results if pctx.rank == 0 else None

@@ -1,0 +1,111 @@
+"""`llama-megatron generate` against `transformers`' `generate` on the same weights.
+
+A random HF LLaMA (GQA) with the shipped tokenizer and chat template is converted to TP1 and TP2 checkpoints;
+greedy decoding of 32 tokens must give HF's `generate(do_sample=False)` tokens exactly, with and without the KV
+cache, at TP1 (in process) and TP2 (two processes under the deepspeed launcher). Sampling is checked for the
+filters' semantics; bad input is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from launch_utils import ROOT, run_command
+from model_utils import hf_model, tiny_config
+
+from llama_megatron.cli import main as cli_main
+from llama_megatron.model.generation import Sampling
+
+TOKENIZER = os.path.join(ROOT, "data", "tokenizer")
+PROMPTS = ["What is 2 + 3?", "Name a play by Shakespeare."]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("generate")
+    config = tiny_config(vocab_size=4096, num_key_value_heads=4, max_position_embeddings=128)
+    hf = hf_model(config, seed=3)
+    hf_dir = root / "hf"
+    hf.save_pretrained(hf_dir)
+    for name in os.listdir(TOKENIZER):
+        shutil.copy(os.path.join(TOKENIZER, name), hf_dir / name)
+    out = {"hf": hf, "root": root}
+    for tp in (1, 2):
+        ckpt = str(root / f"tp{tp}")
+        assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", ckpt, "--tp", str(tp),
+                         "--make-vocab-size-divisible-by", "64"]) == 0
+        out[tp] = ckpt
+    return out
+
+
+def _hf_greedy(hf, prompt: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    out = hf.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=2, pad_token_id=2)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _ours(ckpt: str, out_file: str, *extra: str) -> list[dict]:
+    args = ["generate", "--checkpoint", ckpt, "--max-new-tokens", str(NEW_TOKENS), "--output", out_file, *extra]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    assert cli_main(args) == 0
+    return [json.loads(line) for line in open(out_file, encoding="utf-8")]
+
+
+def test_greedy_equals_hf_generate_tp1_with_and_without_cache(converted, tmp_path) -> None:
+    want = [_hf_greedy(converted["hf"], p) for p in PROMPTS]
+    assert any(len(w) == NEW_TOKENS for w in want), "the comparison should cover 32 tokens"
+    for extra in ([], ["--no-kv-cache"]):
+        got = _ours(converted[1], str(tmp_path / "out.jsonl"), *extra)
+        assert [r["tokens"] for r in got] == want, extra
+        assert [r["prompt"] for r in got] == PROMPTS
+
+
+def test_greedy_equals_hf_generate_tp2_under_the_launcher(converted, tmp_path) -> None:
+    want = [_hf_greedy(converted["hf"], p) for p in PROMPTS]
+    for extra in ([], ["--no-kv-cache"]):
+        out_file = str(tmp_path / f"tp2{len(extra)}.jsonl")
+        args = ["--checkpoint", converted[2], "--max-new-tokens", str(NEW_TOKENS), "--output", out_file, *extra]
+        for prompt in PROMPTS:
+            args += ["--prompt", prompt]
+        run_command(2, ["-m", "llama_megatron", "generate"], args)
+        assert [json.loads(line)["tokens"] for line in open(out_file, encoding="utf-8")] == want, extra
+
+
+def test_sampling_filters() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert Sampling().choose(logits, None).item() == 0
+    gen = torch.Generator().manual_seed(0)
+    top2 = {Sampling(temperature=1.0, top_k=2).choose(logits, gen).item() for _ in range(200)}
+    assert top2 == {0, 1}
+    # probabilities 0.64, 0.24, 0.09, ...: top_p 0.7 keeps the two tokens whose mass first exceeds 0.7
+    top_p = {Sampling(temperature=1.0, top_p=0.7).choose(logits, gen).item() for _ in range(200)}
+    assert top_p == {0, 1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--top-p", "0"], "--top-p in (0, 1]"),
+    (["--prompts", "missing.jsonl"], "prompt file missing.jsonl not found"),
+    (["--prompt", "hi", "--tokenizer", "no-such-dir"], "no tokenizer: no-such-dir is not a directory"),
+])
+def test_bad_input_is_one_line(converted, args, message, capsys) -> None:
+    assert cli_main(["generate", "--checkpoint", converted[1], *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_bad_prompt_record_names_its_line(converted, tmp_path, capsys) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n', encoding="utf-8")
+    assert cli_main(["generate", "--checkpoint", converted[1], "--prompts", str(prompts)]) == 2
+    assert f"{prompts}:2: expected" in capsys.readouterr().err

@@ -1,8 +1,11 @@
 """LoRA on the tensor-parallel linears, against PEFT on transformers.LlamaForCausalLM (fp32, real gloo groups).
 
-Model level: logits, loss and every adapter gradient equal PEFT's on the same base and adapter weights (TP 1/2,
-sequence parallelism on and off, dropout masks included); adapters start at the base model and are initialised
-alike at every TP degree.
+- Model: logits, loss and every adapter gradient equal PEFT's on the same base and adapter weights (TP 1/2, sequence
+  parallelism on and off, dropout masks included); adapters start at the base model, alike at every TP degree.
+- Engines (in process): only adapters train, the base stays bit-identical, ZeRO 0-3 and TP2 give TP1's adapters.
+- Whole runs (launcher, from a converted base): TP2 layouts reproduce TP1's losses, resume is exact, the exported
+  PEFT adapter loads in PEFT and gives our loss, the merged export gives PEFT's logits.
+- Bad input: one line, exit code 2, nothing written.
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 
+import peft
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
-from launch_utils import assert_losses_close, launch, launch_many, losses, train_args
+from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
 from model_utils import hf_model, tiny_config
 
 from llama_megatron.cli import main as cli_main
@@ -25,8 +29,6 @@ from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards,
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.optimizer import parameter_groups
 
-peft = pytest.importorskip("peft")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 
 LOGITS_ATOL = 1e-4
@@ -435,3 +437,84 @@ def test_peft_loads_the_adapter_and_gives_our_loss(exported, lora_runs, data_pre
         ids = batches[0].input_ids
         want, got = tp2(input_ids=ids).logits, merged(input_ids=ids).logits
     assert (got - want).abs().max().item() <= 1e-5
+
+
+# --- bad input: one line, exit code 2, nothing written ------------------------------------------------------------
+
+def _refused(capsys, argv: list[str], output: str, message: str) -> None:
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
+    assert not os.path.exists(output), f"{output} was written"
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    """Commands run in process from the repo root; the single-process rendezvous they set up is undone after."""
+    monkeypatch.chdir(ROOT)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _train(out: str, *overrides: str) -> list[str]:
+    return ["train", "--config", CONFIG, "--set", 'data={"type": "synthetic"}', "--set", f"output_dir={out}",
+            *[a for item in overrides for a in ("--set", item)]]
+
+
+def test_lora_misconfigurations_are_refused(bases, tmp_path, capsys, in_repo) -> None:
+    out = str(tmp_path / "run")
+    base = [f"checkpoint.load={bases['tp1']}", "checkpoint.finetune=true"]
+    for overrides, message in [
+        (['lora={"targets": ["q_proj", "qkv_proj"]}', *base], "lora.targets: unknown target 'qkv_proj'"),
+        (['lora={"rank": 0}', *base], "lora.rank must be an integer >= 1, got 0"),
+        (['lora={"dropout": 1.0}', *base], "lora.dropout must lie in [0, 1)"),
+        (['lora={"rank": 4, "alpah": 8}', *base], "unknown keys in 'lora': alpah"),
+        (["lora={}"], "set checkpoint.load to the base checkpoint"),
+        (["lora={}", f"checkpoint.save={tmp_path}/empty", "checkpoint.load=auto"],
+         "checkpoint.save holds no checkpoint yet"),
+        (["lora={}", f"checkpoint.load={bases['tp1']}"], "is a full model: a LoRA run starts from it with "
+                                                         "checkpoint.finetune true"),
+        (["lora={}", *base, "model.num_hidden_layers=2"], "holds a different model config"),
+    ]:
+        _refused(capsys, _train(out, *overrides), out, message)
+
+
+def _lora_checkpoint_with_base(src: str, dst: str, base_path: str) -> str:
+    """A copy of a LoRA checkpoint whose llama_megatron.json names another base."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    meta_path = os.path.join(dst, "global_step10", "llama_megatron.json")
+    meta = json.load(open(meta_path))
+    meta["lora"]["base"]["path"] = base_path
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh)
+    return dst
+
+
+def test_adapter_checkpoint_misuse_is_refused(lora_runs, bases, tmp_path, capsys, in_repo) -> None:
+    """Adapters on another base (swapped or missing), without their lora section, at another rank; export and
+    reshard misuse."""
+    ckpt = f"{lora_runs['tp1']}/ckpt"
+    out = str(tmp_path / "out")
+    swapped = _lora_checkpoint_with_base(ckpt, str(tmp_path / "swapped"), bases["other"])
+    missing = _lora_checkpoint_with_base(ckpt, str(tmp_path / "missing"), str(tmp_path / "no-such-base"))
+    for overrides, message in [
+        ([f"checkpoint.load={ckpt}"], "holds LoRA adapters only (rank 4"),
+        ([f"checkpoint.load={ckpt}", 'lora={"rank": 8}'], "holds LoRA adapters of rank 4, alpha 8"),
+        ([f"checkpoint.load={swapped}", f"lora={RUN_LORA}"], "is another model"),
+        ([f"checkpoint.load={missing}", f"lora={RUN_LORA}"], "no-such-base/converted, is missing"),
+    ]:
+        _refused(capsys, _train(out, "train.steps=20", *overrides), out, message)
+    for argv, message in [
+        (["export", "--input", ckpt, "--output", out, "--merge", "--base", bases["other"]], "is another model"),
+        (["export", "--input", swapped, "--output", out, "--merge"], "is another model"),
+        (["export", "--input", ckpt, "--output", out, "--base", bases["tp1"]], "use it with --merge"),
+        (["export", "--input", bases["tp1"], "--output", out, "--merge"], "holds a full model"),
+        (["reshard", "--input", ckpt, "--output", out, "--tp", "2"], "holds LoRA adapters only"),
+    ]:
+        _refused(capsys, argv, out, message)
+    # the base resharded to TP2 is the same model: merging onto it is allowed
+    assert cli_main(["export", "--input", swapped, "--output", out, "--merge", "--base", bases["tp2"]]) == 0

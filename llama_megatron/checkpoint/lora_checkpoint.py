@@ -1,9 +1,9 @@
 """Which base checkpoint a LoRA run's adapters belong to, and every check that pairs the two.
 
 A LoRA run saves its adapters only (and their optimizer state). ``llama_megatron.json`` records the adapter config
-and the base checkpoint: its absolute path, tag and a fingerprint, a sha256 of the model config, the padded
-vocabulary, every norm weight and the first rows of the embedding (a few KB read from any layout, ZeRO-3
-partitions included) so a base that was replaced or retrained under the same path is told apart. Resuming,
+and the base checkpoint: its absolute path, tag and a fingerprint, a sha256 of the model config, every norm weight
+and the first rows of the embedding (a few KB read from any layout, ZeRO-3 partitions included), so a base that was
+replaced or retrained under the same path is told apart while the same base resharded is not. Resuming,
 fine-tuning from and merging adapters re-read the base there (or where ``export --base`` says), and refuse, with
 one line, a base whose fingerprint differs.
 """
@@ -50,7 +50,7 @@ def fingerprint(load_dir: str, tag: str | None = None) -> str:
     source = MegatronCheckpoint(load_dir, tag)
     if source.lora is not None:
         raise CheckpointError(f"{source.tag_dir} holds LoRA adapters, not a base model")
-    digest = hashlib.sha256(json.dumps([source.meta.model, source.padded_vocab_size], sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps(source.meta.model, sort_keys=True).encode())
     for spec in source.layout:
         if spec.split == "replicated" and spec.init == "ones" or spec.name == "embed.weight":
             tensor = source.read_rank(spec, 0)

@@ -114,6 +114,8 @@ def export_lora(source: MegatronCheckpoint, output: str, *, dtype: torch.dtype |
     check_output(output, overwrite, inputs=(base_dir,))
     base = MegatronCheckpoint(base_dir, base_meta.tag, fp32_master=dtype == torch.float32)
     out_dtype = dtype or base.stored_dtype
+    if source.dtype != torch.float32:  # merge the fp32 masters of a bf16 run
+        source = MegatronCheckpoint(os.path.dirname(source.tag_dir), source.meta.tag, fp32_master=True)
     if assets_dir is None and os.path.isdir(os.path.join(base_dir, HF_CONFIG_DIR)):
         assets_dir = os.path.join(base_dir, HF_CONFIG_DIR)
     with atomic_output_dir(output, overwrite) as tmp:
@@ -122,7 +124,7 @@ def export_lora(source: MegatronCheckpoint, output: str, *, dtype: torch.dtype |
                                     max_shard_bytes, progress)
         if progress:
             progress.close()
-    note = f"base {base.tag_dir} ({base.source_kind}) + adapters merged"
+    note = f"base {base.tag_dir} ({base.source_kind}) + adapters ({source.source_kind}) merged"
     if not any(name.startswith("tokenizer") for name in copied):
         note += "; no tokenizer files copied (pass --tokenizer DIR)"
     return out_dtype, note

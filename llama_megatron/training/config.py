@@ -2,7 +2,8 @@
 
 Sections: model (path to a preset / HF config.json, or inline), parallel, data, tokenizer, seq_length,
 batch, train, optimizer (with its schedule), eval, checkpoint, logging, activation_checkpointing, pipeline,
-deepspeed_config, kernels, lora (LoRA adapters on a frozen base), seed, output_dir. ``--set a.b=value`` overrides any key (value parsed as JSON when it parses).
+deepspeed_config, kernels, lora (LoRA adapters on a frozen base), seed, output_dir. ``--set a.b=value`` overrides
+any key (value parsed as JSON when it parses).
 """
 
 from __future__ import annotations

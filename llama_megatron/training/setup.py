@@ -209,7 +209,7 @@ def open_session(config: TrainingConfig, ds_source=None) -> Session:
     elif config.checkpoint.load == AUTO_LOAD:
         log.info(f"no checkpoint in {config.checkpoint.save} yet: starting fresh (checkpoint.load auto)")
     if config.lora:
-        trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters() if p.requires_grad)
         log.info(f"LoRA rank {config.lora.rank} alpha {config.lora.alpha} on {', '.join(config.lora.targets)}: "
                  f"{trainable:,} trainable parameters on rank 0 (base frozen: {pre.lora_base.path}/"
                  f"{pre.lora_base.tag})")

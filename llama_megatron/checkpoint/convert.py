@@ -1,7 +1,8 @@
 """The three conversions, each validated completely before the first byte is written:
 
 - HF directory or Meta release -> our checkpoint at a chosen TP/PP (:func:`to_megatron`);
-- our checkpoint (any TP/PP/ZeRO) -> HF directory (:func:`to_hf`);
+- our checkpoint (any TP/PP/ZeRO) -> HF directory (:func:`to_hf`); a LoRA checkpoint -> PEFT adapter directory,
+  or merged into its base (:mod:`llama_megatron.checkpoint.peft_export`);
 - our checkpoint -> our checkpoint at another TP/PP (:func:`reshard`).
 
 Outputs are built in a temp dir and renamed into place; the HF config and tokenizer files travel in
@@ -19,18 +20,17 @@ from dataclasses import dataclass
 import torch
 
 from llama_megatron.checkpoint.atomic import atomic_output_dir, check_output
-from llama_megatron.checkpoint.hf_io import HF_ASSET_FILES, HFCheckpoint, copy_assets
+from llama_megatron.checkpoint.hf_io import HF_ASSET_FILES, HF_CONFIG_DIR, HFCheckpoint, copy_assets
 from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES, hf_config_dict, write_hf_directory
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
 from llama_megatron.checkpoint.megatron_writer import DEFAULT_TAG, check_tag, write_megatron_checkpoint
 from llama_megatron.checkpoint.meta_format import MetaCheckpoint, is_meta_checkpoint
+from llama_megatron.checkpoint.peft_export import export_lora
 from llama_megatron.checkpoint.sources import TensorSource, check_source
 from llama_megatron.config import ModelConfig, ParallelConfig
 from llama_megatron.errors import CheckpointError
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.progress import TaskProgress
-
-HF_CONFIG_DIR = "hf_config"
 
 
 @dataclass
@@ -125,7 +125,10 @@ def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: 
 
 def to_hf(input_dir: str, output: str, *, dtype: str | None = None, tag: str | None = None,
           tokenizer: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-          show_progress: bool = False) -> Result:
+          show_progress: bool = False, merge: bool = False, base: str | None = None,
+          base_model: str | None = None) -> Result:
+    """A full checkpoint -> HF directory; a LoRA checkpoint -> PEFT adapter (``base_model`` recorded in its
+    config), or with ``merge`` its base (recorded, or ``base``) with the adapters merged in."""
     start = time.perf_counter()
     check_output(output, overwrite, inputs=(input_dir,))
     requested = _dtype(dtype)
@@ -135,6 +138,14 @@ def to_hf(input_dir: str, output: str, *, dtype: str | None = None, tag: str | N
     assets = tokenizer
     if assets is not None and not os.path.isdir(assets):
         raise CheckpointError(f"--tokenizer {assets} is not a directory")
+    if source.lora is not None:
+        out_dtype, note = export_lora(source, output, dtype=requested, merge=merge, base_dir=base,
+                                      base_model=base_model, assets_dir=assets, max_shard_bytes=max_shard_bytes,
+                                      overwrite=overwrite, show_progress=show_progress)
+        return Result(output, time.perf_counter() - start, out_dtype, note)
+    if merge or base or base_model:
+        raise CheckpointError(f"{source.tag_dir} holds a full model: --merge, --base and --base-model apply to LoRA "
+                              "checkpoints")
     if assets is None and os.path.isdir(os.path.join(input_dir, HF_CONFIG_DIR)):
         assets = os.path.join(input_dir, HF_CONFIG_DIR)
     with atomic_output_dir(output, overwrite) as tmp:
@@ -155,6 +166,9 @@ def reshard(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: int 
     check_output(output, overwrite, inputs=(input_dir,))
     check_tag(out_tag)
     source = MegatronCheckpoint(input_dir, tag, fp32_master=dtype == "fp32")
+    if source.lora is not None:
+        raise CheckpointError(f"{source.tag_dir} holds LoRA adapters only, which reshard does not re-split: merge "
+                              "them with `llama-megatron export --merge`, then convert the result")
     padded = _layout(source.config, tp, pp, divisible_by)
     out_dtype = _dtype(dtype) or source.dtype
     with atomic_output_dir(output, overwrite) as tmp:

@@ -26,6 +26,7 @@ _SAFE_TO_TORCH = {
 }
 
 HF_ASSET_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+HF_CONFIG_DIR = "hf_config"  # where converted checkpoints keep the HF config and tokenizer files
 
 
 def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None, list[str]]:

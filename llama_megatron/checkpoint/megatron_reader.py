@@ -31,6 +31,7 @@ from llama_megatron.checkpoint.zero_fp32 import (
 )
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import CheckpointError, ConfigError
+from llama_megatron.model.lora_layout import adapter_layout, is_adapter_parameter
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 from llama_megatron.model.tp_slicing import merge_parts, shard_shape
 
@@ -51,7 +52,8 @@ class MegatronCheckpoint:
         if self.padded_vocab_size < self.config.vocab_size or self.padded_vocab_size % self.tp:
             raise CheckpointError(f"{self.tag_dir}: padded_vocab_size {self.padded_vocab_size} does not fit vocab "
                                   f"{self.config.vocab_size} split over TP {self.tp}")
-        self.layout = ParamLayout(self.config)
+        self.lora = self.meta.adapters()  # an adapter-only checkpoint: its tensors are the LoRA adapters
+        self.layout = adapter_layout(self.config, self.lora) if self.lora else ParamLayout(self.config)
         self._hf_shapes = self.layout.hf_shapes()
         self._files: dict[str, dict] = {}
         self._merged: tuple[str, dict[str, list[torch.Tensor]]] | None = None
@@ -150,11 +152,14 @@ class MegatronCheckpoint:
 
 @torch.no_grad()
 def load_model_weights(model: nn.Module, load_dir: str, tag: str | None, tp_rank: int) -> None:
-    """Fill every parameter of ``model`` (plain or pipeline form, any PP) with TP rank ``tp_rank``'s tensors of a
-    checkpoint with the same TP degree: the fine-tuning start, before DeepSpeed wraps the model. ZeRO-3 and bf16
+    """Fill the parameters of ``model`` (plain or pipeline form, any PP) that the checkpoint holds with TP rank
+    ``tp_rank``'s tensors of a checkpoint with the same TP degree: the fine-tuning start, before DeepSpeed wraps
+    the model. A full checkpoint fills the base weights, a LoRA checkpoint the adapters. ZeRO-3 and bf16
     checkpoints give their fp32 master weights."""
     source = MegatronCheckpoint(load_dir, tag, fp32_master=True)
     for name, param in model.named_parameters():
+        if is_adapter_parameter(name) != (source.lora is not None):
+            continue
         tensor = source.read_rank(source.layout.for_module(name), tp_rank)
         if tensor.shape != param.shape:
             raise CheckpointError(f"{source.tag_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "

@@ -7,7 +7,8 @@ Layout of a checkpoint directory (a training save dir, or the output of ``conver
 
 ``llama_megatron.json`` holds the run position (step, consumed samples) and the layout (TP, PP, DP, ZeRO
 stage, model config, padded vocabulary); everything that reads a checkpoint reads it first, before building
-anything, so a mismatch is a one-line error.
+anything, so a mismatch is a one-line error. A LoRA run's checkpoints hold the adapters only, and ``lora`` (the
+adapter config and the base checkpoint they belong to: :mod:`llama_megatron.checkpoint.lora_checkpoint`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from llama_megatron.errors import CheckpointError
+from llama_megatron.errors import CheckpointError, ConfigError
+from llama_megatron.model.lora_layout import LoraConfig
 
 META_FILE = "llama_megatron.json"
 LATEST_FILE = "latest"
@@ -40,11 +42,23 @@ class CheckpointMeta:
     model: dict[str, Any]
     padded_vocab_size: int
     format_version: int = FORMAT_VERSION
+    lora: dict[str, Any] | None = None  # adapter-only checkpoint: rank, alpha, dropout, targets, base
     tag: str = ""
+
+    def adapters(self) -> LoraConfig | None:
+        """The LoRA config of an adapter-only checkpoint (None for a full model)."""
+        if self.lora is None:
+            return None
+        try:
+            return LoraConfig.from_dict({k: v for k, v in self.lora.items() if k != "base"})
+        except (ConfigError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {self.tag}: the lora section of {META_FILE} is invalid: {exc}") from None
 
     def to_json(self) -> str:
         data = dict(self.__dict__)
         data.pop("tag")
+        if data["lora"] is None:
+            data.pop("lora")
         return json.dumps(data, indent=2, sort_keys=True)
 
 

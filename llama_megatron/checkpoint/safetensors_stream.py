@@ -22,7 +22,6 @@ SAFE_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-INDEX_FILE = "model.safetensors.index.json"
 
 PlanEntry = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -59,12 +58,13 @@ def _header(entries: list[PlanEntry]) -> bytes:
 class SafetensorsShardWriter:
     """Write the tensors of ``plan`` (in plan order) into ``out_dir``; ``close()`` writes the index."""
 
-    def __init__(self, out_dir: str, plan: list[PlanEntry], max_shard_bytes: int) -> None:
+    def __init__(self, out_dir: str, plan: list[PlanEntry], max_shard_bytes: int, stem: str = "model") -> None:
         self.out_dir = out_dir
+        self.stem = stem  # "adapter_model" for PEFT adapters
         self.shards = plan_shards(plan, max_shard_bytes)
         count = len(self.shards)
-        self.files = (["model.safetensors"] if count == 1 else
-                      [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        self.files = ([f"{stem}.safetensors"] if count == 1 else
+                      [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
         self._order = [(shard, entry) for shard, entries in enumerate(self.shards) for entry in entries]
         self._next = 0
         self._fh = None
@@ -106,6 +106,6 @@ class SafetensorsShardWriter:
             weight_map = {name: self.files[shard] for shard, (name, _, _) in self._order}
             total = sum(_nbytes(shape, dtype) for _, (_, shape, dtype) in self._order)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            with open(os.path.join(self.out_dir, INDEX_FILE), "w", encoding="utf-8") as fh:
+            with open(os.path.join(self.out_dir, f"{self.stem}.safetensors.index.json"), "w", encoding="utf-8") as fh:
                 json.dump(index, fh, indent=2)
                 fh.write("\n")

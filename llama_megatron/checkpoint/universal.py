@@ -3,7 +3,9 @@
 Patterns are built from the parameter layout table, one exact name per parameter, so they match what the model
 really has (DeepSpeed's strict mode rejects a pattern that matches nothing). The fused QKV is a plain
 column-parallel tensor for this purpose: its rows are grouped per KV group, so concatenating TP shards along
-dim 0 gives a layout that splits again for any TP dividing the KV heads.
+dim 0 gives a layout that splits again for any TP dividing the KV heads. A LoRA run's checkpoints hold the
+adapters only, so their patterns come from the adapter table (column-split B matrices need none: dim 0 is
+DeepSpeed's default).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from typing import Any
 from deepspeed.checkpoint import constants as C
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.model.lora_layout import LoraConfig, adapter_layout
 from llama_megatron.model.param_layout import TIED_PREFIX, ParamLayout
 
 
-def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
-    layout = ParamLayout(config)
+def universal_checkpoint_info(config: ModelConfig, lora: LoraConfig | None = None) -> dict[str, Any]:
+    layout = adapter_layout(config, lora) if lora else ParamLayout(config)
 
     def patterns(*splits: str) -> list[str]:
         return [rf"^{re.escape(s.module_name)}$" for s in layout if s.split in splits]
@@ -32,6 +35,6 @@ def universal_checkpoint_info(config: ModelConfig) -> dict[str, Any]:
         # merged vocab tensors are cut back to the true vocab and re-padded for the loading layout
         C.ORIGINAL_VOCAB_SIZE: config.vocab_size,
     }
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not lora:
         info[C.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [rf"^{re.escape(TIED_PREFIX)}.*"]
     return info

@@ -8,14 +8,17 @@ from llama_megatron.config import ModelConfig, ParallelConfig
 from llama_megatron.model.init import initialize_weights
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.llama import LlamaCausalLM, build_pipeline_module
+from llama_megatron.model.lora import attach_lora
+from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.parallel.context import ParallelContext
 
 
 def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelContext, seed: int = 1234,
                 activation_checkpoint_interval: int = 0, partition_method: str = "type:DecoderLayerPipe",
-                initialize: bool = True, kernels: Kernels = REFERENCE) -> nn.Module:
+                initialize: bool = True, kernels: Kernels = REFERENCE, lora: LoraConfig | None = None) -> nn.Module:
     """This rank's model; ``kernels`` (see :func:`llama_megatron.model.kernels.resolve_kernels`) is the one
-    place its operator implementations are chosen."""
+    place its operator implementations are chosen. With ``lora`` the base weights are frozen and LoRA adapters
+    (seeded, B = 0) sit on the target linears."""
     padded = parallel.padded_vocab_size(config.vocab_size)
     if pctx.pp_size == 1:
         model: nn.Module = LlamaCausalLM(config, pctx, padded, activation_checkpoint_interval, kernels)
@@ -24,4 +27,6 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
                                       kernels)
     if initialize:
         initialize_weights(model, config, pctx, padded, seed)
+    if lora is not None:
+        attach_lora(model, config, lora, pctx, padded, seed)
     return model

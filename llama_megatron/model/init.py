@@ -9,6 +9,8 @@ The cost is drawing each full tensor once per rank (what Megatron's CPU initiali
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -25,11 +27,14 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def initial_hf_tensor(name: str, shape: tuple[int, ...], init: str, std: float, seed: int) -> torch.Tensor:
-    """The full fp32 HF tensor ``name`` starts from: N(0, std) weights (own generator), zero biases, unit norms."""
+    """The full fp32 HF tensor ``name`` starts from: N(0, std) weights (own generator), zero biases, unit norms;
+    ``lora_a``: PEFT's LoRA A init, kaiming-uniform with a = sqrt(5) (own generator)."""
     if init == "ones":
         return torch.ones(shape)
     if init == "zeros":
         return torch.zeros(shape)
+    if init == "lora_a":
+        return nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=_generator(seed, name))
     return torch.normal(0.0, std, shape, generator=_generator(seed, name))
 
 
@@ -37,9 +42,14 @@ def initial_hf_tensor(name: str, shape: tuple[int, ...], init: str, std: float, 
 def initialize_weights(model: nn.Module, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
                        seed: int) -> None:
     """Fill every parameter of ``model`` (plain or pipeline form, any TP rank) from the seeded full tensors."""
-    layout = ParamLayout(config)
+    initialize_parameters(model.named_parameters(), ParamLayout(config), config, pctx, padded_vocab_size, seed)
 
-    for name, param in model.named_parameters():
+
+@torch.no_grad()
+def initialize_parameters(named_parameters: Iterable[tuple[str, nn.Parameter]], layout: ParamLayout,
+                          config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int, seed: int) -> None:
+    """Fill the named parameters (module naming) from the seeded full tensors of their rows in ``layout``."""
+    for name, param in named_parameters:
         spec = layout.for_module(name)
 
         def get_hf(hf_name: str, spec: ParamSpec = spec) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Everything that needs to know what a parameter *is* reads it here: initialisation, conversion from and to HF,
 the checkpoint readers and writers, DeepSpeed's universal-checkpoint patterns, export. The parallel layers
 carry the same split on the parameter they create (``param.tp_split``); a test checks the two agree, so a new
-parameter (a LoRA adapter, say) is one new row here plus the layer that owns it.
+parameter is one new row here plus the layer that owns it. Parameters added to the model for one kind of run (LoRA
+adapters) have a table of their own, a :class:`ParamLayout` built from other rows (:mod:`.lora_layout`).
 
 Three names per parameter:
 
@@ -63,11 +64,12 @@ def lm_head_layer(config: ModelConfig) -> int:
 
 
 class ParamLayout:
-    """Every parameter of the model for ``config``, in layer order."""
+    """Every parameter of the model for ``config``, in layer order; ``specs`` replaces the model's own rows for
+    a table of added parameters (the LoRA adapters of :mod:`llama_megatron.model.lora_layout`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, specs: list[ParamSpec] | None = None) -> None:
         self.config = config
-        self.specs: tuple[ParamSpec, ...] = tuple(_specs(config))
+        self.specs: tuple[ParamSpec, ...] = tuple(_specs(config) if specs is None else specs)
         self._by_name = {s.name: s for s in self.specs}
         self._by_module = {s.module_name: s for s in self.specs}
         self._by_hf = {hf: s for s in self.specs for hf in s.hf_names}

@@ -6,6 +6,10 @@ model names the fused layouts: ``qkv``, ``gate_up``, ``vocab``; ``row``; ``repli
 initialisation code reads the layout off the parameter instead of guessing it from a name. With sequence parallelism the
 activations entering a column-parallel layer are sequence shards (gathered here) and the output of a
 row-parallel layer is reduce-scattered back into sequence shards.
+
+Both linears take an optional ``lora`` module (a LoRA adapter, :mod:`llama_megatron.model.lora`): it sees what the
+weight multiplies (the gathered input of a column layer, the input shard of a row layer) and its output is added
+to this rank's output before any reduction, so it rides on the layer's own collectives.
 """
 
 from __future__ import annotations
@@ -96,13 +100,18 @@ class ColumnParallelLinear(nn.Module):
                                            split)
         self.bias = (mark_tensor_parallel(nn.Parameter(torch.zeros(self.out_features_per_rank)), 0, split)
                      if bias else None)
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, return_operands: bool = False):
         """Local output slice (gathered if ``gather_output``); see :func:`column_parallel_matmul` for
         ``return_operands``."""
         if return_operands:
             return column_parallel_matmul(x, self.weight, self.bias, self.pctx, return_operands=True)
-        y = column_parallel_matmul(x, self.weight, self.bias, self.pctx)
+        if self.lora is None:
+            y = column_parallel_matmul(x, self.weight, self.bias, self.pctx)
+        else:
+            x = column_parallel_input(x, self.pctx)
+            y = F.linear(x, self.weight, self.bias) + self.lora(x)
         return gather_from_tp_region(y, self.pctx) if self.gather_output else y
 
 
@@ -117,9 +126,12 @@ class RowParallelLinear(nn.Module):
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, self.in_features_per_rank)), 1,
                                            "row")
         self.bias = mark_replicated(nn.Parameter(torch.zeros(out_features))) if bias else None
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if self.lora is not None:
+            y = y + self.lora(x)  # a partial product too: summed over TP with the weight's
         if self.pctx.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.pctx)
             bias = None if self.bias is None else all_reduce_grad_in_tp(self.bias, self.pctx)

@@ -99,8 +99,11 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
     barrier()
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
-    client_state = {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine.config.model)}
-    engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
+    lora = engine.config.lora
+    client_state = {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine.config.model, lora)}
+    # a LoRA run saves its adapters (and their optimizer state) only: the base is the checkpoint meta.lora names
+    engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False,
+                                  exclude_frozen_parameters=lora is not None)
     barrier()
     if rank == 0:
         tmp_dir, final_dir = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)
@@ -127,10 +130,13 @@ def _prune(save_dir: str, keep_last: int) -> None:
 
 
 def load_checkpoint(engine, load_dir: str, tag: str) -> None:
-    """Resume: model, optimizer and LR state through DeepSpeed, its files read by our weights-only loader."""
+    """Resume: model, optimizer and LR state through DeepSpeed, its files read by our weights-only loader. A LoRA
+    checkpoint holds the adapters only (the base is loaded already), so its module state is loaded non-strictly;
+    preflight has checked that it holds exactly this run's adapters."""
     weight_decay = [group["weight_decay"] for group in engine.optimizer.param_groups]
     try:
-        path, _ = load_through_safe_engine(engine.engine).load_checkpoint(load_dir, tag=tag)
+        path, _ = load_through_safe_engine(engine.engine).load_checkpoint(
+            load_dir, tag=tag, load_module_strict=engine.config.lora is None)
     except CheckpointError:
         raise
     except Exception as exc:  # DeepSpeed/torch raise many types for truncated or mismatched files

@@ -2,7 +2,8 @@
 
 Sections: model (path to a preset / HF config.json, or inline), parallel, data, tokenizer, seq_length,
 batch, train, optimizer (with its schedule), eval, checkpoint, logging, activation_checkpointing, pipeline,
-deepspeed_config, kernels, seed, output_dir. ``--set a.b=value`` overrides any key (value parsed as JSON when it parses).
+deepspeed_config, kernels, lora (LoRA adapters on a frozen base), seed, output_dir. ``--set a.b=value`` overrides
+any key (value parsed as JSON when it parses).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from llama_megatron.config import ModelConfig, ParallelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
+from llama_megatron.model.lora_layout import LoraConfig
 
 
 @dataclass
@@ -113,6 +115,7 @@ class TrainingConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     deepspeed_config: str | dict | None = None
     kernels: str = "auto"
+    lora: LoraConfig | None = None
     seed: int = 1234
     output_dir: str = "runs/default"
 
@@ -136,6 +139,8 @@ class TrainingConfig:
         for name, section_cls in _SECTIONS.items():
             if name in data:
                 kwargs[name] = _section(section_cls, name, data.pop(name))
+        if data.get("lora") is not None:
+            kwargs["lora"] = LoraConfig.from_dict(data.pop("lora"))
         kwargs.update(data)
         config = cls(**kwargs)
         config.validate()
@@ -205,6 +210,7 @@ class TrainingConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["data"] = self.data.to_dict()
+        out["lora"] = self.lora.to_dict() if self.lora else None
         return out
 
 

@@ -40,7 +40,7 @@ class TrainingEngine:
             model = build_model(
                 config.model, config.parallel, pctx, seed=config.seed,
                 activation_checkpoint_interval=config.activation_checkpointing.interval,
-                partition_method=config.pipeline.partition_method,
+                partition_method=config.pipeline.partition_method, lora=config.lora,
             )
         model.to(self.device)
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"

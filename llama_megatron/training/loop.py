@@ -90,17 +90,17 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
             last_metrics = metrics
             window_start, window_steps = time.perf_counter(), 0
         if save.save and save.interval and (step % save.interval == 0 or step == config.train.steps):
-            _save(engine, config, pctx, ds_config, step, consumed, log)
+            _save(engine, config, pctx, ds_config, step, consumed, log, session.pre.checkpoint_lora())
     barrier()
     log.close()
     return {"step": step, **last_metrics}
 
 
-def _save(engine, config, pctx, ds_config, step, consumed, log) -> None:
+def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None) -> None:
     meta = CheckpointMeta(
         step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size,
         data_parallel=pctx.dp_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
-        padded_vocab_size=config.parallel.padded_vocab_size(config.model.vocab_size),
+        padded_vocab_size=config.parallel.padded_vocab_size(config.model.vocab_size), lora=lora,
     )
     tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx.rank)
     log.info(f"saved checkpoint {config.checkpoint.save}/{tag}")

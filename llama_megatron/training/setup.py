@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, check_lora_start, checkpoint_lora_section
 from llama_megatron.checkpoint.megatron_reader import load_model_weights
 from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
 from llama_megatron.errors import ConfigError
@@ -45,6 +46,18 @@ class Preflight:
     eod_id: int | None
     kernels: Kernels
     load_dir: str | None = None  # checkpoint.load, "auto" resolved
+    lora_base: BaseRecord | None = None  # a LoRA run's base checkpoint
+
+    @property
+    def adapters_checkpoint(self) -> bool:
+        """``checkpoint.load`` holds LoRA adapters: the base weights come from the checkpoint it records."""
+        return self.checkpoint is not None and self.checkpoint.lora is not None
+
+    def checkpoint_lora(self) -> dict | None:
+        """``llama_megatron.json``'s ``lora`` for this run's saves (None: not a LoRA run)."""
+        if self.config.lora is None:
+            return None
+        return checkpoint_lora_section(self.config.lora, self.lora_base)
 
     @property
     def weights_only(self) -> bool:
@@ -105,6 +118,20 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
     return meta
 
 
+def _check_lora(config: TrainingConfig, meta: CheckpointMeta | None, load_dir: str | None) -> BaseRecord | None:
+    """A LoRA run's base checkpoint (refusals: see :func:`check_lora_start`); the base of an adapter checkpoint is
+    read per TP rank like any weights-only start."""
+    record, base = check_lora_start(config.lora, meta, load_dir, config.checkpoint.finetune,
+                                    auto=config.checkpoint.load == AUTO_LOAD)
+    if base is not None:
+        ckpt.check_resume_layout(base, config.parallel.tensor, base.pipeline, record.path)
+        if base.model != config.model.to_dict():
+            raise ConfigError(f"base checkpoint {record.path}/{base.tag} holds a different model config than this "
+                              "run's model section")
+        ckpt.verify_load(record.path, base, None)
+    return record
+
+
 def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = None) -> Preflight:
     """Every check that needs no process group, so a bad setup fails in seconds with one line."""
     world_size = world_size_from_env() if world_size is None else world_size
@@ -116,8 +143,9 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
     kernels = resolve_kernels(config.kernels, accelerator)
     load_dir = ckpt.resolve_load_dir(config.checkpoint)
-    return Preflight(config, world_size, ds_config, _check_checkpoint(config, load_dir, world_size), eod_id,
-                     kernels, load_dir)
+    meta = _check_checkpoint(config, load_dir, world_size)
+    return Preflight(config, world_size, ds_config, meta, eod_id, kernels, load_dir,
+                     _check_lora(config, meta, load_dir))
 
 
 def _seed_everything(seed: int) -> None:
@@ -155,11 +183,15 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
 
 
 def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
-    """This rank's model: seeded initial weights, or the checkpoint's weights when fine-tuning starts from one."""
+    """This rank's model: seeded initial weights, or the checkpoint's weights when fine-tuning starts from one. A
+    LoRA run's base weights come from its base checkpoint (``checkpoint.load``, or the one an adapter checkpoint
+    records) before DeepSpeed wraps the model, as any weights-only start."""
     config = pre.config
     model = build_model(config.model, config.parallel, pctx, seed=config.seed,
                         activation_checkpoint_interval=config.activation_checkpointing.interval,
-                        partition_method=config.pipeline.partition_method, kernels=pre.kernels)
+                        partition_method=config.pipeline.partition_method, kernels=pre.kernels, lora=config.lora)
+    if pre.adapters_checkpoint:
+        load_model_weights(model, pre.lora_base.path, pre.lora_base.tag, pctx.tp_rank)
     if pre.weights_only:
         load_model_weights(model, pre.load_dir, pre.checkpoint.tag, pctx.tp_rank)
     return model
@@ -185,4 +217,9 @@ def open_session(config: TrainingConfig, ds_source=None) -> Session:
         log.info(f"resumed from checkpoint {pre.load_dir}/{meta.tag} (step {meta.step})")
     elif config.checkpoint.load == AUTO_LOAD:
         log.info(f"no checkpoint in {config.checkpoint.save} yet: starting fresh (checkpoint.load auto)")
+    if config.lora:
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters() if p.requires_grad)
+        log.info(f"LoRA rank {config.lora.rank} alpha {config.lora.alpha} on {', '.join(config.lora.targets)}: "
+                 f"{trainable:,} trainable parameters on rank 0 (base frozen: {pre.lora_base.path}/"
+                 f"{pre.lora_base.tag})")
     return Session(pre, pctx, log, engine, step, consumed)

@@ -1,0 +1,130 @@
+"""A LoRA checkpoint (any TP/PP/ZeRO) as a PEFT adapter directory, or merged into its base as HF weights.
+
+- Adapter: ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, ``lora_dropout``,
+  ``target_modules``, ``task_type`` CAUSAL_LM, ``base_model_name_or_path``) and ``adapter_model.safetensors``
+  with PEFT's keys (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), TP shards merged by the
+  adapter table's splits. ``peft.PeftModel.from_pretrained`` loads it onto the exported base.
+- Merged: the base checkpoint the adapters record (or ``--base DIR``, fingerprint-checked) streamed tensor by
+  tensor, each target weight plus ``B @ A * alpha / rank`` (PEFT's ``merge_and_unload``, in fp32), written as any
+  export (:func:`~llama_megatron.checkpoint.hf_writer.write_hf_directory`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from llama_megatron.checkpoint.atomic import atomic_output_dir, check_output
+from llama_megatron.checkpoint.hf_io import HF_CONFIG_DIR
+from llama_megatron.checkpoint.hf_writer import write_hf_directory
+from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, find_base
+from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
+from llama_megatron.checkpoint.safetensors_stream import SafetensorsShardWriter
+from llama_megatron.errors import CheckpointError
+from llama_megatron.model.lora_layout import LoraConfig, base_weight_name, peft_key
+from llama_megatron.progress import TaskProgress
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_STEM = "adapter_model"  # adapter_model.safetensors, the one file PEFT reads
+
+
+def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
+    """What ``peft.LoraConfig.save_pretrained`` writes for these adapters (defaults for the rest)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "target_modules": lora.to_dict()["targets"], "bias": "none",
+            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_rslora": False,
+            "use_dora": False, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model, "revision": None}
+
+
+def write_peft_adapter(source: MegatronCheckpoint, out_dir: str, dtype: torch.dtype, base_model: str | None,
+                       progress: TaskProgress | None = None) -> None:
+    """Fill ``out_dir`` with the adapter files of the LoRA checkpoint ``source``."""
+    plan = [(name, shape, dtype) for name, shape in source.layout.hf_shapes().items()]
+    writer = SafetensorsShardWriter(out_dir, plan, max_shard_bytes=2**62, stem=ADAPTER_STEM)
+    for spec in source.layout:
+        (name,) = spec.hf_names
+        writer.write(name, *source.get_parts(name))
+        source.release()
+        if progress:
+            progress.advance(1, torch.Size(spec.hf_shapes[0]).numel() * dtype.itemsize)
+    writer.close()
+    with open(os.path.join(out_dir, ADAPTER_CONFIG_FILE), "w", encoding="utf-8") as fh:
+        json.dump(peft_adapter_config(source.lora, base_model), fh, indent=2, sort_keys=True)
+        fh.write("\n")
+
+
+class MergedSource:
+    """A :class:`~llama_megatron.checkpoint.sources.TensorSource`: the base's HF tensors, target weights with their
+    adapter merged in (fp32)."""
+
+    def __init__(self, base: MegatronCheckpoint, adapters: MegatronCheckpoint) -> None:
+        self.base, self.adapters = base, adapters
+        lora = adapters.lora
+        self.scaling = lora.scaling
+        self.pairs = {base_weight_name(i, t): (peft_key(i, t, "A"), peft_key(i, t, "B"))
+                      for i in range(base.config.num_hidden_layers) for t in lora.targets}
+
+    def names(self) -> set[str]:
+        return self.base.names()
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.base.info(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        parts = self.get_parts(name)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def get_parts(self, name: str) -> list[torch.Tensor]:
+        parts = self.base.get_parts(name)
+        if name not in self.pairs:
+            return parts
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+        a_name, b_name = self.pairs[name]
+        a, b = self.adapters.get(a_name).float(), self.adapters.get(b_name).float()
+        return [weight.float() + (b @ a) * self.scaling]
+
+    def release(self) -> None:
+        self.base.release()
+        self.adapters.release()
+
+
+def export_lora(source: MegatronCheckpoint, output: str, *, dtype: torch.dtype | None, merge: bool,
+                base_dir: str | None, base_model: str | None, assets_dir: str | None, max_shard_bytes: int,
+                overwrite: bool, show_progress: bool) -> tuple[torch.dtype, str]:
+    """Write the adapter directory (or, with ``merge``, the merged HF directory) of ``source``; returns the dtype
+    written and a note for the report line. Everything is checked before the output is created."""
+    if not merge:
+        if base_dir is not None:
+            raise CheckpointError("--base names the model to merge the adapters into: use it with --merge")
+        out_dtype = dtype or source.dtype
+        with atomic_output_dir(output, overwrite) as tmp:
+            progress = TaskProgress("lora-to-peft", total=len(source.layout.specs)) if show_progress else None
+            write_peft_adapter(source, tmp, out_dtype, base_model, progress)
+            if progress:
+                progress.close()
+        return out_dtype, f"PEFT adapter, {len(source.layout.specs)} tensors from {source.source_kind}"
+    if base_model is not None:
+        raise CheckpointError("--base-model is recorded in a PEFT adapter's config; a merged export (--merge) has none")
+    record = BaseRecord.of(source.meta, source.tag_dir)
+    base_meta = find_base(record, source.tag_dir, base_dir)
+    base_dir = base_dir or record.path
+    check_output(output, overwrite, inputs=(base_dir,))
+    base = MegatronCheckpoint(base_dir, base_meta.tag, fp32_master=dtype == torch.float32)
+    out_dtype = dtype or base.stored_dtype
+    if source.dtype != torch.float32:  # merge the fp32 masters of a bf16 run
+        source = MegatronCheckpoint(os.path.dirname(source.tag_dir), source.meta.tag, fp32_master=True)
+    if assets_dir is None and os.path.isdir(os.path.join(base_dir, HF_CONFIG_DIR)):
+        assets_dir = os.path.join(base_dir, HF_CONFIG_DIR)
+    with atomic_output_dir(output, overwrite) as tmp:
+        progress = TaskProgress("lora-merge-to-hf", total=len(base.layout.specs)) if show_progress else None
+        copied = write_hf_directory(MergedSource(base, source), base.config, tmp, out_dtype, assets_dir,
+                                    max_shard_bytes, progress)
+        if progress:
+            progress.close()
+    note = f"base {base.tag_dir} ({base.source_kind}) + adapters ({source.source_kind}) merged"
+    if not any(name.startswith("tokenizer") for name in copied):
+        note += "; no tokenizer files copied (pass --tokenizer DIR)"
+    return out_dtype, note

@@ -1,0 +1,166 @@
+"""LoRA adapters on the tensor-parallel linears, and the one function that puts them on a model.
+
+Each adapter is the ``lora`` module of a :class:`~llama_megatron.parallel.layers.ColumnParallelLinear` or
+:class:`~llama_megatron.parallel.layers.RowParallelLinear`; the layer adds its output to its own (partial)
+output. Per target t (HF name), with s = alpha / rank and the shapes of :mod:`.lora_layout`::
+
+    column-parallel (q, k, v, gate, up):  delta_t = (dropout(x) A_t^T) B_t,local^T * s     x = the gathered input
+    row-parallel (o, down):               delta   = (dropout(x_local) A_local^T) B^T * s   partial, like x W_local^T
+
+- Column targets: ``A`` is replicated and every rank computes the same ``x A^T``; each rank's part of the
+  gradient of ``A`` comes from its own output rows, so ``A`` enters through ``all_reduce_grad_in_tp`` (identity
+  forward, all-reduce backward) and autograd sums it. The deltas of a fused linear are laid out as its weight's
+  rows: per KV group ``[q | k | v]``, or ``[gate | up]``, zeros for targets without an adapter.
+- Row targets: the rank-r partial products are summed over TP by the layer's own all-reduce (or reduce-scatter
+  under sequence parallelism), so no collective is added; ``B`` is replicated and each rank's gradient of it is
+  a partial sum, so ``B`` enters through ``all_reduce_grad_in_tp`` too.
+
+Dropout (on the adapter input only, as PEFT) draws each mask at the full, unsharded shape from the global RNG
+(which every TP rank seeds alike) and keeps this rank's slice, so the masks do not depend on TP; on CPU they are
+the masks PEFT draws, target by target in HF's order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import PipelineModule
+from torch import nn
+
+from llama_megatron.config import ModelConfig
+from llama_megatron.model.init import initialize_parameters
+from llama_megatron.model.layers import DecoderLayerPipe, EmbeddingPipe
+from llama_megatron.model.lora_layout import (
+    ADAPTER_MODULE,
+    LoraConfig,
+    adapter_layout,
+    adapter_param_name,
+    is_adapter_parameter,
+    target_shapes,
+)
+from llama_megatron.parallel.collectives import all_reduce_grad_in_tp
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.layers import mark_replicated, mark_tensor_parallel
+
+
+def lora_dropout(x: torch.Tensor, p: float, training: bool, pctx: ParallelContext,
+                 sharded: bool = False) -> torch.Tensor:
+    """``x * mask / (1 - p)`` (ATen's CPU dropout); ``sharded``: ``x`` is this rank's slice of the last dim, and the
+    mask is drawn whole and sliced the same way."""
+    if not training or p == 0:
+        return x
+    shape = list(x.shape)
+    if sharded:
+        shape[-1] *= pctx.tp_size
+    noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
+    if sharded and pctx.tp_size > 1:
+        noise = noise.chunk(pctx.tp_size, dim=-1)[pctx.tp_rank]
+    return x * noise
+
+
+class ColumnLoRA(nn.Module):
+    """Adapters of the targets fused in one column-parallel linear whose local output is ``groups`` repetitions
+    of ``slots`` ((target, rows per group) in weight order)."""
+
+    def __init__(self, in_features: int, slots: list[tuple[str, int]], groups: int, lora: LoraConfig,
+                 pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx, self.slots, self.groups = pctx, slots, groups
+        self.rank, self.scaling, self.dropout = lora.rank, lora.scaling, lora.dropout
+        self.targets = [name for name, _ in slots if name in lora.targets]
+        for name, rows in slots:
+            if name in self.targets:
+                self.register_parameter(adapter_param_name(name, "A"),
+                                        mark_replicated(nn.Parameter(torch.empty(lora.rank, in_features))))
+                self.register_parameter(adapter_param_name(name, "B"), mark_tensor_parallel(
+                    nn.Parameter(torch.empty(groups * rows, lora.rank)), 0, "column"))
+
+    def _low_rank(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``dropout(x) A_t^T`` per target (one matmul for all targets when nothing is dropped)."""
+        a = [getattr(self, adapter_param_name(name, "A")) for name in self.targets]
+        if not self.training or self.dropout == 0:
+            stacked = all_reduce_grad_in_tp(a[0] if len(a) == 1 else torch.cat(a), self.pctx)
+            return list(F.linear(x, stacked).split(self.rank, dim=-1))
+        return [F.linear(lora_dropout(x, self.dropout, True, self.pctx), all_reduce_grad_in_tp(w, self.pctx))
+                for w in a]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low_rank = dict(zip(self.targets, self._low_rank(x)))
+        lead = x.shape[:-1]
+        parts = []
+        for name, rows in self.slots:
+            if name in low_rank:
+                delta = F.linear(low_rank[name], getattr(self, adapter_param_name(name, "B"))) * self.scaling
+                parts.append(delta.view(*lead, self.groups, rows))
+            else:
+                parts.append(x.new_zeros(*lead, self.groups, rows))
+        return torch.cat(parts, dim=-1).flatten(-2)
+
+
+class RowLoRA(nn.Module):
+    """The adapter of a row-parallel linear: its partial delta, summed over TP with the layer's output."""
+
+    def __init__(self, target: str, in_features: int, out_features: int, lora: LoraConfig,
+                 pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx, self.target = pctx, target
+        self.scaling, self.dropout = lora.scaling, lora.dropout
+        self.register_parameter(adapter_param_name(target, "A"), mark_tensor_parallel(
+            nn.Parameter(torch.empty(lora.rank, in_features // pctx.tp_size)), 1, "row"))
+        self.register_parameter(adapter_param_name(target, "B"),
+                                mark_replicated(nn.Parameter(torch.empty(out_features, lora.rank))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = getattr(self, adapter_param_name(self.target, "A"))
+        b = all_reduce_grad_in_tp(getattr(self, adapter_param_name(self.target, "B")), self.pctx)
+        x = lora_dropout(x, self.dropout, self.training, self.pctx, sharded=True)
+        return F.linear(F.linear(x, a), b) * self.scaling
+
+
+def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext) -> None:
+    hd, tp = config.head_dim, pctx.tp_size
+    wanted = set(lora.targets)
+    attn, mlp = layer.self_attn, layer.mlp
+    if wanted & {"q_proj", "k_proj", "v_proj"}:
+        slots = [("q_proj", config.queries_per_group * hd), ("k_proj", hd), ("v_proj", hd)]
+        setattr(attn.qkv_proj, ADAPTER_MODULE, ColumnLoRA(config.hidden_size, slots,
+                                                          config.num_key_value_heads // tp, lora, pctx))
+    if wanted & {"gate_proj", "up_proj"}:
+        rows = config.intermediate_size // tp
+        setattr(mlp.gate_up_proj, ADAPTER_MODULE,
+                ColumnLoRA(config.hidden_size, [("gate_proj", rows), ("up_proj", rows)], 1, lora, pctx))
+    for target, linear in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
+        if target in wanted:
+            out_features, in_features = target_shapes(config, target)
+            setattr(linear, ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
+
+
+def _embedding_output_requires_grad(module: nn.Module, args, kwargs, output):
+    """With every weight before it frozen, the embedding's output needs no gradient, and DeepSpeed's pipeline
+    recomputation (a reentrant checkpoint) then drops the gradients of the adapters inside a recomputed span that
+    starts there. Asking for the gradient costs one extra input gradient of the first decoder layer."""
+    if kwargs.get("as_lm_head") or not isinstance(output, tuple) or output[0].requires_grad:
+        return None
+    output[0].requires_grad_(True)
+    return output
+
+
+def attach_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext,
+                padded_vocab_size: int, seed: int) -> None:
+    """Put ``lora``'s adapters on every decoder layer of ``model`` (plain or pipeline form), draw them (A from its
+    own seeded generator, as PEFT draws it, sliced for this rank; B zero, so the model starts as the base), and
+    freeze every other parameter."""
+    for module in model.modules():
+        if isinstance(module, DecoderLayerPipe):
+            _attach_layer(module, config, lora, pctx)
+    adapters = []
+    for name, param in model.named_parameters():
+        if is_adapter_parameter(name):
+            adapters.append((name, param))
+        else:
+            param.requires_grad_(False)
+    initialize_parameters(adapters, adapter_layout(config, lora), config, pctx, padded_vocab_size, seed)
+    if isinstance(model, PipelineModule) and model.activation_checkpoint_interval:
+        for module in model.modules():
+            if isinstance(module, EmbeddingPipe):
+                module.register_forward_hook(_embedding_output_requires_grad, with_kwargs=True)

@@ -1,0 +1,160 @@
+"""LoRA adapters as a table: the ``lora`` config section and one :class:`ParamSpec` per adapter matrix.
+
+Targets use Hugging Face / PEFT module names (``q_proj`` ... ``down_proj``), one (A, B) pair per target even where
+our linear is fused (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), so an exported adapter is a plain
+renaming. ``A`` is ``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's
+convention). How each matrix splits over TP follows its weight:
+
+- column-parallel targets (q, k, v, gate, up): ``B`` splits on its rows as the weight's rows do; for q/k/v the rows
+  of the KV groups a rank owns are one contiguous block of each of q, k, v, so every ``B`` is a plain ``column``
+  split. ``A`` is ``replicated`` (its gradient is summed over TP in the forward, see :mod:`.lora`).
+- row-parallel targets (o, down): ``A`` splits on its input columns (``row``), ``B`` is ``replicated``.
+
+The specs live in a :class:`ParamLayout` of their own (never in the base model's), so initialisation, conversion
+and checkpoint code that walk the base layout see exactly the base parameters; the same slicing code
+(:mod:`.tp_slicing`) cuts and merges both. An adapter's ``hf_names`` is its PEFT key
+(``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from llama_megatron.config import ModelConfig
+from llama_megatron.errors import ConfigError
+from llama_megatron.model.param_layout import ParamLayout, ParamSpec
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
+ADAPTER_MODULE = "lora"  # the attribute of our linear layers that holds a LoRA adapter (parallel/layers.py)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an HF target lives in our model: the (possibly fused) linear, and its HF module path."""
+
+    name: str  # q_proj
+    linear: str  # self_attn.qkv_proj
+    hf_module: str  # self_attn.q_proj
+    parallel: str  # "column" or "row"
+
+
+TARGETS = {t.name: t for t in (
+    Target("q_proj", "self_attn.qkv_proj", "self_attn.q_proj", "column"),
+    Target("k_proj", "self_attn.qkv_proj", "self_attn.k_proj", "column"),
+    Target("v_proj", "self_attn.qkv_proj", "self_attn.v_proj", "column"),
+    Target("o_proj", "self_attn.o_proj", "self_attn.o_proj", "row"),
+    Target("gate_proj", "mlp.gate_up_proj", "mlp.gate_proj", "column"),
+    Target("up_proj", "mlp.gate_up_proj", "mlp.up_proj", "column"),
+    Target("down_proj", "mlp.down_proj", "mlp.down_proj", "row"),
+)}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The training JSON's ``lora`` section."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LoraConfig:
+        if not isinstance(data, dict):
+            raise ConfigError("training config section 'lora' must be an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown keys in 'lora': {', '.join(sorted(unknown))} (keys: {', '.join(sorted(known))})")
+        data = dict(data)
+        targets = data.get("targets", LORA_TARGETS)
+        if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
+            raise ConfigError(f"lora.targets must be a list of module names, got {targets!r}")
+        data["targets"] = tuple(targets)
+        config = cls(**data)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ConfigError(f"lora.rank must be an integer >= 1, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout must lie in [0, 1), got {self.dropout!r}")
+        if not self.targets:
+            raise ConfigError(f"lora.targets is empty: name some of {', '.join(LORA_TARGETS)}")
+        for name in self.targets:
+            if name not in TARGETS:
+                raise ConfigError(f"lora.targets: unknown target {name!r}; targets are the HF module names "
+                                  f"{', '.join(LORA_TARGETS)}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"lora.targets names a module twice: {list(self.targets)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as written to ``llama_megatron.json`` (targets in model order)."""
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+                "targets": [t for t in LORA_TARGETS if t in self.targets]}
+
+    def same_adapters(self, other: LoraConfig) -> bool:
+        """Whether checkpoints of ``other`` hold this config's adapters (dropout is a training choice only)."""
+        return (self.rank, float(self.alpha), set(self.targets)) == (other.rank, float(other.alpha),
+                                                                    set(other.targets))
+
+
+def target_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
+    """(out_features, in_features) of the HF linear ``target``."""
+    h, ffn = config.hidden_size, config.intermediate_size
+    q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {"q_proj": (q_rows, h), "k_proj": (kv_rows, h), "v_proj": (kv_rows, h), "o_proj": (h, q_rows),
+            "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn)}[target]
+
+
+def adapter_param_name(target: str, matrix: str) -> str:
+    """The parameter's name on the adapter module: ``A_q_proj``."""
+    return f"{matrix}_{target}"
+
+
+def peft_key(layer: int, target: str, matrix: str) -> str:
+    """PEFT's key for a saved adapter matrix (adapter name stripped, as ``save_pretrained`` writes it)."""
+    return f"{PEFT_PREFIX}model.layers.{layer}.{TARGETS[target].hf_module}.lora_{matrix}.weight"
+
+
+def base_weight_name(layer: int, target: str) -> str:
+    """HF name of the weight the adapter of ``target`` in ``layer`` adds to."""
+    return f"model.layers.{layer}.{TARGETS[target].hf_module}.weight"
+
+
+def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
+    specs = []
+    for i in range(config.num_hidden_layers):
+        for target in LORA_TARGETS:
+            if target not in lora.targets:
+                continue
+            t = TARGETS[target]
+            out_features, in_features = target_shapes(config, target)
+            for matrix, shape, init in (("A", (lora.rank, in_features), "lora_a"),
+                                        ("B", (out_features, lora.rank), "zeros")):
+                sharded = (matrix == "B") == (t.parallel == "column")  # B of column targets, A of row targets
+                split = ("column" if t.parallel == "column" else "row") if sharded else "replicated"
+                leaf = f"{t.linear}.{ADAPTER_MODULE}.{adapter_param_name(target, matrix)}"
+                specs.append(ParamSpec(f"layers.{i}.{leaf}", (peft_key(i, target, matrix),), (shape,), split,
+                                       (i + 1,), f"{i + 1}.{leaf}", init))
+    return specs
+
+
+def adapter_layout(config: ModelConfig, lora: LoraConfig) -> ParamLayout:
+    """Every adapter matrix of ``lora`` on the model of ``config``, in layer order."""
+    return ParamLayout(config, specs=_specs(config, lora))
+
+
+def is_adapter_parameter(module_name: str) -> bool:
+    """Whether a parameter name (any form: module, canonical) names a LoRA adapter matrix."""
+    return f".{ADAPTER_MODULE}." in module_name

@@ -353,6 +353,8 @@ def test_bad_record_stops_train_before_launch(tmp_path) -> None:
     args, message = _bad_input_case(tmp_path, "malformed")
     config = json.loads(Path(ROOT, "configs", "finetune", "sft-tiny-cpu.json").read_text())
     config["data"]["path"] = args[1]
+    config["parallel"] = {"tensor": 1, "pipeline": 1}  # one process: the record must stop it before launch
+    config["checkpoint"] = {}
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
     result = run_command(1, ["-m", "llama_megatron.train"], ["--config", str(config_path), "--set",

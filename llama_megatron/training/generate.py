@@ -2,11 +2,13 @@
 preflight (tokenizer, checkpoint and files checked) -> process groups -> model with the checkpoint's weights.
 
 The weights are read per (layer, TP rank) as for fine-tuning, so a checkpoint of any PP decodes as one stage;
-every process is one TP rank of the checkpoint (no data parallelism).
+every process is one TP rank of the checkpoint (no data parallelism). A LoRA checkpoint decodes with its adapters
+on the base it records (checked against the base's fingerprint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -52,8 +54,11 @@ def generation_config(request: GenerationRequest, tokenizer_dir: str) -> Trainin
     if world != meta.tensor:
         raise ConfigError(f"checkpoint {request.checkpoint}/{meta.tag} is tensor parallel {meta.tensor}: run "
                           f"generate with {meta.tensor} process(es) (deepspeed --num_gpus {meta.tensor}), not {world}")
+    adapters = meta.adapters()
     return TrainingConfig.from_dict({
         "model": meta.model,
+        # an adapter checkpoint: its base (recorded in it) is read first, then the adapters
+        **({"lora": dataclasses.asdict(adapters)} if adapters else {}),
         "parallel": {"tensor": meta.tensor, "pipeline": 1,
                      # reproduces the checkpoint's padded vocab: padded / TP rows per rank
                      "make_vocab_size_divisible_by": meta.padded_vocab_size // meta.tensor},
@@ -110,6 +115,6 @@ def run_generation(request: GenerationRequest) -> list[dict] | None:
     results = []
     for prompt, ids in zip(request.prompts, prompts):
         new = generate(model, ids, request.max_new_tokens, stop, sampling, request.use_cache)
-        text = tokenizer.decode([t for t in new if t not in stop], skip_special_tokens=True)
+        text = tokenizer.decode([t for t in new if t not in stop], skip_special_tokens=True).strip()
         results.append({"prompt": prompt, "completion": text, "prompt_tokens": len(ids), "tokens": new})
     return results if pctx.rank == 0 else None

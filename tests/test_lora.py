@@ -239,7 +239,7 @@ def _engine_worker(rank: int, world_size: int, out_dir: str) -> None:
         optimized = {id(p) for group in parameter_groups(model, 0.1) for p in group["params"]}
         assert optimized == {id(p) for n, p in model.named_parameters() if is_adapter_parameter(n)}
         engine = TrainingEngine(config, build_deepspeed_config(config, ds, world_size), pctx, model)
-        losses = [engine.train_step([mb]) for mb in batches]
+        losses = [float(engine.train_step([mb])) for mb in batches]
         after = _full_parameters(model, pctx)
         changed = [n for n, t in base.items() if not torch.equal(after[n], t)]
         assert not changed, f"{name}: frozen base weights changed: {changed[:3]}"

@@ -36,7 +36,9 @@ class MicroBatch:
     segment_ids: torch.Tensor | None = None
 
     def to(self, device) -> MicroBatch:
-        return MicroBatch(*(None if t is None else t.to(device) for t in
+        """On ``device``; to CUDA through pinned memory without waiting (a plain copy from pageable memory would
+        stall the host until the device has finished its queue, once per micro batch)."""
+        return MicroBatch(*(None if t is None else to_device(t, device) for t in
                             (self.input_ids, self.position_ids, self.labels, self.segment_ids)))
 
     def pipeline_inputs(self, loss_divisor: torch.Tensor | None = None) -> tuple:
@@ -50,6 +52,13 @@ class MicroBatch:
     def num_targets(self) -> int:
         """Labels that count in the loss (not ignored); read on the host, before the batch moves to the device."""
         return int((self.labels != IGNORE_INDEX).sum())
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to CUDA through pinned memory, asynchronously."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def collate(items: list[dict[str, np.ndarray]]) -> MicroBatch:

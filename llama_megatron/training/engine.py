@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from llama_megatron.data.batch import MicroBatch
+from llama_megatron.data.batch import MicroBatch, to_device
 from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
@@ -54,14 +54,15 @@ class TrainingEngine:
             mpu=None if self.pipelined else pctx,
         )
         self.model = model
-        self._grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> float:
-        """One optimizer step over this rank's micro batches; returns the loss averaged over DP ranks."""
+    def train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """One optimizer step over this rank's micro batches; the loss averaged over DP ranks, left on the device
+        (reading it is a host sync: the loop does that only on logging steps)."""
         self.engine.train()
         divisor = self._loss_divisor(micro_batches)
         if self.pipelined:
-            return float(self.engine.train_batch(data_iter=self._pipeline_batches(micro_batches, divisor)))
+            return self.engine.train_batch(data_iter=self._pipeline_batches(micro_batches, divisor))
         total = torch.zeros((), device=self.device)
         self._grad_norm = None
         for mb in micro_batches:
@@ -88,7 +89,7 @@ class TrainingEngine:
             for mb in micro_batches:
                 mb = mb.to(self.device)
                 total += self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, (mb.labels, divisor)).float()
-            loss = self._dp_mean(total / len(micro_batches))
+            loss = float(self._dp_mean(total / len(micro_batches)))
         self.engine.train()
         return loss
 
@@ -101,7 +102,8 @@ class TrainingEngine:
         loss (a DP group lies within one stage, so skipping its all-reduce there is safe)."""
         if self.pipelined and not self.engine.is_last_stage():
             return None
-        count = torch.tensor(sum(mb.num_targets() for mb in micro_batches), dtype=torch.int64, device=self.device)
+        count = to_device(torch.tensor(sum(mb.num_targets() for mb in micro_batches), dtype=torch.int64),
+                          self.device)
         if self.pctx.dp_size > 1:
             dist.all_reduce(count, group=self.pctx.dp_group)
         return (count.clamp(min=1).double() / (len(micro_batches) * self.pctx.dp_size)).float()
@@ -109,13 +111,13 @@ class TrainingEngine:
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()
         if norm is None:
-            return self._grad_norm
-        return float(norm)
+            norm = self._grad_norm
+        return None if norm is None else float(norm)
 
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _global_grad_norm(self) -> float:
+    def _global_grad_norm(self) -> torch.Tensor:
         """L2 norm of all gradients: TP shards summed over the TP group, replicated tensors counted once."""
         sharded = torch.zeros((), device=self.device, dtype=torch.float64)
         replicated = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -128,10 +130,10 @@ class TrainingEngine:
                     replicated += squares
         if self.pctx.tp_size > 1:
             dist.all_reduce(sharded, group=self.pctx.tp_group)
-        return float((sharded + replicated).sqrt())
+        return (sharded + replicated).sqrt()
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.pctx.dp_size > 1:
             dist.all_reduce(value, group=self.pctx.dp_group)
             value = value / self.pctx.dp_size
-        return float(value)
+        return value

@@ -65,7 +65,7 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
     save = config.checkpoint
     for micro_batches in step_batches(train_ds, config, pctx, consumed, config.train.steps - step):
         lr = engine.learning_rate()
-        loss = engine.train_step(micro_batches)
+        loss_on_device = engine.train_step(micro_batches)  # read only on logging steps: reading syncs the host
         step += 1
         consumed += config.batch.global_batch_size
         window_steps += 1
@@ -73,6 +73,7 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
         if config.eval.interval and step % config.eval.interval == 0:
             metrics.update(evaluate(session, valid_ds))
         if step % config.logging.interval == 0 or step == config.train.steps or metrics:
+            loss = float(loss_on_device)
             elapsed = time.perf_counter() - window_start
             tokens_per_s = tokens_per_step * window_steps / elapsed
             tflops = flops_per_step * window_steps / elapsed / 1e12 / pctx.world_size

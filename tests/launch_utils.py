@@ -67,3 +67,31 @@ def assert_losses_close(got: dict[int, float], want: dict[int, float], rel: floa
         assert abs(got[step] - want[step]) <= rel * abs(want[step]), (
             f"step {step}: {got[step]!r} vs reference {want[step]!r} (rel tol {rel})"
         )
+
+
+def hf_adamw_twin(config, eod_id: int | None = None):
+    """transformers' LlamaForCausalLM with this run's seeded initial weights, torch AdamW over the same parameter
+    groups and the run's LR schedule, and the run's training dataset (read from the repository root): the
+    reference a single-process run is replayed against."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llama_megatron.model.build import build_model
+    from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
+    from llama_megatron.parallel.context import ParallelContext
+    from llama_megatron.training.batches import build_datasets
+    from llama_megatron.training.optimizer import parameter_groups
+    from llama_megatron.training.schedule import build_scheduler
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        init = build_model(config.model, config.parallel, ParallelContext.single(), seed=config.seed)
+        train_ds, _, _ = build_datasets(config, eod_id)
+    finally:
+        os.chdir(cwd)
+    hf = LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict(), attn_implementation="sdpa")).float()
+    hf.load_state_dict(rank_state_dicts_to_hf([init.state_dict()], config.model))
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(parameter_groups(hf, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    return hf, optimizer, build_scheduler(optimizer, opt, config.train.steps), train_ds

@@ -16,10 +16,9 @@ import os
 import peft
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_distributed
 from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
-from model_utils import hf_model, tiny_config
+from model_utils import gather_shards, hf_model, tiny_config
 
 from llama_megatron.cli import main as cli_main
 from llama_megatron.config import ParallelConfig
@@ -73,14 +72,6 @@ def our_model(config, lora: LoraConfig, pctx: ParallelContext, hf_state: dict, a
     return model
 
 
-def _gather_shards(t: torch.Tensor, pctx: ParallelContext) -> list[torch.Tensor]:
-    if pctx.tp_size == 1:
-        return [t]
-    out = [torch.empty_like(t) for _ in range(pctx.tp_size)]
-    dist.all_gather(out, t.contiguous(), group=pctx.tp_group)
-    return out
-
-
 def check_peft_parity(overrides: dict, lora: LoraConfig, pctx: ParallelContext, seq: int = 16) -> None:
     config = tiny_config(**overrides)
     ref = peft_model(config, lora)
@@ -119,7 +110,7 @@ def check_peft_parity(overrides: dict, lora: LoraConfig, pctx: ParallelContext, 
     layout = adapter_layout(config, lora)
     assert {s.module_name for s in layout} == {n for n in params if is_adapter_parameter(n)}
     for spec in layout:
-        shards = _gather_shards(params[spec.module_name].grad, pctx)
+        shards = gather_shards(params[spec.module_name].grad, pctx)
         if spec.split == "replicated":  # every rank holds the whole (TP-summed) gradient
             for shard in shards[1:]:
                 torch.testing.assert_close(shard, shards[0], rtol=0, atol=0)
@@ -245,7 +236,7 @@ def _engine_worker(rank: int, world_size: int, out_dir: str) -> None:
         assert not changed, f"{name}: frozen base weights changed: {changed[:3]}"
         adapters = {}
         for spec in adapter_layout(config.model, config.lora):
-            shards = _gather_shards(after[spec.module_name], pctx)
+            shards = gather_shards(after[spec.module_name], pctx)
             adapters.update({k: v.tolist() for k, v in merge_shards(spec, shards, config.model).items()})
         results[name] = {"losses": losses, "adapters": adapters}
         del engine
@@ -518,3 +509,20 @@ def test_adapter_checkpoint_misuse_is_refused(lora_runs, bases, tmp_path, capsys
         _refused(capsys, argv, out, message)
     # the base resharded to TP2 is the same model: merging onto it is allowed
     assert cli_main(["export", "--input", swapped, "--output", out, "--merge", "--base", bases["tp2"]]) == 0
+
+
+def test_generate_decodes_an_adapter_checkpoint_as_peft(exported, lora_runs, tmp_path) -> None:
+    """`generate` on a LoRA checkpoint (its base read from the recorded path, then the adapters) decodes greedily
+    what PEFT's model of the exported base + adapter generates."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer_dir = os.path.join(ROOT, "data", "tokenizer")
+    prompt = "Now is the winter of our discontent"
+    out_file = str(tmp_path / "out.jsonl")
+    assert cli_main(["generate", "--checkpoint", f"{lora_runs['tp1']}/ckpt", "--tokenizer", tokenizer_dir, "--raw",
+                     "--prompt", prompt, "--max-new-tokens", "16", "--output", out_file]) == 0
+    ours = json.loads(open(out_file, encoding="utf-8").readline())["tokens"]
+    model = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(exported["base"]), exported["tp1"]).eval()
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(prompt, return_tensors="pt")["input_ids"]
+    want = model.generate(input_ids=ids, do_sample=False, max_new_tokens=16, eos_token_id=2, pad_token_id=2)
+    assert ours == want[0, ids.shape[1]:].tolist()

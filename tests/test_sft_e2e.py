@@ -16,16 +16,12 @@ import os
 
 import pytest
 import torch
-from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
+from launch_utils import ROOT, assert_losses_close, hf_adamw_twin, launch_many, losses, train_args
 
 from llama_megatron.data.sft_dataset import SFTShards
-from llama_megatron.model.build import build_model
-from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.training.batches import build_datasets, step_batches
+from llama_megatron.training.batches import step_batches
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.optimizer import parameter_groups
-from llama_megatron.training.schedule import build_scheduler
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_sft.json")
 REL = 1e-4
@@ -99,25 +95,12 @@ def test_packing_learns_and_logs_its_counters(references, work) -> None:
 def test_padded_reference_equals_hf_with_global_token_mean(references, work) -> None:
     """Each micro batch's HF loss is its summed token loss over the global count (num_items_in_batch), summed
     over the step's micro batches: the rule the engine implements through DeepSpeed's 1/GA and DP averaging."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = TrainingConfig.from_file(CONFIG, [f"data.cache_dir={work / 'cache'}"])
-    pctx = ParallelContext.single()
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        init = build_model(config.model, config.parallel, pctx, seed=config.seed)
-        train_ds, _, _ = build_datasets(config, eod_id=2)
-    finally:
-        os.chdir(cwd)
-    hf = LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict(), attn_implementation="sdpa")).float()
-    hf.load_state_dict(rank_state_dicts_to_hf([init.state_dict()], config.model))
+    hf, optimizer, scheduler, train_ds = hf_adamw_twin(config, eod_id=2)
     opt = config.optimizer
-    optimizer = torch.optim.AdamW(parameter_groups(hf, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    scheduler = build_scheduler(optimizer, opt, config.train.steps)
     ours = references["padded"]["loss"]
     counts = set()
-    for step, micro_batches in enumerate(step_batches(train_ds, config, pctx, 0, 10), start=1):
+    for step, micro_batches in enumerate(step_batches(train_ds, config, ParallelContext.single(), 0, 10), start=1):
         optimizer.zero_grad()
         n = torch.tensor(sum(mb.num_targets() for mb in micro_batches))
         counts.update(mb.num_targets() for mb in micro_batches)

@@ -14,16 +14,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
+from launch_utils import ROOT, assert_losses_close, hf_adamw_twin, launch, launch_many, losses, train_args
 
 from llama_megatron.cli import main as cli_main
-from llama_megatron.model.build import build_model
-from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.training.batches import build_datasets, step_batches
+from llama_megatron.training.batches import step_batches
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.optimizer import parameter_groups
-from llama_megatron.training.schedule import build_scheduler
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 REL = 1e-4
@@ -86,23 +82,10 @@ def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
     records = [json.loads(line) for line in open(os.path.join(reference["dir"], "metrics.jsonl"))]
     grad_norms = {r["step"]: r["grad_norm"] for r in records}
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = TrainingConfig.from_file(CONFIG, [f"data.prefix={data_prefix}", "train.steps=20"])
-    pctx = ParallelContext.single()
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        init = build_model(config.model, config.parallel, pctx, seed=config.seed)
-        train_ds, _, _ = build_datasets(config)
-    finally:
-        os.chdir(cwd)
-    hf = LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict(), attn_implementation="sdpa")).float()
-    hf.load_state_dict(rank_state_dicts_to_hf([init.state_dict()], config.model))
+    hf, optimizer, scheduler, train_ds = hf_adamw_twin(config)
     opt = config.optimizer
-    optimizer = torch.optim.AdamW(parameter_groups(hf, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    scheduler = build_scheduler(optimizer, opt, config.train.steps)
-    for step, micro_batches in enumerate(step_batches(train_ds, config, pctx, 0, 10), start=1):
+    for step, micro_batches in enumerate(step_batches(train_ds, config, ParallelContext.single(), 0, 10), start=1):
         optimizer.zero_grad()
         total = 0.0
         for mb in micro_batches:

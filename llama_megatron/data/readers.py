@@ -207,8 +207,6 @@ def decode_chunk(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[str]], l
 
     Runs in the worker processes: JSON parsing and UTF-8 decoding are as costly as tokenising short documents.
     """
-    import json
-
     texts: dict[str, list[str]] = {k: [] for k in keys}
     bad: list[str] = []
     if chunk.kind == "text":
@@ -220,17 +218,7 @@ def decode_chunk(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[str]], l
                 bad.append(f"{chunk.file}:{lineno}: invalid UTF-8 ({exc.reason} at byte {exc.start})")
         return texts, bad
     if chunk.kind == "jsonl":
-        records = []
-        for raw, lineno in zip(chunk.items, chunk.locations):
-            try:
-                record = json.loads(raw)
-            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-                bad.append(f"{chunk.file}:{lineno}: invalid JSON ({exc})")
-                continue
-            if not isinstance(record, dict):
-                bad.append(f"{chunk.file}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                continue
-            records.append((f"{chunk.file}:{lineno}", record))
+        records = [(f"{chunk.file}:{lineno}", record) for lineno, record in json_objects(chunk, bad)]
     else:
         records = [
             (f"{chunk.file}: row {row}", {k: chunk.columns[k][i] for k in keys})
@@ -244,6 +232,23 @@ def decode_chunk(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[str]], l
         for k in keys:
             texts[k].append(record[k])
     return texts, bad
+
+
+def json_objects(chunk: Chunk, bad: list[str]):
+    """The JSONL chunk's lines as (line number, JSON object); a line that is not one adds ``file:line: why`` to
+    ``bad`` instead."""
+    import json
+
+    for raw, lineno in zip(chunk.items, chunk.locations):
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            bad.append(f"{chunk.file}:{lineno}: invalid JSON ({exc})")
+            continue
+        if not isinstance(record, dict):
+            bad.append(f"{chunk.file}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            continue
+        yield lineno, record
 
 
 def _record_problem(record: dict, keys: list[str]) -> str | None:

@@ -22,7 +22,7 @@ import numpy as np
 from llama_megatron.data.chat_template import ChatEncoder, TemplateRenderError
 from llama_megatron.data.indexed_dataset import IndexedDatasetWriter, data_paths, token_dtype
 from llama_megatron.data.preprocess import MAX_BAD_SHOWN, ordered_map
-from llama_megatron.data.readers import Chunk, iter_jsonl
+from llama_megatron.data.readers import Chunk, iter_jsonl, json_objects
 from llama_megatron.data.sft_formats import RecordError, template_messages, to_messages, trained_turns
 from llama_megatron.errors import DataError
 from llama_megatron.progress import Progress
@@ -72,12 +72,7 @@ def encode_record(record, encoder: ChatEncoder, fmt: str, masking: str):
 def encode_chunk(chunk: Chunk) -> SFTChunk:
     encoder, fmt, masking = _STATE["encoder"], _STATE["fmt"], _STATE["masking"]
     ids, masks, bad = [], [], []
-    for raw, lineno in zip(chunk.items, chunk.locations):
-        try:
-            record = json.loads(raw)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            bad.append(f"{chunk.file}:{lineno}: invalid JSON ({exc})")
-            continue
+    for lineno, record in json_objects(chunk, bad):
         try:
             tokens, mask = encode_record(record, encoder, fmt, masking)
         except (RecordError, TemplateRenderError) as exc:

@@ -107,11 +107,10 @@ class ColumnParallelLinear(nn.Module):
         ``return_operands``."""
         if return_operands:
             return column_parallel_matmul(x, self.weight, self.bias, self.pctx, return_operands=True)
-        if self.lora is None:
-            y = column_parallel_matmul(x, self.weight, self.bias, self.pctx)
-        else:
-            x = column_parallel_input(x, self.pctx)
-            y = F.linear(x, self.weight, self.bias) + self.lora(x)
+        x = column_parallel_input(x, self.pctx)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return gather_from_tp_region(y, self.pctx) if self.gather_output else y
 
 

@@ -1,4 +1,4 @@
-"""Per-step time and communicated bytes of TP / SP / PP layouts, next to Megatron's analytic figures.
+"""Per-step time and communicated bytes of TP / SP / PP / CP layouts, next to Megatron's analytic figures.
 
 For every configuration it launches the real training engine under the `deepspeed` launcher on synthetic data,
 counts the bytes each rank sends through torch.distributed (all-reduce, all-gather, reduce-scatter, broadcast,
@@ -11,9 +11,15 @@ send/recv) during the timed steps, and prints one JSON line:
 - with TP x PP, the bytes one rank sends to the next stage per micro batch (forward: its 1/t of the b*s*h
   activation plus the int64 position ids; backward: its 1/t of the gradient). Without SP DeepSpeed cuts the
   replicated activation into t pieces and all-gathers them on the receiving stage (``pipe_partitioned``); with
-  SP each rank sends its own sequence shard, the same bytes, and no all-gather is needed.
+  SP each rank sends its own sequence shard, the same bytes, and no all-gather is needed;
+- with context parallelism (Ulysses), the all-to-all bytes per decoder layer per micro batch: q, k, v and the
+  output forward and their gradients backward, each all-to-all sending (c-1)/c of a [b, s/c, heads/t, d] tensor
+  (k and v: kv_heads/t x r heads, r the KV repeats when the KV heads do not split over c).
 
-    python benchmarks/parallel_overhead.py            # all configurations (a few minutes on CPU)
+    python benchmarks/parallel_overhead.py                 # all configurations (a few minutes on CPU)
+    python benchmarks/parallel_overhead.py --only cp       # the configurations whose name contains "cp"
+    python benchmarks/parallel_overhead.py --context-scaling --seq 32768 --model configs/models/llama-50m.json \
+        --bf16 --recompute                                 # GPUs: tokens/s per device, CP 1 (unsharded) vs CP 2
 """
 
 from __future__ import annotations
@@ -40,13 +46,19 @@ CONFIGS = [
     *({"tp": 1, "pp": 2, "sp": False, "micro_batches": m} for m in (1, 2, 4, 8)),
     {"tp": 2, "pp": 2, "sp": False, "micro_batches": 4},
     {"tp": 2, "pp": 2, "sp": True, "micro_batches": 4},
+    {"tp": 1, "pp": 1, "cp": 2, "sp": False, "micro_batches": 1},
+    {"tp": 2, "pp": 1, "cp": 2, "sp": True, "micro_batches": 1},
+    {"tp": 2, "pp": 1, "cp": 2, "sp": True, "micro_batches": 1, "kv_heads": 2},  # 1 KV head per TP rank, repeated
 ]
-TP_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")  # what the model's TP layers call
-SENDS = ("send", "isend")
+# measured bytes are keyed "collective[group]", the group being tp, cp, dp_cp (DeepSpeed's data-parallel group:
+# gradients), pp, or other (DeepSpeed's pipeline grid, the world)
+TP_COLLECTIVES = ("all_reduce[tp]", "all_gather_single[tp]", "reduce_scatter_single[tp]")  # the model's TP layers
+CP_COLLECTIVES = ("all_to_all_single[cp]",)  # DeepSpeed-Ulysses' all-to-all (deepspeed.comm calls torch's)
+SENDS = ("send[other]", "isend[other]")
 
 
 def _count_bytes(counter: dict) -> None:
-    """Wrap torch.distributed's collectives so every call adds the bytes this rank sends."""
+    """Wrap torch.distributed's collectives so every call adds the bytes this rank sends, keyed (name, group)."""
     import torch.distributed as dist
 
     def wrap(name, position, keyword, sent):
@@ -58,7 +70,7 @@ def _count_bytes(counter: dict) -> None:
             tensor = args[position] if len(args) > position else kwargs[keyword]
             group = kwargs.get("group")
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            counter[name] += sent(tensor.numel() * tensor.element_size(), size)
+            counter[(name, id(group))] += sent(tensor.numel() * tensor.element_size(), size)
             return original(*args, **kwargs)
 
         setattr(dist, name, counted)
@@ -68,9 +80,17 @@ def _count_bytes(counter: dict) -> None:
         wrap(name, 1, "input_tensor", lambda b, n: (n - 1) * b)
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
         wrap(name, 1, "input", lambda b, n: (n - 1) / n * b)
+    wrap("all_to_all_single", 1, "input", lambda b, n: (n - 1) / n * b)  # each rank keeps 1/n of its input
     wrap("broadcast", 0, "tensor", lambda b, n: b)
     wrap("send", 0, "tensor", lambda b, n: b)
     wrap("isend", 0, "tensor", lambda b, n: b)
+
+
+def _model(args: argparse.Namespace) -> dict:
+    if args.model:
+        with open(args.model) as fh:
+            return json.load(fh)
+    return {**MODEL, "num_key_value_heads": args.kv_heads or MODEL["num_key_value_heads"]}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -79,6 +99,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from llama_megatron.config import ModelConfig, ParallelConfig
+    from llama_megatron.model.build import build_model
+    from llama_megatron.model.kernels import resolve_kernels
     from llama_megatron.parallel.context import ParallelContext
     from llama_megatron.parallel.launch import init_distributed
     from llama_megatron.training.batches import build_datasets, step_batches
@@ -88,15 +110,19 @@ def worker(args: argparse.Namespace) -> None:
 
     init_distributed()
     config = TrainingConfig(
-        model=ModelConfig(**MODEL),
-        parallel=ParallelConfig(tensor=args.tp, pipeline=args.pp, sequence_parallel=args.sp),
-        seq_length=SEQ, batch=BatchConfig(1, args.micro_batches),
+        model=ModelConfig.from_dict(_model(args)),
+        parallel=ParallelConfig(tensor=args.tp, pipeline=args.pp, context=args.cp, sequence_parallel=args.sp),
+        seq_length=args.seq, batch=BatchConfig(1, args.micro_batches),
     )
     config.train.steps = args.steps + 1
+    config.activation_checkpointing.interval = int(args.recompute)
     world = int(os.environ["WORLD_SIZE"])
-    ds = build_deepspeed_config(config, {"zero_optimization": {"stage": 0}}, world)
-    pctx = ParallelContext.build(args.tp, args.pp, args.sp)
-    engine = TrainingEngine(config, ds, pctx)
+    ds = build_deepspeed_config(config, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": args.bf16}}, world)
+    pctx = ParallelContext.build(args.tp, args.pp, args.sp, args.cp)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(config.model, config.parallel, pctx, activation_checkpoint_interval=int(args.recompute),
+                        kernels=resolve_kernels(config.kernels, device))
+    engine = TrainingEngine(config, ds, pctx, model)
     train, _, _ = build_datasets(config)
     batches = list(step_batches(train, config, pctx, 0, args.steps + 1))
     engine.train_step(batches[0])  # warm-up, not counted
@@ -105,7 +131,13 @@ def worker(args: argparse.Namespace) -> None:
     for step in batches[1:]:
         engine.train_step(step)
     elapsed = (time.perf_counter() - start) / args.steps
-    per_step = {k: v / args.steps for k, v in counter.items() if v}
+    groups = {id(pctx.tp_group): "tp", id(pctx.pp_group): "pp", id(pctx.dp_cp_group): "dp_cp"}
+    if pctx.cp_group is not None:
+        groups[id(pctx.cp_group)] = "cp"
+    per_step: dict = defaultdict(float)
+    for (name, group), sent in counter.items():
+        if sent:
+            per_step[f"{name}[{groups.get(group, 'other')}]"] += sent / args.steps
     ranks: list = [None] * pctx.world_size
     torch.distributed.all_gather_object(ranks, {"stage": pctx.pp_rank, "bytes_per_step": per_step})
     if pctx.rank == 0:
@@ -116,16 +148,18 @@ def worker(args: argparse.Namespace) -> None:
             return sum(on_stage) / len(on_stage) / per_micro
 
         pipe = {"forward": sent_by(0), "backward": sent_by(args.pp - 1)} if args.pp > 1 else None
+        memory = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         with open(args.result, "w") as fh:
-            json.dump({"step_s": elapsed, "bytes_per_step": per_step, "pipe_bytes_per_micro_batch": pipe}, fh)
+            json.dump({"step_s": elapsed, "bytes_per_step": per_step, "pipe_bytes_per_micro_batch": pipe,
+                       "peak_memory_bytes": memory}, fh)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def analytic(cfg: dict) -> dict:
-    b, s, h, layers = 1, SEQ, MODEL["hidden_size"], MODEL["num_hidden_layers"]
-    t, p, m = cfg["tp"], cfg["pp"], cfg["micro_batches"]
-    activation = b * s * h * 4  # fp32 bytes
+def analytic(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> dict:
+    b, s, h, layers = 1, seq, model["hidden_size"], model["num_hidden_layers"]
+    t, p, m, c = cfg["tp"], cfg["pp"], cfg["micro_batches"], cfg.get("cp", 1)
+    activation = b * s // c * h * 4  # fp32 bytes of a rank's [b, s/c, h] activation
     per_layer = 4 * 2 * (t - 1) / t * activation if t > 1 else 0.0
     out = {
         "tp_bytes_per_layer_per_micro_batch": per_layer,
@@ -134,7 +168,65 @@ def analytic(cfg: dict) -> dict:
     }
     if p > 1:
         out["pipe_bytes_per_micro_batch"] = {"forward": activation / t + b * s * 8, "backward": activation / t}
+    if c > 1:
+        out["cp_all_to_all_bytes_per_layer_per_micro_batch"] = ulysses_bytes_per_layer(cfg, seq, model)
     return out
+
+
+def ulysses_bytes_per_layer(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> float:
+    """Bytes one rank sends in a decoder layer's all-to-alls, forward and backward, one micro batch (fp32)."""
+    from llama_megatron.config import kv_head_repeats
+
+    t, c = cfg["tp"], cfg["cp"]
+    heads = model["num_attention_heads"] // t
+    kv = (cfg.get("kv_heads") or model["num_key_value_heads"]) // t
+    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    tensor = seq // c * head_dim * 4  # one head of the rank's b=1 x s/c tokens
+    per_pass = (2 * heads + 2 * kv * kv_head_repeats(kv, c)) * tensor  # q and the output, k and v
+    return 2 * (c - 1) / c * per_pass  # forward and backward, each rank keeping 1/c
+
+
+def _launch(cfg: dict, args: argparse.Namespace) -> dict:
+    """Run the worker for ``cfg`` under the deepspeed launcher; its measurements."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    ranks = cfg["tp"] * cfg["pp"] * cfg.get("cp", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000),
+               os.path.abspath(__file__), "--worker", "--tp", str(cfg["tp"]), "--pp", str(cfg["pp"]),
+               "--cp", str(cfg.get("cp", 1)), "--micro-batches", str(cfg["micro_batches"]), "--steps",
+               str(args.steps), "--seq", str(args.seq), "--result", result_path]
+        if cfg.get("kv_heads"):
+            cmd += ["--kv-heads", str(cfg["kv_heads"])]
+        for flag in ("sp", "bf16", "recompute"):
+            if cfg.get(flag) or getattr(args, flag, False):
+                cmd.append(f"--{flag}")
+        if args.model:
+            cmd += ["--model", os.path.abspath(args.model)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // ranks)))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        with open(result_path) as fh:
+            return json.load(fh)
+
+
+def _name(cfg: dict) -> str:
+    name = f"tp{cfg['tp']}-pp{cfg['pp']}" + (f"-cp{cfg['cp']}" if cfg.get("cp", 1) > 1 else "")
+    return name + ("-sp" if cfg["sp"] else "") + (f"-kv{cfg['kv_heads']}" if cfg.get("kv_heads") else "")
+
+
+def context_scaling(args: argparse.Namespace) -> None:
+    """Tokens/s per device at ``--seq`` tokens: the unsharded run (one device) next to CP 2 (two devices)."""
+    for cp in (1, 2):
+        cfg = {"tp": 1, "pp": 1, "cp": cp, "sp": False, "micro_batches": 1}
+        measured = _launch(cfg, args)
+        line = {"benchmark": "context_scaling", "cp": cp, "devices": cp, "seq": args.seq, "model": args.model,
+                "bf16": args.bf16, "recompute": args.recompute, "step_s": round(measured["step_s"], 4),
+                "tokens_per_s_per_device": round(args.seq / measured["step_s"] / cp, 1),
+                "peak_memory_gib": (round(measured["peak_memory_bytes"] / 2**30, 2)
+                                    if measured["peak_memory_bytes"] else None)}
+        print(json.dumps(line), flush=True)
 
 
 def main() -> None:
@@ -142,47 +234,54 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=SEQ, help=f"tokens per sample (default {SEQ})")
+    parser.add_argument("--only", default=None, help="run the configurations whose name contains this")
+    parser.add_argument("--context-scaling", action="store_true",
+                        help="tokens/s per device of CP 1 vs CP 2 at --seq (for GPUs; runs on CPU too)")
+    parser.add_argument("--model", default=None, help="a model config JSON (default: the built-in benchmark model)")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--recompute", action="store_true", help="activation checkpointing of every layer")
     parser.add_argument("--result", default=None)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    if args.context_scaling:
+        context_scaling(args)
+        return
     baseline: dict[int, float] = {}
     for cfg in CONFIGS:
-        with tempfile.TemporaryDirectory() as tmp:
-            result_path = os.path.join(tmp, "result.json")
-            cmd = [launcher, "--num_gpus", str(cfg["tp"] * cfg["pp"]), "--master_port", str(29500 + os.getpid() % 1000),
-                   os.path.abspath(__file__), "--worker", "--tp", str(cfg["tp"]), "--pp", str(cfg["pp"]),
-                   "--micro-batches", str(cfg["micro_batches"]), "--steps", str(args.steps), "--result", result_path]
-            if cfg["sp"]:
-                cmd.append("--sp")
-            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // (cfg["tp"] * cfg["pp"]))))
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            with open(result_path) as fh:
-                measured = json.load(fh)
-        theory = analytic(cfg)
+        if args.only and args.only not in _name(cfg):
+            continue
+        measured = _launch(cfg, args)
+        model = _model(args)
+        theory = analytic(cfg, args.seq, model)
         tp_measured = sum(v for k, v in measured["bytes_per_step"].items() if k in TP_COLLECTIVES)
-        layers_per_stage = MODEL["num_hidden_layers"] // cfg["pp"]
+        layers_per_stage = model["num_hidden_layers"] // cfg["pp"]
         line = {
-            "benchmark": "parallel_overhead", **cfg, "seq": SEQ, "hidden": MODEL["hidden_size"],
-            "layers": MODEL["num_hidden_layers"], "step_s": round(measured["step_s"], 4),
-            "tokens_per_s": round(cfg["micro_batches"] * SEQ / measured["step_s"], 1),
+            "benchmark": "parallel_overhead", "name": _name(cfg), **cfg, "seq": args.seq,
+            "hidden": model["hidden_size"], "layers": model["num_hidden_layers"],
+            "step_s": round(measured["step_s"], 4),
+            "tokens_per_s": round(cfg["micro_batches"] * args.seq / measured["step_s"], 1),
             "measured_bytes_per_step": {k: int(v) for k, v in measured["bytes_per_step"].items()},
             "measured_collective_bytes_per_layer_per_micro_batch":
                 int(tp_measured / layers_per_stage / cfg["micro_batches"]) if cfg["tp"] > 1 else 0,
             "analytic": theory,
         }
+        if cfg.get("cp", 1) > 1:
+            a2a = sum(v for k, v in measured["bytes_per_step"].items() if k in CP_COLLECTIVES)
+            line["measured_cp_all_to_all_bytes_per_layer_per_micro_batch"] = (
+                a2a / layers_per_stage / cfg["micro_batches"])
         if measured["pipe_bytes_per_micro_batch"]:
             line["measured_pipe_bytes_per_micro_batch"] = {
                 k: int(v) for k, v in measured["pipe_bytes_per_micro_batch"].items()}
-        if cfg["pp"] == 1 and cfg["tp"] == 1:
+        if cfg["pp"] == 1 and cfg["tp"] == 1 and cfg.get("cp", 1) == 1:
             baseline[1] = measured["step_s"]
         if cfg["pp"] > 1 and cfg["tp"] == 1 and 1 in baseline:
             # ideal PP step time on p stages = m * (PP=1 time per micro batch) / p; the excess is the bubble

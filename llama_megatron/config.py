@@ -160,13 +160,21 @@ def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
 
 @dataclass
 class ParallelConfig:
+    """Degrees of parallelism; world = data x context x pipeline x tensor.
+
+    ``context`` (context parallelism, DeepSpeed-Ulysses) cuts every sample's sequence into ``context`` shards and
+    gives attention, through an all-to-all, the whole sequence for 1/context of each TP rank's heads. The KV heads
+    of a TP rank need not divide by it: they are repeated until they do (:func:`kv_head_repeats`).
+    """
+
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
 
     def validate(self, model: ModelConfig) -> None:
-        for name in ("tensor", "pipeline", "make_vocab_size_divisible_by"):
+        for name in ("tensor", "pipeline", "context", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -189,15 +197,36 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline degree {self.pipeline} exceeds num_hidden_layers {model.num_hidden_layers}"
             )
-
-    def check_world_size(self, world_size: int) -> None:
-        if world_size % (self.tensor * self.pipeline):
+        heads_per_rank = model.num_attention_heads // tp
+        if heads_per_rank % self.context:
             raise ConfigError(
-                f"world size {world_size} is not divisible by tensor x pipeline = {self.tensor} x {self.pipeline}"
+                f"context parallel degree {self.context} does not divide the {heads_per_rank} attention heads per "
+                f"tensor-parallel rank (num_attention_heads {model.num_attention_heads} / tensor {tp})"
             )
 
+    def check_seq_length(self, seq_length: int) -> None:
+        """Every context rank holds an equal sequence shard, cut again over TP under sequence parallelism."""
+        cp, tp = self.context, self.tensor
+        sp = tp if self.sequence_parallel else 1
+        if seq_length % (cp * sp) == 0:
+            return
+        if cp == 1:
+            raise ConfigError(f"sequence_parallel needs seq_length {seq_length} divisible by tensor {tp}")
+        if sp == 1:
+            raise ConfigError(f"context parallel degree {cp} needs seq_length {seq_length} divisible by {cp}")
+        raise ConfigError(f"context parallelism with sequence_parallel needs seq_length {seq_length} divisible by "
+                          f"context x tensor = {cp} x {tp}")
+
+    def check_world_size(self, world_size: int) -> None:
+        model_parallel = self.tensor * self.pipeline * self.context
+        if world_size % model_parallel:
+            layout = f"tensor x pipeline = {self.tensor} x {self.pipeline}"
+            if self.context > 1:
+                layout = f"tensor x pipeline x context = {self.tensor} x {self.pipeline} x {self.context}"
+            raise ConfigError(f"world size {world_size} is not divisible by {layout}")
+
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.tensor * self.pipeline)
+        return world_size // (self.tensor * self.pipeline * self.context)
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, self.tensor)
@@ -209,6 +238,19 @@ class ParallelConfig:
         if unknown:
             raise ConfigError(f"unknown parallel config keys: {', '.join(sorted(unknown))}")
         return cls(**data)
+
+
+def kv_head_repeats(kv_heads_per_rank: int, context: int) -> int:
+    """How often each KV head of a TP rank is repeated before the context-parallel all-to-all (GQA strategy).
+
+    Ulysses hands context rank c the c-th of ``context`` equal blocks of its TP rank's query heads, which belong to
+    whole KV groups only when the KV heads split evenly too. Otherwise every KV head is repeated r = context /
+    gcd(kv, context) times (adjacent copies, as Megatron-Core does): kv x r divides by the context degree, and r
+    divides the query heads per KV group (since context divides kv x group size), so each context rank receives
+    exactly the K/V of its query heads. Attention with repeated K/V heads equals GQA; only the all-to-all of k and v
+    grows by r.
+    """
+    return context // math.gcd(kv_heads_per_rank, context)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

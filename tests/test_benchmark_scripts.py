@@ -1,4 +1,5 @@
-"""The GPU benchmark script runs end to end (tiny shapes on CPU): it cannot be exercised otherwise here."""
+"""Benchmark scripts run end to end (tiny shapes on CPU): the GPU one cannot be exercised otherwise here, and the
+context-parallel byte count is a claim of the README."""
 
 from __future__ import annotations
 
@@ -21,3 +22,16 @@ def test_gpu_throughput_smoke() -> None:
     assert "ratio_ours_reference_vs_hf" in model
     for key in ("reference_dense_mask", "ours_fast", "causal_sdpa_no_documents"):
         assert attention[key]["ms"] > 0
+
+
+def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
+    """parallel_overhead.py at CP2 x TP2 with SP and one KV head per TP rank (repeated for the all-to-all), 4
+    processes: the bytes the Ulysses all-to-alls send per decoder layer equal the analytic volume exactly."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--only", "tp2-pp1-cp2-sp-kv2",
+         "--steps", "1", "--seq", "64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    measured = line["measured_cp_all_to_all_bytes_per_layer_per_micro_batch"]
+    assert measured == line["analytic"]["cp_all_to_all_bytes_per_layer_per_micro_batch"] > 0

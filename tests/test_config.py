@@ -138,9 +138,10 @@ def test_shipped_training_configs_load(path: str, monkeypatch) -> None:
 
     monkeypatch.chdir(ROOT)
     config = TrainingConfig.from_file(path)
-    world = config.parallel.tensor * config.parallel.pipeline
+    par = config.parallel
+    world = par.tensor * par.pipeline * par.context
     ds = build_deepspeed_config(config, config.deepspeed_config, world, "cuda")
-    assert ds["train_batch_size"] == config.batch.global_batch_size
+    assert ds["train_batch_size"] == config.batch.global_batch_size * par.context  # DeepSpeed's DP group: DP x CP
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))))

@@ -2,7 +2,7 @@
 
 One HF model (GQA, untied, vocab padded) is converted to TP2 x PP2; then, 4 processes each (gloo, CPU, fp32):
 1. `--eval-only` of the converted checkpoint gives HF's loss on the same validation batches, with and without
-   sequence parallelism;
+   sequence parallelism, and with context parallelism (CP2 x TP2);
 2. fine-tuning it at TP2 x PP2 with ZeRO-1 for 3 steps, saving, exporting: HF on the export gives the run's own
    validation loss, and the export's logits equal our model loaded from the same checkpoint (load_model_weights);
 3. the same at TP2 x PP1 x DP2 with ZeRO-3 (so the converted PP2 checkpoint also starts a PP1 run, and the export
@@ -117,6 +117,16 @@ def test_converted_checkpoint_evaluates_like_hf(setup, sequence_parallel) -> Non
         out = launch(setup, "evaluate-sp", sp, entry=("-m", "llama_megatron", "evaluate"))
     else:
         out = launch(setup, "eval-only", "--eval-only", sp)
+    assert_close(val_loss(out)[0], hf_val_loss(setup, setup["hf_dir"]))
+
+
+def test_converted_checkpoint_evaluates_like_hf_with_context_parallelism(setup) -> None:
+    """`--eval-only` at CP2 x TP2 with SP (4 processes; the PP2 checkpoint read per layer into PP1): each rank holds 8
+    of the 32 tokens, and the one KV head per TP rank is repeated for CP2's all-to-all."""
+    out = launch(setup, "eval-only-cp2", "--eval-only", "--set=parallel.context=2", "--set=parallel.pipeline=1",
+                 "--set=parallel.sequence_parallel=true")
+    info = json.load(open(os.path.join(out, "run.json")))
+    assert (info["context"], info["tensor"], info["pipeline"]) == (2, 2, 1)
     assert_close(val_loss(out)[0], hf_val_loss(setup, setup["hf_dir"]))
 
 

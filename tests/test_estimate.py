@@ -1,7 +1,7 @@
 """`llama-megatron estimate` against what real DeepSpeed engines and real autograd hold.
 
 Model states: real engines (TrainingEngine under real gloo process groups, one optimizer step) for ZeRO-0..3 at
-DP2 and TP2 x PP2 ZeRO-1; every case of a world size shares one launch. Activations: the storages autograd saves
+DP2, ZeRO-1/3 at CP2 and TP2 x PP2 ZeRO-1; every case of a world size shares one launch. Activations: the storages autograd saves
 during one micro batch's forward (saved_tensors_hooks), with and without recomputation.
 """
 
@@ -15,6 +15,7 @@ import torch
 from dist_utils import run_distributed
 
 import llama_megatron.model.llama as llama_module
+from llama_megatron.data.batch import MicroBatch
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
@@ -103,17 +104,23 @@ def _measure_activations(config: TrainingConfig, pctx: ParallelContext, bf16: bo
         saved.update(outer)
         return real_checkpoint(fn, layers, x, **kwargs)
 
-    b, s = config.batch.micro_batch_size, config.seq_length
-    ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(s).expand(b, s).contiguous()
+    mb = _micro_batch(config, pctx)
     llama_module.checkpoint = recording_checkpoint
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(ids, pos, None, ids.clone())
+            loss = model(mb.input_ids, mb.position_ids, None, mb.labels)
     finally:
         llama_module.checkpoint = real_checkpoint
     loss.backward()
     return sum(saved.values()) + spans[0]
+
+
+def _micro_batch(config: TrainingConfig, pctx: ParallelContext) -> MicroBatch:
+    """A seeded micro batch of the config's shape, cut to this rank's context-parallel shard."""
+    b, s = config.batch.micro_batch_size, config.seq_length
+    ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(s).expand(b, s).contiguous()
+    return MicroBatch(ids, pos, ids.clone()).context_shard(pctx.cp_rank, pctx.cp_size)
 
 
 def _activation_estimate(config: TrainingConfig, bf16: bool, world_size: int) -> int:
@@ -123,25 +130,23 @@ def _activation_estimate(config: TrainingConfig, bf16: bool, world_size: int) ->
 
 def _states_worker(rank: int, world_size: int, cases: list, activation_cases: list, out_dir: str) -> None:
     from llama_megatron.parallel.launch import init_distributed
-    from llama_megatron.training.engine import MicroBatch, TrainingEngine
+    from llama_megatron.training.engine import TrainingEngine
 
     init_distributed()
     results = []
     for overrides, ds_source in cases:
         config = _config(overrides)
         ds = build_deepspeed_config(config, ds_source, world_size)
-        pctx = ParallelContext.build(config.parallel.tensor, config.parallel.pipeline,
-                                     config.parallel.sequence_parallel)
+        par = config.parallel
+        pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context)
         engine = TrainingEngine(config, ds, pctx)
-        b, s = config.batch.micro_batch_size, config.seq_length
-        ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-        pos = torch.arange(s).expand(b, s).contiguous()
-        engine.train_step([MicroBatch(ids, pos, ids.clone())] * config.gradient_accumulation_steps(world_size))
+        engine.train_step([_micro_batch(config, pctx)] * config.gradient_accumulation_steps(world_size))
         results.append({"stage": pctx.pp_rank, **_measure(engine)})
         del engine
-    for overrides, bf16 in activation_cases:  # TP layouts of the activation check share this launch
+    for overrides, bf16 in activation_cases:  # TP and CP layouts of the activation check share this launch
         config = _config(overrides)
-        pctx = ParallelContext.build(config.parallel.tensor, 1, config.parallel.sequence_parallel)
+        pctx = ParallelContext.build(config.parallel.tensor, 1, config.parallel.sequence_parallel,
+                                     config.parallel.context)
         results.append({"activations": _measure_activations(config, pctx, bf16)})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
         json.dump(results, fh)
@@ -178,6 +183,8 @@ DP2_CASES = [
     (["model.tie_word_embeddings=true"], _ds(1)),
     (ODD, _ds(1)),
     (ODD, _ds(ZERO3)),
+    (["parallel.context=2"], _ds(1)),  # CP2: ZeRO partitions over DP x CP = 2
+    (["parallel.context=2"], _ds(ZERO3)),
 ]
 TP2_PP2_CASES = [
     (["parallel.tensor=2", "parallel.pipeline=2"], _ds(1)),
@@ -185,10 +192,15 @@ TP2_PP2_CASES = [
 ]
 
 
-TP2_ACTIVATION_CASES = [
+TP2_ACTIVATION_CASES = [  # 2 processes: TP2, or CP2
     (["parallel.tensor=2"], False),
     (["parallel.tensor=2", "parallel.sequence_parallel=true"], False),
     (["parallel.tensor=2", "parallel.sequence_parallel=true", "activation_checkpointing.interval=1"], True),
+    # CP2: half the tokens per rank, full-length positions; 2 KV heads split over CP; then the fast kernels with
+    # one KV head repeated for the all-to-all
+    (["parallel.context=2"], False),
+    (["parallel.context=2", "activation_checkpointing.interval=1", "kernels=compiled",
+      "model.num_key_value_heads=1"], True),
 ]
 
 
@@ -256,6 +268,24 @@ def test_command_table_and_largest_micro_batch(capsys, monkeypatch):
     # the first stage holds pp = 2 micro batches in flight, the last one
     stages = estimate(config, ds, 8).stages
     assert [s.in_flight for s in stages] == [2, 1] and stages[1].logits > 0 == stages[0].logits
+
+
+def test_long_context_recipe(monkeypatch):
+    """The 32k recipe (LLaMA-3-8B, TP4 x CP2, its RoPE scaling set over the preset's) fits 80 GiB on 8 GPUs; CP2
+    halves what a rank holds of the token-sized activations against the same run at CP1 on 4 GPUs."""
+    monkeypatch.chdir(ROOT)
+    config = TrainingConfig.from_file(os.path.join(ROOT, "configs", "pretrain", "llama3-8b-long-32k.json"))
+    assert config.model.max_position_embeddings == 32768 and config.model.rope_scaling["factor"] == 4.0
+    assert config.model.num_key_value_heads == 8 and config.parallel.context == 2
+    ds = build_deepspeed_config(config, config.deepspeed_config, 8, "cuda")
+    assert ds["train_batch_size"] == 2 * config.batch.global_batch_size  # DeepSpeed counts DP x CP ranks
+    cp2 = estimate(config, ds, 8).stages[0]
+    assert cp2.gpu_total <= 80 * 2**30
+    config.parallel.context = 1
+    cp1 = estimate(config, build_deepspeed_config(config, config.deepspeed_config, 4, "cuda"), 4).stages[0]
+    assert cp1.parameters == cp2.parameters and cp1.optimizer == 2 * cp2.optimizer  # ZeRO-1 over DP x CP = 2
+    assert 0.49 < cp2.recompute / cp1.recompute < 0.53  # one layer's activations: half the tokens, + its ids
+    assert cp2.activations < 0.6 * cp1.activations  # the chunked loss's fp32 weight gradient does not shrink
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,8 +1,9 @@
 """Whole training runs under the real `deepspeed` launcher (gloo, CPU) against the single-process run.
 
 Data: the Shakespeare corpus shipped in data/, tokenised by `llama-megatron preprocess` with the shipped
-tokenizer. Every layout must reproduce the TP1-PP1 losses step by step (fp32, relative 1e-4), and TP1-PP1 must
-reproduce plain transformers + torch AdamW on the same batches.
+tokenizer. Every layout (TP, SP, PP, DP, ZeRO, and context parallelism with each of them) must reproduce the TP1-PP1
+losses step by step (fp32, relative 1e-4), and TP1-PP1 must reproduce plain transformers + torch AdamW on the same
+batches.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def test_exact_resume(reference, data_prefix, work) -> None:
 
 
 ZERO1 = "deepspeed_config=ds_configs/zero1_fp32.json"
+PER_DOCUMENT = "data.per_document_attention=true"
 ZERO3 = 'deepspeed_config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}'
 TIED = "model.tie_word_embeddings=true"
 BF16_REL = 2e-2  # bf16 weights against the fp32 reference: bf16's precision, not an exactness claim
@@ -178,6 +180,15 @@ def _matrix() -> dict[str, tuple[str, list[str], float]]:
     runs["compiled-tied-tp2-sp-zero3-dp2"] = ("tied", [*sp_tp2, TIED, ZERO3, compiled], REL)
     runs["compiled-causal-tp2-pp2-sp-bf16"] = ("causal", [*sp_tp2, "parallel.pipeline=2", compiled,
                                                           "deepspeed_config=ds_configs/zero1_bf16.json"], BF16_REL)
+    # context parallelism (Ulysses): 4 heads, 2 KV heads, so at TP2 one KV head per TP rank is repeated for CP2
+    cp2_tp2 = ["parallel.context=2", "parallel.tensor=2"]
+    runs["causal-cp2-tp2"] = ("causal", [*cp2_tp2, ZERO1], REL)
+    runs["perdoc-cp2-tp2-sp-recompute"] = ("per_document", [
+        *cp2_tp2, "parallel.sequence_parallel=true", "activation_checkpointing.interval=1", PER_DOCUMENT, ZERO1], REL)
+    runs["causal-cp2-pp2"] = ("causal", ["parallel.context=2", "parallel.pipeline=2", ZERO1], REL)
+    runs["perdoc-cp2-dp2-zero3"] = ("per_document", ["parallel.context=2", PER_DOCUMENT, ZERO3], REL)
+    runs["compiled-perdoc-cp2-tp2-sp"] = ("per_document", [*cp2_tp2, "parallel.sequence_parallel=true",
+                                                           PER_DOCUMENT, ZERO1, compiled], REL)
     return runs
 
 
@@ -211,15 +222,45 @@ def test_layout_matches_single_process(name, layout_matrix, reference, reference
     assert_losses_close(layout_matrix[name], want[reference_name], rel, range(1, 11))
 
 
-TWO_RANK = {  # name -> overrides: TP1 x DP2 under ZeRO-1/2/3 (fp32) and ZeRO-2 (bf16), TP1 x PP2 ZeRO-1 fp32 and bf16
+EIGHT_RANK = {  # CP2 x TP2 x PP2 (8 processes on this 2-core machine: the two runs share one launch)
+    "perdoc-cp2-tp2-pp2-sp-recompute": ("per_document", [
+        "parallel.context=2", "parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
+        "activation_checkpointing.interval=1", PER_DOCUMENT, ZERO1]),
+    "causal-cp2-tp2-pp2": ("causal", ["parallel.context=2", "parallel.tensor=2", "parallel.pipeline=2", ZERO1]),
+}
+
+
+@pytest.fixture(scope="module")
+def eight_rank_runs(data_prefix, short_documents_prefix, work) -> dict[str, dict[int, float]]:
+    runs = []
+    for name, (reference, overrides) in EIGHT_RANK.items():
+        prefix = short_documents_prefix if reference == "per_document" else data_prefix
+        runs.append(train_args(CONFIG, _common(prefix, str(work / name), *overrides)))
+    launch_many(8, runs, str(work / "eight-rank.json"))
+    return {name: losses(str(work / name)) for name in EIGHT_RANK}
+
+
+@pytest.mark.parametrize("name", list(EIGHT_RANK))
+def test_context_tensor_pipeline_layout_matches_single_process(name, eight_rank_runs, reference,
+                                                               reference_per_document) -> None:
+    """CP2 x TP2 x PP2, with SP, recomputation and per-document attention and without: the TP1-PP1 losses (1e-4)."""
+    want = reference_per_document if EIGHT_RANK[name][0] == "per_document" else reference["losses"]
+    assert_losses_close(eight_rank_runs[name], want, REL, range(1, 11))
+
+
+TWO_RANK = {  # name -> overrides: TP1 x DP2 under ZeRO-1/2/3 (fp32) and ZeRO-2 (bf16), TP1 x PP2 ZeRO-1 fp32 and bf16,
+    # CP2 ZeRO-1 fp32
     "zero1-dp2": [ZERO1],
     "zero2-dp2": ["deepspeed_config=ds_configs/zero2_fp32.json"],
     "zero3-dp2": [ZERO3],
     "bf16-zero2-dp2": ["deepspeed_config=ds_configs/zero2_bf16.json"],
     "tp1-pp2": ["parallel.pipeline=2", ZERO1],
     "bf16-tp1-pp2": ["parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json"],
+    "cp2": ["parallel.context=2", ZERO1],
 }
 SAVE_AT_10 = ["train.steps=20", "checkpoint.interval=10"]
+CP_RESUME_REL = 1e-6
+EXPORT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -241,13 +282,15 @@ def test_two_rank_layout_matches_single_process(name, two_rank_runs, reference) 
 
 
 @pytest.fixture(scope="module")
-def two_rank_resumed(two_rank_runs, data_prefix, work) -> dict[str, dict[int, float]]:
-    """Every TWO_RANK checkpoint of step 10 resumed to step 20 with the same layout, in one 2-process launch."""
-    dirs = {name: str(work / f"{name}-resumed") for name in TWO_RANK}
+def two_rank_resumed(two_rank_runs, reference, data_prefix, work) -> dict[str, dict[int, float]]:
+    """Every TWO_RANK checkpoint of step 10 resumed to step 20 with the same layout, and the single-process
+    reference's (ZeRO-0) at CP2 ("reference-at-cp2"), in one 2-process launch."""
+    resumes = {name: (f"{two_rank_runs[name]}/ckpt", extra) for name, extra in TWO_RANK.items()}
+    resumes["reference-at-cp2"] = (f"{reference['dir']}/ckpt", ["parallel.context=2"])
+    dirs = {name: str(work / f"{name}-resumed") for name in resumes}
     launch_many(2, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, "train.steps=20",
-                                               f"checkpoint.load={two_rank_runs[name]}/ckpt",
-                                               "checkpoint.tag=global_step10"))
-                    for name, extra in TWO_RANK.items()], str(work / "two-rank-resumed.json"))
+                                               f"checkpoint.load={ckpt}", "checkpoint.tag=global_step10"))
+                    for name, (ckpt, extra) in resumes.items()], str(work / "two-rank-resumed.json"))
     return {name: losses(out) for name, out in dirs.items()}
 
 
@@ -257,6 +300,36 @@ def test_exact_resume_of_every_checkpoint_kind(name, two_rank_runs, two_rank_res
     resumed = two_rank_resumed[name]
     assert sorted(resumed) == list(range(11, 21))
     assert_losses_close(resumed, losses(two_rank_runs[name]), 1e-6, range(11, 21))
+
+
+def test_resume_at_another_context_degree(two_rank_resumed, reference) -> None:
+    """The single-process (CP1, ZeRO-0) checkpoint of step 10 resumed at CP2 continues the 20-step run (the CP2
+    checkpoint resumed at CP1: test_resume_with_another_data_parallel_degree[cp2])."""
+    resumed = two_rank_resumed["reference-at-cp2"]
+    assert sorted(resumed) == list(range(11, 21))
+    assert_losses_close(resumed, reference["losses"], CP_RESUME_REL, range(11, 21))
+
+
+def test_export_after_context_parallel_run(two_rank_runs, reference, work) -> None:
+    """The CP2 run's checkpoint exports to the same HF model as the single-process run's: same config, same tensor
+    names, every element within EXPORT_ATOL after 20 steps (observed 3.4e-5; the DP2 and PP2 runs differ from it by
+    4.3e-5 as well: Adam turns summation-order differences of near-zero gradients into lr-sized steps)."""
+    from safetensors.torch import load_file
+
+    exported = {}
+    for name, ckpt in (("cp2", f"{two_rank_runs['cp2']}/ckpt"), ("single", f"{reference['dir']}/ckpt")):
+        out = str(work / f"export-{name}")
+        assert cli_main(["export", "--input", ckpt, "--tag", "global_step20", "--output", out]) == 0
+        tensors = {}
+        for file in sorted(os.listdir(out)):
+            if file.endswith(".safetensors"):
+                tensors.update(load_file(os.path.join(out, file)))
+        exported[name] = (json.load(open(os.path.join(out, "config.json"))), tensors)
+    (cp2_config, cp2), (single_config, single) = exported["cp2"], exported["single"]
+    assert cp2_config == single_config and cp2.keys() == single.keys()
+    worst = max((cp2[k] - single[k]).abs().max().item() for k in single)
+    print(f"largest difference of an exported element: {worst:.3g}")
+    assert worst <= EXPORT_ATOL
 
 
 def _check_zero_to_fp32(ckpt: str, reference_ckpt: str) -> None:
@@ -277,24 +350,27 @@ def test_per_document_attention_changes_the_loss(reference_per_document, short_d
     assert not math.isclose(losses(causal)[1], reference_per_document[1], rel_tol=1e-3)
 
 
-UNIVERSAL = ("zero1-dp2", "zero2-dp2", "zero3-dp2", "bf16-zero2-dp2")
+UNIVERSAL = {name: TWO_RANK[name] for name in ("zero1-dp2", "zero2-dp2", "zero3-dp2", "bf16-zero2-dp2")}
+UNIVERSAL["cp2"] = [ZERO1]  # the CP2 checkpoint resumed at CP1: ZeRO partitions 2 -> 1
 
 
 @pytest.fixture(scope="module")
 def universal_resumed(two_rank_runs, data_prefix, work) -> dict[str, dict[int, float]]:
-    """The DP2 checkpoints of step 10 resumed at DP1 (one process) through DeepSpeed's universal checkpoint."""
+    """The DP2 (and CP2) checkpoints of step 10 resumed at DP1 CP1 (one process) through DeepSpeed's universal
+    checkpoint."""
     dirs = {name: str(work / f"{name}-dp1-resumed") for name in UNIVERSAL}
-    launch_many(1, [train_args(CONFIG, _common(data_prefix, dirs[name], *TWO_RANK[name], "train.steps=20",
+    launch_many(1, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, "train.steps=20",
                                                f"checkpoint.load={two_rank_runs[name]}/ckpt",
                                                "checkpoint.tag=global_step10"))
-                    for name in UNIVERSAL], str(work / "universal-resumed.json"))
+                    for name, extra in UNIVERSAL.items()], str(work / "universal-resumed.json"))
     return {name: losses(out) for name, out in dirs.items()}
 
 
-@pytest.mark.parametrize("name", UNIVERSAL)
+@pytest.mark.parametrize("name", list(UNIVERSAL))
 def test_resume_with_another_data_parallel_degree(name, two_rank_runs, universal_resumed) -> None:
-    """ZeRO-1/2/3 and bf16 at DP2, resumed at DP1 through a universal checkpoint converted beside the original: the
-    20-step DP2 run continues (observed: 6.9e-8 fp32, 2.3e-5 bf16; DP1 sums gradients in another order)."""
+    """ZeRO-1/2/3 and bf16 at DP2, and ZeRO-1 at CP2, resumed at DP1 CP1 through a universal checkpoint converted
+    beside the original: the 20-step run continues (observed: 6.9e-8 fp32, 2.3e-5 bf16; DP1 sums gradients in
+    another order)."""
     resumed = universal_resumed[name]
     assert sorted(resumed) == list(range(11, 21))
     assert_losses_close(resumed, losses(two_rank_runs[name]), REL if "bf16" in name else 1e-6, range(11, 21))

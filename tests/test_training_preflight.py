@@ -53,6 +53,12 @@ def _repo_root(monkeypatch):
         (["parallel.sequence_parallel=true", "parallel.tensor=2", "parallel.pipeline=2"],
          {"pipeline": {"grad_partitioned": True}}, 4, ConfigError,
          "pipeline.grad_partitioned=True cannot be combined with sequence_parallel"),
+        (["parallel.tensor=2", "parallel.context=2"], None, 6, ConfigError,
+         "world size 6 is not divisible by tensor x pipeline x context = 2 x 1 x 2"),
+        (["parallel.context=2", "batch.global_batch_size=6", "batch.micro_batch_size=2"], None, 4, ConfigError,
+         "global_batch_size 6 is not divisible by micro_batch_size 2 x data parallel 2"),
+        (["parallel.context=2"], {"train_batch_size": 8}, 2, ConfigError,
+         r"train_batch_size=8 disagrees with the training config \(16\)"),
     ],
 )
 def test_invalid_setups(overrides, ds, world, error, message) -> None:
@@ -117,6 +123,25 @@ def test_resume_with_other_model_or_corrupt_metadata(tmp_path) -> None:
         preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
 
 
+def test_context_extension_sets_rope_over_a_model_file_and_finetunes_from_the_checkpoint(tmp_path) -> None:
+    """``model: {"path": ..., overrides}`` replaces keys of the file; a fine-tuning start may change the RoPE keys
+    and max_position_embeddings (context extension), a resume may not, nor may fine-tuning change anything else."""
+    model_file = tmp_path / "config.json"
+    model_file.write_text(json.dumps(_config().model.to_dict()))
+    ckpt = _fake_checkpoint(tmp_path / "ckpt")
+    longer = json.dumps({"path": str(model_file), "max_position_embeddings": 1024,
+                         "rope_scaling": {"type": "linear", "factor": 8.0}})
+    config = _config(f"model={longer}", f"checkpoint.load={ckpt}", "checkpoint.finetune=true")
+    assert config.model.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.model.max_position_embeddings == 1024 and config.model.hidden_size == 64
+    assert preflight(config, None, 1).weights_only
+    with pytest.raises(ConfigError, match="different model config"):
+        preflight(_config(f"model={longer}", f"checkpoint.load={ckpt}"), None, 1)
+    wider = json.dumps({"path": str(model_file), "rms_norm_eps": 1e-6})
+    with pytest.raises(ConfigError, match="different model config"):
+        preflight(_config(f"model={wider}", f"checkpoint.load={ckpt}", "checkpoint.finetune=true"), None, 1)
+
+
 def test_auto_load_resumes_from_the_save_dir_or_starts_fresh(tmp_path) -> None:
     save = tmp_path / "ckpt"
     pre = preflight(_config(f"checkpoint.save={save}", "checkpoint.load=auto"), None, 1)
@@ -143,6 +168,25 @@ def test_command_line_error_is_one_line_and_nonzero() -> None:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: tensor parallel degree 3 does not divide num_attention_heads 4"]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.context=8"], "context parallel degree 8 does not divide the 4 attention heads per tensor-parallel "
+                             "rank (num_attention_heads 4 / tensor 1)"),
+    (["parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "seq_length=34"],
+     "context parallelism with sequence_parallel needs seq_length 34 divisible by context x tensor = 2 x 2"),
+])
+def test_bad_context_parallel_layout_is_one_line_before_any_process_group(overrides, message) -> None:
+    """Launched as 4 ranks would be (WORLD_SIZE 4, no launcher): the config is refused before torch.distributed."""
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0")
+    result = subprocess.run(
+        [sys.executable, "-m", "llama_megatron.train", "--config", CONFIG,
+         *(a for o in overrides for a in ("--set", o))],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [f"error: {message}"]
+    assert "Traceback" not in result.stderr and "process group" not in result.stderr.lower()
 
 
 def test_overrides_and_unknown_keys() -> None:

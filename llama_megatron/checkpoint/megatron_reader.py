@@ -47,7 +47,7 @@ class MegatronCheckpoint:
             self.config = ModelConfig.from_dict(self.meta.model)
         except ConfigError as exc:
             raise CheckpointError(f"{self.tag_dir}: model config in llama_megatron.json is invalid: {exc}") from None
-        self.tp, self.pp, self.dp = self.meta.tensor, self.meta.pipeline, self.meta.data_parallel
+        self.tp, self.pp, self.dp = self.meta.tensor, self.meta.pipeline, self.meta.zero_partitions
         self.padded_vocab_size = self.meta.padded_vocab_size
         if self.padded_vocab_size < self.config.vocab_size or self.padded_vocab_size % self.tp:
             raise CheckpointError(f"{self.tag_dir}: padded_vocab_size {self.padded_vocab_size} does not fit vocab "

@@ -5,7 +5,7 @@ Layout of a checkpoint directory (a training save dir, or the output of ``conver
     latest                      text: the newest complete tag (replaced atomically)
     <tag>/                      DeepSpeed files (mp_rank_*, layer_*, zero_pp_rank_*) + llama_megatron.json
 
-``llama_megatron.json`` holds the run position (step, consumed samples) and the layout (TP, PP, DP, ZeRO
+``llama_megatron.json`` holds the run position (step, consumed samples) and the layout (TP, PP, DP, CP, ZeRO
 stage, model config, padded vocabulary); everything that reads a checkpoint reads it first, before building
 anything, so a mismatch is a one-line error. A LoRA run's checkpoints hold the adapters only, and ``lora`` (the
 adapter config and the base checkpoint they belong to: :mod:`llama_megatron.checkpoint.lora_checkpoint`).
@@ -41,9 +41,16 @@ class CheckpointMeta:
     zero_stage: int
     model: dict[str, Any]
     padded_vocab_size: int
+    context: int = 1  # context-parallel degree of the run that saved it (older checkpoints: 1)
     format_version: int = FORMAT_VERSION
     lora: dict[str, Any] | None = None  # adapter-only checkpoint: rank, alpha, dropout, targets, base
     tag: str = ""
+
+    @property
+    def zero_partitions(self) -> int:
+        """Ranks DeepSpeed partitioned ZeRO state over: its data-parallel group, which holds the context ranks too
+        (llama_megatron/parallel/context.py). The weights themselves do not depend on DP or CP."""
+        return self.data_parallel * self.context
 
     def adapters(self) -> LoraConfig | None:
         """The LoRA config of an adapter-only checkpoint (None for a full model)."""

@@ -71,7 +71,7 @@ class Zero3Partitions:
             raise CheckpointError(f"{ckpt_dir}: not a ZeRO-3 checkpoint (no param_shapes / fp32_flat_groups)")
         if optim.get("partition_count") != dp:
             raise CheckpointError(f"{ckpt_dir}: ZeRO-3 partitions were saved over {optim.get('partition_count')} "
-                                  f"ranks, llama_megatron.json says data_parallel {dp}")
+                                  f"ranks, llama_megatron.json says data_parallel x context = {dp}")
         self.index: dict[str, tuple[int, int, int, torch.Size]] = {}
         for g, (shapes, flat_group) in enumerate(zip(groups, flat)):
             offset = 0

@@ -16,7 +16,7 @@ ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer st
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, default=None,
-                        help="number of ranks (default: tensor x pipeline, i.e. data parallel 1)")
+                        help="number of ranks (default: tensor x pipeline x context, i.e. data parallel 1)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
 
 
@@ -25,7 +25,8 @@ def _unit(est: Estimate) -> tuple[str, int]:
 
 
 def format_table(est: Estimate) -> str:
-    lines = [f"world size {est.world_size} | data parallel {est.data_parallel} | ZeRO {est.zero} | "
+    lines = [f"world size {est.world_size} | data parallel {est.data_parallel} | context {est.context} | "
+             f"ZeRO {est.zero} | "
              f"{est.precision} | optimizer {est.optimizer_wrapper} | micro batch {est.micro_batch_size} x "
              f"{est.micro_batches} per step | kernels {est.kernels}",
              f"{_unit(est)[0]} per rank (GPU; CPU where offloaded)"]
@@ -48,7 +49,8 @@ def format_table(est: Estimate) -> str:
 
 def run(args: argparse.Namespace) -> int:
     config = TrainingConfig.from_file(args.config, args.overrides)
-    world = args.world_size or config.parallel.tensor * config.parallel.pipeline
+    par = config.parallel
+    world = args.world_size or par.tensor * par.pipeline * par.context
     config.check_world_size(world)
     budget = parse_bytes(args.gpu_memory)
     # "cuda" so fp16 configs (refused on a CPU *run*) can still be estimated for the GPUs they are meant for

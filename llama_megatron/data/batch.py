@@ -8,10 +8,11 @@ turns ``micro_batch_size`` items into a :class:`MicroBatch`:
 - ``input_ids`` = tokens[:-1], ``labels`` = tokens[1:] with -100 where the loss mask is 0 (ignored by the loss);
 - ``position_ids``: the item's, or 0..seq_length-1; ``segment_ids``: the item's, or None (plain causal).
 
-Data parallelism: each DP rank collates its own disjoint items (Megatron's sampler order). Tensor and sequence
-parallelism: every TP rank of a DP rank gets the same full-length micro batch; under SP the embedding output
-is what is cut into sequence shards, while positions, segments and labels stay full length (attention and the
-loss see the whole sequence). Pipeline parallelism: the first stage consumes ``(input_ids, position_ids[,
+Data parallelism: each DP rank collates its own disjoint items (Megatron's sampler order). Context parallelism:
+every CP rank of a DP rank collates the same items and keeps its contiguous shard of ``input_ids`` and ``labels``
+(:meth:`MicroBatch.context_shard`); positions and segments stay full length. Tensor and sequence parallelism:
+every TP rank gets the same micro batch; under SP the embedding output is what is cut into sequence shards, while
+positions, segments and labels stay as they are (attention and the loss see the rank's whole sequence or shard). Pipeline parallelism: the first stage consumes ``(input_ids, position_ids[,
 segment_ids])``, the ids travel with the hidden states to every stage, and the last stage consumes ``labels``.
 The loss of a step is the mean over the unmasked tokens of its whole global batch, whatever the micro batch
 count, DP and PP (training/engine.py, "the loss rule").
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from llama_megatron.data.sampler import collate as stack_samples
+from llama_megatron.parallel.context_parallel import context_shard
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 
 
@@ -48,6 +50,15 @@ class MicroBatch:
         if self.segment_ids is not None:
             inputs += (self.segment_ids,)
         return inputs, (self.labels if loss_divisor is None else (self.labels, loss_divisor))
+
+    def context_shard(self, rank: int, size: int) -> MicroBatch:
+        """Context-parallel rank ``rank``'s share: its contiguous shard of ``input_ids`` and ``labels``; the position
+        and segment ids stay full length (RoPE takes the shard's true positions from them, and attention, which
+        sees whole sequences after its all-to-all, the document boundaries)."""
+        if size == 1:
+            return self
+        return MicroBatch(context_shard(self.input_ids, rank, size).contiguous(), self.position_ids,
+                          context_shard(self.labels, rank, size).contiguous(), self.segment_ids)
 
     def num_targets(self) -> int:
         """Labels that count in the loss (not ignored); read on the host, before the batch moves to the device."""

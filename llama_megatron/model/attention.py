@@ -9,7 +9,10 @@ g = num_heads / num_kv_heads query heads per KV group, TP rank r owns KV groups 
 so a rank's output reshapes to [batch, seq, nkv_local, g + 2, head_dim] with no communication.
 
 q and k are rotated and attention computed by the kernel seam (:mod:`llama_megatron.model.kernels`); per-document
-causal attention inside a packed sequence uses ``segment_ids`` (document index per token).
+causal attention inside a packed sequence uses ``segment_ids`` (document index per token). Under context
+parallelism ``hidden`` holds this CP rank's sequence shard: q and k are rotated with the shard's own positions
+(``position_ids`` is full length), then the kernel runs on full sequences for a share of the heads through
+DeepSpeed-Ulysses (:mod:`llama_megatron.parallel.context_parallel`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import LayerKVCache
 from llama_megatron.model.rope import rotary_cos_sin
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.context_parallel import UlyssesAttention
 from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -38,6 +42,9 @@ class ParallelAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_rows, pctx, "qkv", bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, pctx,
                                         bias=config.attention_bias)
+        # (q, k, v, segment_ids) -> attention output: the kernel itself, or the kernel on full sequences over CP
+        self.attention = (kernels.attention if pctx.cp_size == 1 else
+                          UlyssesAttention(kernels.attention, pctx, self.groups_per_rank))
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -45,10 +52,10 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.groups_per_rank, self.queries_per_group + 2, self.config.head_dim)
-        cos, sin = rotary_cos_sin(self.config, position_ids)
+        cos, sin = rotary_cos_sin(self.config, position_ids, self.pctx.cp_rank, self.pctx.cp_size)
         q, k, v = self.kernels.rotary_qkv(qkv, cos, sin)
         if kv_cache is None:
-            out = self.kernels.attention(q, k, v, segment_ids)
+            out = self.attention(q, k, v, segment_ids)
         else:
             out = self.kernels.attention.after(q, *kv_cache.append(k, v))
         return self.o_proj(out.reshape(b, s, -1))

@@ -2,8 +2,9 @@
 
 Every layer takes and returns a tuple of tensors so DeepSpeed can ship it between pipeline stages:
 ``(hidden, position_ids[, segment_ids])``. Position ids and document ids travel with the hidden states, so
-per-document attention and packed positions survive pipeline parallelism. Hidden states are [batch, seq, hidden]
-(sequence shards under sequence parallelism); position and segment ids are always full length.
+per-document attention and packed positions survive pipeline parallelism. Hidden states are [batch, seq, hidden]:
+this context-parallel rank's sequence shard (of input ids too), cut again over TP under sequence parallelism;
+position and segment ids are always full length (attention needs the whole sequence's after its all-to-all).
 """
 
 from __future__ import annotations

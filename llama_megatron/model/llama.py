@@ -112,8 +112,9 @@ class LlamaCausalLM(nn.Module):
                 segment_ids: torch.Tensor | None = None, labels: torch.Tensor | tuple | None = None) -> torch.Tensor:
         """The loss when ``labels`` (or ``(labels, divisor)``, see CausalLMLoss) are given, else this rank's vocab
         shard of the logits."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if position_ids is None:  # full length; under context parallelism input_ids is this rank's shard
+            seq = input_ids.shape[1] * self.pctx.cp_size
+            position_ids = torch.arange(seq, device=input_ids.device).expand(input_ids.shape[0], seq)
         x = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
         span: list = []
         for fn in self._forward_funcs:

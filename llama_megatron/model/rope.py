@@ -66,25 +66,31 @@ def _angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat((freqs, freqs), dim=-1)
 
 
-def _cos_sin(config: ModelConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(config: ModelConfig, position_ids: torch.Tensor, shard: int,
+             shards: int) -> tuple[torch.Tensor, torch.Tensor]:
     if config.rope_type == "dynamic":
-        # NTK scaling depends on the batch's longest position: the one host sync, as in HF
+        # NTK scaling depends on the batch's longest position (of the whole sequence, also under context
+        # parallelism): the one host sync, as in HF
         max_pos = int(position_ids.max()) + 1 if position_ids.numel() else 0
         inv_freq = inverse_frequencies(config, max_pos).to(position_ids.device)
     else:
         inv_freq = _inverse_frequencies_on(config, position_ids.device)
+    if shards > 1:
+        position_ids = position_ids.chunk(shards, dim=-1)[shard]
     angles = _angles(inv_freq, position_ids)
     return angles.cos(), angles.sin()
 
 
-def rotary_cos_sin(config: ModelConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin of shape [*position_ids.shape, head_dim], computed once per micro batch.
+def rotary_cos_sin(config: ModelConfig, position_ids: torch.Tensor, shard: int = 0,
+                   shards: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin of shape [*position_ids.shape, head_dim], computed once per micro batch; with ``shards``
+    > 1 (context parallelism) those of contiguous sequence shard ``shard`` of the full-length ``position_ids``.
 
     Computed from the positions directly, as HF does (the same fp32 angle and cos/sin for every position), so
     no table bounds the positions and no device-to-host sync is needed except for 'dynamic' scaling.
     """
-    rope = (config.rope_type, repr(config.rope_scaling), config.head_dim, config.rope_theta)
-    return per_micro_batch(("rope", rope), (position_ids,), lambda: _cos_sin(config, position_ids))
+    rope = (config.rope_type, repr(config.rope_scaling), config.head_dim, config.rope_theta, shard, shards)
+    return per_micro_batch(("rope", rope), (position_ids,), lambda: _cos_sin(config, position_ids, shard, shards))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

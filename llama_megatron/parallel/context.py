@@ -4,6 +4,16 @@ Groups come from DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data,
 parallel), so the ranks we use for TP match the ranks DeepSpeed's pipeline engine uses. The object is passed
 explicitly to every layer and to ``deepspeed.initialize(mpu=...)``; it also works with no ``torch.distributed``
 at all (world size 1), where every group is ``None`` and every collective is the identity.
+
+Context parallelism (CP) lives inside the topology's data axis, as DeepSpeed-Ulysses places its sequence ranks:
+the axis has DP x CP coordinates d = dp_rank x CP + cp_rank (so rank order is TP fastest, then CP, DP, PP, as in
+Megatron-Core). Everything DeepSpeed does over "data parallel" (averaging gradients, ZeRO partitioning, the
+pipeline engine's loss average, the broadcast of the initial weights) then runs over DP x CP, in both engines:
+DeepSpeed's own sequence-parallel hooks (an mpu's ``get_sequence_parallel_*``) are honoured only by the
+non-pipeline engine, so they are deliberately not offered. The gradient over DP x CP is right because the loss of
+every CP rank is its shard's share of the global token sum (training/engine.py, "the loss rule"): averaging over
+DP x CP ranks is then the sum over the CP shards of each sample. Our own code keeps the pure groups: ``dp_*`` (which
+samples a rank reads) and ``cp_*`` (the Ulysses all-to-all).
 """
 
 from __future__ import annotations
@@ -29,9 +39,13 @@ class ParallelContext:
     sequence_parallel: bool = False
     tp_group: Any = None
     pp_group: Any = None
-    dp_group: Any = None
+    dp_group: Any = None  # pure data parallel: the ranks that read different samples
     topology: Any = None
-    dp_group_ranks: tuple[int, ...] = (0,)
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None  # context parallel: the shards of the same samples (None at CP 1)
+    dp_cp_group: Any = None  # DP x CP, DeepSpeed's data-parallel group (the topology's data axis)
+    dp_cp_group_ranks: tuple[int, ...] = (0,)
 
     @classmethod
     def single(cls) -> ParallelContext:
@@ -39,25 +53,28 @@ class ParallelContext:
         return cls()
 
     @classmethod
-    def build(cls, tensor: int = 1, pipeline: int = 1, sequence_parallel: bool = False) -> ParallelContext:
-        """Create TP/PP/DP groups over the initialised default process group (or a single-process context)."""
+    def build(cls, tensor: int = 1, pipeline: int = 1, sequence_parallel: bool = False,
+              context: int = 1) -> ParallelContext:
+        """Create TP/PP/CP/DP groups over the initialised default process group (or a single-process context)."""
         if not dist.is_available() or not dist.is_initialized():
-            if tensor * pipeline != 1:
+            if tensor * pipeline * context != 1:
                 raise ConfigError(
-                    f"tensor x pipeline = {tensor * pipeline} needs torch.distributed; launch with deepspeed/torchrun"
+                    f"tensor x pipeline x context = {tensor * pipeline * context} needs torch.distributed; launch "
+                    "with deepspeed/torchrun"
                 )
             return cls.single()
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         world_size = dist.get_world_size()
-        if world_size % (tensor * pipeline):
+        if world_size % (tensor * pipeline * context):
             raise ConfigError(
-                f"world size {world_size} is not divisible by tensor x pipeline = {tensor} x {pipeline}"
+                f"world size {world_size} is not divisible by tensor x pipeline x context = "
+                f"{tensor} x {pipeline} x {context}"
             )
         if sequence_parallel and tensor == 1:
             raise ConfigError("sequence_parallel needs tensor parallel degree > 1")
-        dp = world_size // (tensor * pipeline)
-        topo = PipeModelDataParallelTopology(num_pp=pipeline, num_mp=tensor, num_dp=dp)
+        dp = world_size // (tensor * pipeline * context)
+        topo = PipeModelDataParallelTopology(num_pp=pipeline, num_mp=tensor, num_dp=dp * context)
         rank = dist.get_rank()
         # Every rank must create every group, in the same order, even those it is not part of.
         groups = {}
@@ -68,22 +85,37 @@ class ParallelContext:
                 if rank in ranks:
                     groups[axis] = (group, tuple(ranks))
         coord = topo.get_coord(rank)
+        dp_group, cp_group = groups["data"][0], None
+        if context > 1:
+            dp_group, cp_group = _split_data_axis(topo, rank, dp, context)
         return cls(
             tp_size=tensor,
             pp_size=pipeline,
             dp_size=dp,
             tp_rank=coord.model,
             pp_rank=coord.pipe,
-            dp_rank=coord.data,
+            dp_rank=coord.data // context,
             rank=rank,
             world_size=world_size,
             sequence_parallel=sequence_parallel,
             tp_group=groups["model"][0],
             pp_group=groups["pipe"][0],
-            dp_group=groups["data"][0],
+            dp_group=dp_group,
             topology=topo,
-            dp_group_ranks=groups["data"][1],
+            cp_size=context,
+            cp_rank=coord.data % context,
+            cp_group=cp_group,
+            dp_cp_group=groups["data"][0],
+            dp_cp_group_ranks=groups["data"][1],
         )
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -120,15 +152,32 @@ class ParallelContext:
     def get_pipe_parallel_group(self):
         return self.pp_group
 
+    # DeepSpeed's "data parallel" is DP x CP (module docstring): it reduces gradients and partitions ZeRO state there.
     def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
+        return self.dp_cp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.dp_size
+        return self.dp_cp_size
 
     def get_data_parallel_group(self):
-        return self.dp_group
+        return self.dp_cp_group
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.dp_group_ranks)
+        return list(self.dp_cp_group_ranks)
 
+
+def _split_data_axis(topo, rank: int, dp: int, context: int) -> tuple[Any, Any]:
+    """This rank's pure DP group and CP group, out of the data axis (coordinate dp_rank x context + cp_rank).
+    Every rank creates every group, in the same order."""
+    mine = {}
+    for pipe in range(topo.get_dim("pipe")):
+        for model in range(topo.get_dim("model")):
+            dp_lists = [[d * context + c for d in range(dp)] for c in range(context)]
+            cp_lists = [[d * context + c for c in range(context)] for d in range(dp)]
+            for kind, lists in (("dp", dp_lists), ("cp", cp_lists)):
+                for coords in lists:
+                    ranks = [topo.get_rank(pipe=pipe, data=d, model=model) for d in coords]
+                    group = dist.new_group(ranks=ranks)
+                    if rank in ranks:
+                        mine[kind] = group
+    return mine["dp"], mine["cp"]

@@ -24,14 +24,15 @@ def build_datasets(config: TrainingConfig, eod_id: int | None = None):
 
 def step_batches(dataset, config: TrainingConfig, pctx: ParallelContext, consumed_samples: int,
                  max_steps: int | None = None) -> Iterator[list[MicroBatch]]:
-    """Yield, per optimizer step, this rank's micro batches (Megatron's pretraining sampler order)."""
+    """Yield, per optimizer step, this rank's micro batches (Megatron's pretraining sampler order): the samples of
+    its DP rank, cut to its context-parallel shard."""
     micro = config.batch.micro_batch_size
     accum = config.batch.accumulation_steps(pctx.dp_size)
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro, pctx.dp_rank, pctx.dp_size)
     step_micro: list[MicroBatch] = []
     steps = 0
     for indices in sampler:
-        step_micro.append(collate([dataset[i] for i in indices]))
+        step_micro.append(collate([dataset[i] for i in indices]).context_shard(pctx.cp_rank, pctx.cp_size))
         if len(step_micro) == accum:
             yield step_micro
             step_micro = []

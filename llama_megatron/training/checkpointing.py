@@ -5,8 +5,8 @@ A save writes into ``.tmp-global_step{N}``, and only when every rank has finishe
 then replace ``latest`` (write to a temp file, ``os.replace``). A process killed mid-save leaves a ``.tmp-`` dir
 that the next save removes; ``latest`` still names the previous complete checkpoint. ``llama_megatron.json``
 holds the run position (step, consumed samples) and the layout (TP, PP, DP, ZeRO stage, model config): resume
-reads it before building anything, so layout changes are caught early, and a DP change is handled through
-DeepSpeed's universal checkpoint (converted once, beside the original).
+reads it before building anything, so layout changes are caught early, and a DP or CP change is handled through
+DeepSpeed's universal checkpoint (converted once, beside the original) when ZeRO partitioned the optimizer state.
 
 Nothing in a checkpoint is unpickled beyond tensors and plain data (:mod:`llama_megatron.checkpoint.safe_load`):
 :func:`verify_load` checks every file a load may open before anything is built, and DeepSpeed's engine reads its
@@ -50,23 +50,24 @@ def check_resume_layout(meta: CheckpointMeta, tensor: int, pipeline: int, load_d
         )
 
 
-def needs_universal(meta: CheckpointMeta, data_parallel: int) -> bool:
-    """ZeRO partitions optimizer state over DP; another DP degree needs DeepSpeed's universal checkpoint."""
-    return meta.data_parallel != data_parallel and meta.zero_stage >= 1
+def needs_universal(meta: CheckpointMeta, partitions: int) -> bool:
+    """ZeRO partitions optimizer state over DeepSpeed's data-parallel group (DP x CP); another DP x CP degree needs
+    DeepSpeed's universal checkpoint."""
+    return meta.zero_partitions != partitions and meta.zero_stage >= 1
 
 
 def universal_tag(tag: str) -> str:
     return f"{tag}_universal"
 
 
-def verify_load(load_dir: str, meta: CheckpointMeta, data_parallel: int | None) -> None:
+def verify_load(load_dir: str, meta: CheckpointMeta, partitions: int | None) -> None:
     """Check every file this load may open, weights-only, before any process group or output exists: the tag,
-    and the universal checkpoint beside it when a resume at another DP degree (``data_parallel``; None for
+    and the universal checkpoint beside it when a resume at another DP x CP degree (``partitions``; None for
     fine-tuning) will load it. DeepSpeed reads universal checkpoints, and ``ds_to_universal`` the tag, with its
     own ``torch.load(weights_only=False)``: this check is what stands before those."""
     verify_checkpoint_dir(os.path.join(load_dir, meta.tag))
     universal = os.path.join(load_dir, universal_tag(meta.tag))
-    if data_parallel is not None and needs_universal(meta, data_parallel) and os.path.isdir(universal):
+    if partitions is not None and needs_universal(meta, partitions) and os.path.isdir(universal):
         verify_checkpoint_dir(universal)
 
 

@@ -128,10 +128,7 @@ class TrainingConfig:
             raise ConfigError(f"unknown training config keys: {', '.join(sorted(unknown))}")
         if "model" not in data:
             raise ConfigError("training config needs a 'model' section (a config path or an inline object)")
-        model = data.pop("model")
-        kwargs: dict[str, Any] = {
-            "model": ModelConfig.from_file(model) if isinstance(model, str) else ModelConfig.from_dict(model)
-        }
+        kwargs: dict[str, Any] = {"model": model_config(data.pop("model"))}
         if "parallel" in data:
             kwargs["parallel"] = ParallelConfig.from_dict(data.pop("parallel"))
         if "data" in data:
@@ -160,10 +157,7 @@ class TrainingConfig:
         if not isinstance(self.seq_length, int) or self.seq_length < 1:
             raise ConfigError(f"seq_length must be a positive integer, got {self.seq_length!r}")
         self.parallel.validate(self.model)
-        if self.parallel.sequence_parallel and self.seq_length % self.parallel.tensor:
-            raise ConfigError(
-                f"sequence_parallel needs seq_length {self.seq_length} divisible by tensor {self.parallel.tensor}"
-            )
+        self.parallel.check_seq_length(self.seq_length)
         b = self.batch
         if b.micro_batch_size < 1 or b.global_batch_size < 1:
             raise ConfigError("batch.micro_batch_size and batch.global_batch_size must be >= 1")
@@ -212,6 +206,23 @@ class TrainingConfig:
         out["data"] = self.data.to_dict()
         out["lora"] = self.lora.to_dict() if self.lora else None
         return out
+
+
+def model_config(value: Any) -> ModelConfig:
+    """The ``model`` section: a path (a preset, an HF ``config.json`` or its directory), the config inline, or
+    ``{"path": ..., key: value, ...}``: the file with some keys replaced, e.g. a longer ``max_position_embeddings``
+    and a ``rope_scaling`` when a converted checkpoint is fine-tuned to a longer context."""
+    if isinstance(value, str):
+        return ModelConfig.from_file(value)
+    if not isinstance(value, dict):
+        raise ConfigError("the 'model' section must be a config path or an object")
+    if "path" not in value:
+        return ModelConfig.from_dict(value)
+    overrides = dict(value)
+    path = overrides.pop("path")
+    if not isinstance(path, str):
+        raise ConfigError(f"model.path must be a config path, got {path!r}")
+    return ModelConfig.from_dict({**ModelConfig.from_file(path).to_dict(), **overrides})
 
 
 def _section(section_cls, name: str, value: Any):

@@ -56,7 +56,9 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
     micro = config.batch.micro_batch_size
     accum = config.gradient_accumulation_steps(world_size)
     expected = {
-        "train_batch_size": config.batch.global_batch_size,
+        # DeepSpeed's data-parallel group is DP x CP (parallel/context.py): it counts each context rank's sequence
+        # shard of a sample as a sample of its own
+        "train_batch_size": config.batch.global_batch_size * config.parallel.context,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": config.optimizer.clip_grad,

@@ -4,13 +4,15 @@ Both are driven through one interface, ``train_step(micro_batches)`` and ``eval_
 micro batch is a :class:`MicroBatch` of this data-parallel rank.
 
 The loss rule: a step's loss is sum(token losses over the unmasked labels of the global batch) / (number of
-unmasked labels in the global batch), independent of the micro batch count, DP and PP. DeepSpeed divides each micro
-batch's loss by the gradient accumulation steps M and averages gradients over the DP ranks, so each micro batch's
-loss is its sum of token losses divided by N / (M x DP), N the global count: the host counts its labels (CPU
-tensors, before they move), one all-reduce over DP per step sums the counts, and the divisor rides with the labels
-(``(labels, divisor)``, to the last stage's loss_fn under PP). Pretraining batches, all of whose labels count, get
-the divisor micro_batch x seq_length: exactly the per-micro-batch token mean they always had. Evaluation uses the
-same rule over its batches.
+unmasked labels in the global batch), independent of the micro batch count, DP, CP and PP. DeepSpeed divides each
+micro batch's loss by the gradient accumulation steps M and averages gradients over its data-parallel group, which
+is DP x CP (parallel/context.py), so each rank's micro batch loss is the sum of its token losses (of its sequence
+shard, under CP) divided by N / (M x DP x CP), N the global count: the host counts its labels (CPU tensors, before
+they move), one all-reduce over DP x CP per step sums the counts, and the divisor rides with the labels
+(``(labels, divisor)``, to the last stage's loss_fn under PP). The CP ranks' losses of a sample then add up to its
+share of the global mean, as one rank holding the whole sample computes it. Pretraining batches, all of whose
+labels count, get the divisor micro_batch x seq_length / CP: the per-micro-batch token mean they always had.
+Evaluation uses the same rule over its batches.
 """
 
 from __future__ import annotations
@@ -104,9 +106,10 @@ class TrainingEngine:
             return None
         count = to_device(torch.tensor(sum(mb.num_targets() for mb in micro_batches), dtype=torch.int64),
                           self.device)
-        if self.pctx.dp_size > 1:
-            dist.all_reduce(count, group=self.pctx.dp_group)
-        return (count.clamp(min=1).double() / (len(micro_batches) * self.pctx.dp_size)).float()
+        ranks = self.pctx.dp_cp_size  # the group DeepSpeed averages gradients over
+        if ranks > 1:
+            dist.all_reduce(count, group=self.pctx.dp_cp_group)
+        return (count.clamp(min=1).double() / (len(micro_batches) * ranks)).float()
 
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()
@@ -133,7 +136,8 @@ class TrainingEngine:
         return (sharded + replicated).sqrt()
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.pctx.dp_size > 1:
-            dist.all_reduce(value, group=self.pctx.dp_group)
-            value = value / self.pctx.dp_size
+        """Mean over DP x CP: each rank's loss is its share scaled by the rank count (the loss rule)."""
+        if self.pctx.dp_cp_size > 1:
+            dist.all_reduce(value, group=self.pctx.dp_cp_group)
+            value = value / self.pctx.dp_cp_size
         return value

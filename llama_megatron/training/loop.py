@@ -52,11 +52,13 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
             log.info(f"{split} data: {describe()}")
 
     tokens_per_step = config.batch.global_batch_size * config.seq_length
+    # the full sequence length: under CP each rank attends over whole sequences for 1/CP of the heads, so the
+    # step's FLOPs are those of the unsharded model, shared by all world_size ranks (per device: / world size)
     flops_per_step = training_flops_per_token(config.model, config.seq_length) * tokens_per_step
     peak = device_peak_tflops(config.logging.peak_tflops)
     log.info(
         f"training {config.model.num_parameters() / 1e6:.1f}M parameters | tensor {pctx.tp_size} pipeline "
-        f"{pctx.pp_size} data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
+        f"{pctx.pp_size} context {pctx.cp_size} data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
         f"{config.batch.global_batch_size} x {config.seq_length} tokens | steps {step + 1}..{config.train.steps}"
     )
     last_metrics: dict = {}
@@ -100,7 +102,7 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
 def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None) -> None:
     meta = CheckpointMeta(
         step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size,
-        data_parallel=pctx.dp_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
+        data_parallel=pctx.dp_size, context=pctx.cp_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
         padded_vocab_size=config.parallel.padded_vocab_size(config.model.vocab_size), lora=lora,
     )
     tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx.rank)

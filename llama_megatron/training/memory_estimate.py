@@ -14,6 +14,11 @@ Activations count the tensors autograd saves for backward in this repository's l
 would use on a GPU (``kernels``: ``auto`` = the fast kernels): the reference kernels (SDPA with K/V repeated for
 GQA, the fp32 softmax of the full logits kept for the loss's backward) or the fast ones (K/V not repeated, fused
 norms and SwiGLU, the chunked loss keeping only its input's and weight's gradients).
+
+Context parallelism divides every token-sized activation by CP (a rank holds s / CP tokens; after the Ulysses
+all-to-all its attention holds all s tokens for 1/CP of the heads, the same bytes) except the full-length position
+ids; it adds the attention output in both layouts (before and after the all-to-all back), K/V repeated for the
+all-to-all when the KV heads do not split over CP, and ZeRO partitions over DP x CP.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from llama_megatron.config import ModelConfig
+from llama_megatron.config import ModelConfig, kv_head_repeats
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import kernel_choice
 from llama_megatron.model.param_layout import ParamLayout
@@ -69,6 +74,7 @@ class StageEstimate:
 class Estimate:
     world_size: int
     data_parallel: int
+    context: int
     zero: int
     precision: str
     optimizer_wrapper: str
@@ -185,20 +191,22 @@ def _states(params: list[tuple[int, bool]], ds: dict, wrapper: str, dp: int, e: 
 
 
 def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> int:
-    """Saved-for-backward bytes of one decoder layer, per TP rank (llama_megatron/model/*.py)."""
-    m, t, s = config.model, config.parallel.tensor, config.seq_length
+    """Saved-for-backward bytes of one decoder layer, per TP and CP rank (llama_megatron/model/*.py)."""
+    m, t, s, cp = config.model, config.parallel.tensor, config.seq_length, config.parallel.context
     sp = config.parallel.sequence_parallel
     h, hd = m.hidden_size, m.head_dim
-    tokens = b * s
+    tokens = b * s // cp
     norms = 2 * _norm_bytes(tokens, h, t if sp else 1, e, fast)  # input and post-attention norms
     q_width = m.num_attention_heads * hd // t
     lse = 4 * tokens * m.num_attention_heads // t  # the attention kernel's fp32 logsumexp per head
-    if fast:  # q, k, v (K/V heads not repeated) and the output
-        attention = e * tokens * (2 * q_width + 2 * m.num_key_value_heads * hd // t) + lse
+    kv_width = m.num_key_value_heads // t * kv_head_repeats(m.num_key_value_heads // t, cp) * hd
+    ulysses = e * tokens * q_width if cp > 1 else 0  # the output after the all-to-all back (o_proj's input)
+    if fast:  # q, k, v (K/V heads not repeated, unless for the CP all-to-all) and the output
+        attention = e * tokens * (2 * q_width + 2 * kv_width) + lse + ulysses
         mlp = 3 * e * tokens * m.intermediate_size // t  # gate_up output (2f), product
         rotary = 2 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 (fp32: the shared tensors)
     else:  # SDPA saves q, k and v (k, v repeated to the query heads) and its output
-        attention = 4 * e * tokens * q_width + lse
+        attention = 4 * e * tokens * q_width + lse + ulysses
         mlp = 4 * e * tokens * m.intermediate_size // t  # gate_up output (2f), silu output, product
         rotary = 4 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 once per q and k
     return norms + attention + rotary + mlp
@@ -228,7 +236,8 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
     """Bytes on a stage with ``kinds`` for one micro batch: (saved for backward, recomputed span, logits/loss)."""
     m, t, s = config.model, config.parallel.tensor, config.seq_length
     sp = config.parallel.sequence_parallel
-    tokens = b * s
+    ids = 8 * b * s  # int64 position ids: full length on every rank, also under CP
+    tokens = b * s // config.parallel.context  # this CP rank's tokens
     hidden_local = tokens * m.hidden_size // (t if sp else 1)
     layer = _decoder_layer_bytes(config, b, e, fast)
     saved = 0
@@ -239,7 +248,7 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
             worst_span = max(worst_span, count * layer)
         else:
             saved += count * layer
-    saved += 8 * tokens if worst_span else 0  # position ids, an input of every recomputed span
+    saved += ids if worst_span else 0  # position ids, an input of every recomputed span
     if "DecoderLayerPipe" in kinds:  # RoPE's fp32 cos and sin, made once per micro batch for the stage
         saved += 8 * tokens * m.head_dim
     if "EmbeddingPipe" == kinds[0]:
@@ -262,9 +271,9 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
     if pipelined:  # payload buffers DeepSpeed keeps per in-flight micro batch
         partitioned = t > 1 and not sp and config.parallel.pipeline > 1
         if kinds[0] != "EmbeddingPipe" and not partitioned:
-            saved += e * hidden_local + 8 * tokens  # received input (the forward runs on a clone)
+            saved += e * hidden_local + ids  # received input (the forward runs on a clone)
         if "FinalNormPipe" not in kinds:
-            saved += e * hidden_local // (t if partitioned else 1) + 8 * tokens  # sent output
+            saved += e * hidden_local // (t if partitioned else 1) + ids  # sent output
     return saved, worst_span, logits
 
 
@@ -274,6 +283,7 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     tp, pp = par.tensor, par.pipeline
     par.check_world_size(world_size)
     dp = config.data_parallel_size(world_size)
+    partitions = dp * par.context  # ZeRO partitions over DeepSpeed's data-parallel group, DP x CP
     b = micro_batch_size or config.batch.micro_batch_size
     batch = BatchConfig(b, config.batch.global_batch_size)
     if batch.global_batch_size % (b * dp):
@@ -287,7 +297,7 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     kernels = kernel_choice(config.kernels, "cuda")  # a GPU's kernels: what the estimate is for
     fast = kernels != "reference"
     bounds = [0, len(layers)] if pp == 1 else _stage_bounds(layers, pp, config.pipeline.partition_method)
-    result = Estimate(world_size, dp, zero_stage(ds), prec, wrapper, b, micro_batches, kernels)
+    result = Estimate(world_size, dp, par.context, zero_stage(ds), prec, wrapper, b, micro_batches, kernels)
     for stage in range(pp):
         mine = layers[bounds[stage]:bounds[stage + 1]]
         if pp == 1 and config.model.tie_word_embeddings:
@@ -299,13 +309,13 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
             stage=stage, decoder_layers=kinds.count("DecoderLayerPipe"),
             activations_per_micro_batch=saved, in_flight=min(pp - stage, micro_batches), recompute=recompute,
             logits=logits,
-            **_states(params, ds, wrapper, dp, e)))
+            **_states(params, ds, wrapper, partitions, e)))
     return result
 
 
 def largest_micro_batch(config: TrainingConfig, ds: dict, world_size: int, gpu_bytes: int) -> int | None:
     """The largest micro batch dividing global_batch / DP (so the global batch stays) whose peak fits."""
-    dp = world_size // (config.parallel.tensor * config.parallel.pipeline)
+    dp = config.data_parallel_size(world_size)
     per_rank = config.batch.global_batch_size // dp
     for b in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
         if estimate(config, ds, world_size, b).peak_gpu <= gpu_bytes:

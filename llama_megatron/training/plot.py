@@ -55,6 +55,8 @@ def legend_label(run: Run) -> str:
         return run.name
     i = run.info
     layout = f"TP{i['tensor']} PP{i['pipeline']} DP{i['data_parallel']}" + (" SP" if i.get("sequence_parallel") else "")
+    if i.get("context", 1) > 1:
+        layout += f" CP{i['context']}"
     return f"{run.name} ({layout}, ZeRO-{i['zero_stage']} {i['precision']})"
 
 

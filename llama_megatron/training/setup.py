@@ -97,6 +97,16 @@ def _check_tokenizer(config: TrainingConfig) -> int | None:
     return tokenizer.eos_id
 
 
+# What context extension changes: a fine-tuning start may set them anew (the weights do not depend on them).
+CONTEXT_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling")
+
+
+def _model_differences(saved: dict, run: dict, finetune: bool) -> list[str]:
+    """Keys of the model config that differ between a checkpoint and this run (a resume must change none)."""
+    keys = sorted(set(saved) | set(run))
+    return [k for k in keys if saved.get(k) != run.get(k) and not (finetune and k in CONTEXT_KEYS)]
+
+
 def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int) -> CheckpointMeta | None:
     if not load_dir:
         return None
@@ -111,10 +121,13 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
             f"checkpoint {load_dir}/{meta.tag} pads the vocab to {meta.padded_vocab_size}, this "
             f"run to {padded}: set parallel.make_vocab_size_divisible_by to match, or reshard the checkpoint"
         )
-    if meta.model != config.model.to_dict():
-        raise ConfigError(f"checkpoint {load_dir}/{meta.tag} holds a different model config "
-                          "than this run's model section")
-    ckpt.verify_load(load_dir, meta, None if finetune else config.data_parallel_size(world_size))
+    differences = _model_differences(meta.model, config.model.to_dict(), finetune)
+    if differences:
+        hint = "" if finetune else f"; a fine-tuning start may change {', '.join(CONTEXT_KEYS)}"
+        raise ConfigError(f"checkpoint {load_dir}/{meta.tag} holds a different model config than this run's model "
+                          f"section ({', '.join(differences)}){hint}")
+    partitions = config.data_parallel_size(world_size) * config.parallel.context  # DeepSpeed's DP group
+    ckpt.verify_load(load_dir, meta, None if finetune else partitions)
     return meta
 
 
@@ -158,7 +171,8 @@ def start_process_groups(pre: Preflight) -> ParallelContext:
     """torch.distributed, the TP/PP/DP groups, and the seeds."""
     config = pre.config
     init_distributed()
-    pctx = ParallelContext.build(config.parallel.tensor, config.parallel.pipeline, config.parallel.sequence_parallel)
+    par = config.parallel
+    pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context)
     _seed_everything(config.seed)
     return pctx
 
@@ -171,7 +185,7 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
                     config.logging.wandb_project, config.to_dict())
     if pctx.rank == 0:
         info = {"world_size": pctx.world_size, "tensor": pctx.tp_size, "pipeline": pctx.pp_size,
-                "data_parallel": pctx.dp_size, "sequence_parallel": pctx.sequence_parallel,
+                "context": pctx.cp_size, "data_parallel": pctx.dp_size, "sequence_parallel": pctx.sequence_parallel,
                 "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
@@ -203,8 +217,9 @@ def open_session(config: TrainingConfig, ds_source=None) -> Session:
     pctx, log = start(pre)
     meta = pre.checkpoint
     load_tag = meta.tag if meta else None
-    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_size):
-        log.info(f"data parallel {meta.data_parallel} -> {pctx.dp_size}: loading through a universal checkpoint")
+    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size):
+        log.info(f"ZeRO partitions (data parallel x context) {meta.data_parallel} x {meta.context} -> "
+                 f"{pctx.dp_size} x {pctx.cp_size}: loading through a universal checkpoint")
         load_tag = ckpt.ensure_universal(pre.load_dir, meta.tag, pctx.rank)
         pre.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     engine = TrainingEngine(config, pre.ds_config, pctx, load_model(pre, pctx))

@@ -36,8 +36,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         valid_cols = vocab_size - vocab_start
         want_hidden_grad, want_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight_grad \
-            else None
+        grad_weight = None  # fp32, made by the first chunk's matmul (zeros + an accumulating one is slower)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             h = hidden[start:start + chunk_tokens]
@@ -60,7 +59,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             sum_exp, target_logit = stats[0], stats[1]
             ignored = t == ignore_index
             total += (sum_exp.log() - target_logit).masked_fill(ignored, 0.0).sum()
-            if grad_hidden is None and grad_weight is None:
+            if grad_hidden is None and not want_weight_grad:
                 continue
             logits.div_(sum_exp.unsqueeze(-1))  # softmax; minus one at the target: d(loss)/d(logits)
             logits.scatter_add_(-1, local_t.unsqueeze(-1), -(~not_here).to(logits.dtype).unsqueeze(-1))
@@ -68,11 +67,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_logits = logits.to(weight.dtype)
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:start + chunk_tokens])
-            if grad_weight is not None:
-                if weight.dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.t(), h)
+            if want_weight_grad:
+                chunk_grad = grad_logits.t() @ h
+                if grad_weight is None:
+                    grad_weight = chunk_grad.float()
                 else:
-                    grad_weight += (grad_logits.t() @ h).float()
+                    grad_weight += chunk_grad
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total

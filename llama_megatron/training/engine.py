@@ -100,8 +100,8 @@ class TrainingEngine:
         return iter([mb.to(self.device).pipeline_inputs(divisor) for mb in micro_batches])
 
     def _loss_divisor(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
-        """N / (M x DP) of the loss rule (module docstring), on the device; None on pipeline stages without the
-        loss (a DP group lies within one stage, so skipping its all-reduce there is safe)."""
+        """N / (M x DP x CP) of the loss rule (module docstring), on the device; None on pipeline stages without
+        the loss (a DP x CP group lies within one stage, so skipping its all-reduce there is safe)."""
         if self.pipelined and not self.engine.is_last_stage():
             return None
         count = to_device(torch.tensor(sum(mb.num_targets() for mb in micro_batches), dtype=torch.int64),

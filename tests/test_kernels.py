@@ -141,6 +141,33 @@ def test_chunked_loss_without_grad() -> None:
         torch.testing.assert_close(loss, _reference_loss_sum(hidden, weight, target, pctx, 37))
 
 
+def test_chunked_loss_results_outlive_its_scratch() -> None:
+    """The logits scratch is kept across calls (CPU): a later, larger call must not change what an earlier one
+    returned, and the earlier gradients stay those of a fresh process's reference."""
+    pctx = ParallelContext.single()
+    hidden, weight, target = _loss_case(torch.float32, rows=40, vocab_size=37)
+    loss = linear_cross_entropy_sum(hidden, weight, target, pctx, 37, chunk_tokens=33)
+    loss.backward()
+    first = (loss.detach().clone(), hidden.grad.clone(), weight.grad.clone())
+    big_hidden, big_weight, big_target = _loss_case(torch.float32, rows=40, vocab_size=37, seed=1, tokens=(7, 13))
+    linear_cross_entropy_sum(big_hidden, big_weight, big_target, pctx, 37).backward()
+    for kept, now in zip(first, (loss, hidden.grad, weight.grad)):
+        assert torch.equal(kept, now)
+    ref_hidden, ref_weight, _ = _loss_case(torch.float32, rows=40, vocab_size=37)
+    _reference_loss_sum(ref_hidden, ref_weight, target, pctx, 37).backward()
+    torch.testing.assert_close(weight.grad, ref_weight.grad, **TOL[torch.float32])
+
+
+def test_chunked_loss_backward_runs_once() -> None:
+    """Backward scales the stored gradients in place, so a second backward through a retained graph is refused
+    instead of returning twice-scaled gradients."""
+    hidden, weight, target = _loss_case(torch.float32, rows=40, vocab_size=37)
+    loss = linear_cross_entropy_sum(hidden, weight, target, ParallelContext.single(), 37) / 29
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward can run once"):
+        loss.backward()
+
+
 def _tensor_parallel_loss_worker(rank: int, world_size: int) -> None:
     """Vocab 37 padded to 48 over TP2: rank 1 holds 13 real and 11 padded rows."""
     pctx = ParallelContext.build(tensor=world_size)

@@ -32,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.clone()
             logits[..., max(valid_cols, 0):] = float("-inf")
 
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.amax(dim=-1)
         _all_reduce(logits_max, dist.ReduceOp.MAX, pctx)
         shifted = logits - logits_max.unsqueeze(-1)
 

@@ -24,6 +24,18 @@ def test_gpu_throughput_smoke() -> None:
         assert attention[key]["ms"] > 0
 
 
+def test_trainer_throughput_smoke() -> None:
+    """Both trainers run under the deepspeed launcher on the tiny config (fp32 ZeRO-1) and are timed."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_throughput.py"), "--smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert line["ours_tokens_per_s"] > 0 and line["hf_trainer_tokens_per_s"] > 0
+    assert abs(line["ratio_vs_hf_trainer"] - line["ours_tokens_per_s"] / line["hf_trainer_tokens_per_s"]) < 2e-3
+    assert (line["zero"], line["precision"], line["timed_steps"]) == (1, "fp32", 2)
+
+
 def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
     """parallel_overhead.py at CP2 x TP2 with SP and one KV head per TP rank (repeated for the all-to-all), 4
     processes: the bytes the Ulysses all-to-alls send per decoder layer equal the analytic volume exactly."""

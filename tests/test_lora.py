@@ -267,6 +267,7 @@ def test_engines_train_adapters_only_and_tp_does_not_change_them(tmp_path, monke
 # --- whole runs under the launcher: layouts agree, resume, export to PEFT and merged HF weights -------------------
 
 RUN_LORA = '{"rank": 4, "alpha": 8, "dropout": 0.0}'  # all seven targets
+DROPOUT_LORA = '{"rank": 4, "alpha": 8, "dropout": 0.2}'
 RUN_STEPS = 10
 
 
@@ -303,8 +304,8 @@ def bases(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-def _lora_run(prefix: str, out: str, base: str, *extra: str) -> list[str]:
-    return [f"data.prefix={prefix}", f"output_dir={out}", f"lora={RUN_LORA}", f"checkpoint.load={base}",
+def _lora_run(prefix: str, out: str, base: str, *extra: str, lora: str = RUN_LORA) -> list[str]:
+    return [f"data.prefix={prefix}", f"output_dir={out}", f"lora={lora}", f"checkpoint.load={base}",
             "checkpoint.finetune=true", f"checkpoint.save={out}/ckpt", f"train.steps={RUN_STEPS}", *extra]
 
 
@@ -318,16 +319,19 @@ LORA_LAYOUTS = {  # TP2 against TP1, each from the base converted at TP2
 
 @pytest.fixture(scope="module")
 def lora_runs(data_prefix, bases, tmp_path_factory) -> dict[str, str]:
-    """TP1 (checkpoints at 5 and 10, validation at 10), the TP2 layouts in one 4-process launch, and the TP1 run
-    resumed from step 5."""
+    """TP1 (checkpoints at 5 and 10, validation at 10), the TP2 layouts in one 4-process launch, the TP1 run
+    resumed from step 5, and the same two TP1 runs with adapter dropout."""
     work = tmp_path_factory.mktemp("lora-runs")
-    dirs = {name: str(work / name) for name in ("tp1", "resumed", *LORA_LAYOUTS)}
+    dirs = {name: str(work / name) for name in ("tp1", "resumed", "dropout", "dropout-resumed", *LORA_LAYOUTS)}
     launch(1, CONFIG, _lora_run(data_prefix, dirs["tp1"], bases["tp1"], "checkpoint.interval=5", "eval.interval=10"))
     launch_many(4, [train_args(CONFIG, _lora_run(data_prefix, dirs[name], bases["tp2"], *extra))
                     for name, extra in LORA_LAYOUTS.items()], str(work / "runs.json"))
-    launch(1, CONFIG, [f"data.prefix={data_prefix}", f"output_dir={dirs['resumed']}", f"lora={RUN_LORA}",
-                       f"checkpoint.load={dirs['tp1']}/ckpt", "checkpoint.tag=global_step5",
-                       f"train.steps={RUN_STEPS}"])
+    launch(1, CONFIG, _lora_run(data_prefix, dirs["dropout"], bases["tp1"], "checkpoint.interval=5",
+                                lora=DROPOUT_LORA))
+    for run, resumed, lora in (("tp1", "resumed", RUN_LORA), ("dropout", "dropout-resumed", DROPOUT_LORA)):
+        launch(1, CONFIG, [f"data.prefix={data_prefix}", f"output_dir={dirs[resumed]}", f"lora={lora}",
+                           f"checkpoint.load={dirs[run]}/ckpt", "checkpoint.tag=global_step5",
+                           f"train.steps={RUN_STEPS}"])
     return dirs
 
 
@@ -336,6 +340,15 @@ def test_lora_layouts_match_tp1(name, lora_runs) -> None:
     reference = losses(lora_runs["tp1"])
     assert reference[RUN_STEPS] < reference[1] - 0.05, "the adapters must learn"
     assert_losses_close(losses(lora_runs[name]), reference, 1e-5, range(1, RUN_STEPS + 1))
+
+
+def test_lora_resume_with_dropout_is_exact(lora_runs) -> None:
+    """Dropout masks come from each rank's RNG, which the checkpoint saves and the resume restores: the resumed run
+    draws the masks the uninterrupted one drew (and dropout did change the run)."""
+    uninterrupted = losses(lora_runs["dropout"])
+    assert_losses_close(losses(lora_runs["dropout-resumed"]), uninterrupted, 1e-6, range(6, RUN_STEPS + 1))
+    assert abs(uninterrupted[RUN_STEPS] - losses(lora_runs["tp1"])[RUN_STEPS]) > 1e-4
+    assert os.path.isfile(os.path.join(lora_runs["dropout"], "ckpt", "global_step5", "rng_state_rank00000.pt"))
 
 
 def test_lora_resume_is_exact(lora_runs) -> None:

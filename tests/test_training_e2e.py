@@ -394,7 +394,7 @@ def test_restarted_job_resumes_after_a_rank_is_killed(two_rank_runs, data_prefix
 
     monkeypatch.delenv("KILL_AT_STEP")
     second = launch(2, CONFIG, args, entry=entry)
-    assert f"resumed from checkpoint {ckpt_dir}/global_step6 (step 6)" in second.stdout
+    assert f"resumed from checkpoint {ckpt_dir}/global_step6 (step 6; RNG state restored)" in second.stdout
     assert open(os.path.join(ckpt_dir, "latest")).read() == "global_step10"
     steps = [r["step"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "loss" in r]
     assert steps == [*range(1, 8), *range(7, 11)]  # the restart redoes step 7, whose checkpoint was never written

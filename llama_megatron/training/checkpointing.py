@@ -12,6 +12,10 @@ Nothing in a checkpoint is unpickled beyond tensors and plain data (:mod:`llama_
 :func:`verify_load` checks every file a load may open before anything is built, and DeepSpeed's engine reads its
 files through our loader. ``checkpoint.load: "auto"`` resumes from ``checkpoint.save`` when it holds a ``latest``
 (a job restarted with the same command) and starts fresh otherwise.
+
+Each rank also saves its torch RNG state (``rng_state_rank{R}.pt``: CPU and CUDA generators), the state dropout
+masks (LoRA's) are drawn from; a resume in the same layout (TP, PP, DP, CP) restores it, so the run continues
+as if uninterrupted. Under another layout ranks draw different streams anyway, so it is not restored there.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ import torch
 
 from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, TMP_PREFIX, CheckpointMeta, step_tag
-from llama_megatron.checkpoint.safe_load import load_through_safe_engine, verify_checkpoint_dir
+from llama_megatron.checkpoint.safe_load import (
+    load_state_file,
+    load_through_safe_engine,
+    verify_checkpoint_dir,
+)
 from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError
 from llama_megatron.parallel.launch import barrier
@@ -91,6 +99,28 @@ def ensure_universal(load_dir: str, tag: str, rank: int) -> str:
     return converted
 
 
+RNG_FILE = "rng_state_rank{:05d}.pt"
+
+
+def _save_rng_state(tag_dir: str, rank: int) -> None:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    torch.save(state, os.path.join(tag_dir, RNG_FILE.format(rank)))
+
+
+def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
+    """This rank's RNG state as saved with ``tag`` (same layout only); False for checkpoints without one."""
+    path = os.path.join(load_dir, tag, RNG_FILE.format(rank))
+    if not os.path.isfile(path):
+        return False
+    state = load_state_file(path)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    return True
+
+
 def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, rank: int) -> str:
     tag = step_tag(meta.step)
     tmp_tag = TMP_PREFIX + tag
@@ -105,6 +135,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
     # a LoRA run saves its adapters (and their optimizer state) only: the base is the checkpoint meta.lora names
     engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False,
                                   exclude_frozen_parameters=lora is not None)
+    _save_rng_state(os.path.join(save_dir, tmp_tag), rank)
     barrier()
     if rank == 0:
         tmp_dir, final_dir = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)

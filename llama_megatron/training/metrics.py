@@ -30,7 +30,8 @@ def device_peak_tflops(configured: float | None) -> float | None:
 
 def measured_matmul_tflops(n: int = 1024, repeats: int = 5) -> float:
     """fp32 matmul throughput of this process (its threads), the CPU's practical peak."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    generator = torch.Generator().manual_seed(0)  # its own: the global RNG's stream is the run's (dropout masks)
+    a, b = torch.randn(n, n, generator=generator), torch.randn(n, n, generator=generator)
     a @ b
     start = time.perf_counter()
     for _ in range(repeats):

@@ -229,7 +229,10 @@ def open_session(config: TrainingConfig, ds_source=None) -> Session:
     elif meta:
         ckpt.load_checkpoint(engine, pre.load_dir, load_tag)
         step, consumed = meta.step, meta.consumed_samples
-        log.info(f"resumed from checkpoint {pre.load_dir}/{meta.tag} (step {meta.step})")
+        same_layout = (meta.tensor, meta.pipeline, meta.data_parallel, meta.context) == (
+            pctx.tp_size, pctx.pp_size, pctx.dp_size, pctx.cp_size)
+        rng = "restored" if same_layout and ckpt.restore_rng_state(pre.load_dir, meta.tag, pctx.rank) else "fresh"
+        log.info(f"resumed from checkpoint {pre.load_dir}/{meta.tag} (step {meta.step}; RNG state {rng})")
     elif config.checkpoint.load == AUTO_LOAD:
         log.info(f"no checkpoint in {config.checkpoint.save} yet: starting fresh (checkpoint.load auto)")
     if config.lora:

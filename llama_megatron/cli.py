@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from llama_megatron.errors import LlamaMegatronError
+from llama_megatron.errors import LlamaMegatronError, print_error
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(_load_verb(args.verb).run(args) or 0)
     except LlamaMegatronError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 2
 
 

@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 
-from llama_megatron.errors import LlamaMegatronError
+from llama_megatron.errors import LlamaMegatronError, print_error
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except LlamaMegatronError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print_error(exc)
         return 2
 
 

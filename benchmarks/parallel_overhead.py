@@ -36,6 +36,8 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from llama_megatron.parallel.launch import launcher_command  # noqa: E402
+
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 1024}
 SEQ = 256
@@ -188,13 +190,11 @@ def ulysses_bytes_per_layer(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> f
 
 def _launch(cfg: dict, args: argparse.Namespace) -> dict:
     """Run the worker for ``cfg`` under the deepspeed launcher; its measurements."""
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     ranks = cfg["tp"] * cfg["pp"] * cfg.get("cp", 1)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000),
-               os.path.abspath(__file__), "--worker", "--tp", str(cfg["tp"]), "--pp", str(cfg["pp"]),
-               "--cp", str(cfg.get("cp", 1)), "--micro-batches", str(cfg["micro_batches"]), "--steps",
+        cmd = [*launcher_command(ranks), os.path.abspath(__file__), "--worker", "--tp", str(cfg["tp"]), "--pp",
+               str(cfg["pp"]), "--cp", str(cfg.get("cp", 1)), "--micro-batches", str(cfg["micro_batches"]), "--steps",
                str(args.steps), "--seq", str(args.seq), "--result", result_path]
         if cfg.get("kv_heads"):
             cmd += ["--kv-heads", str(cfg["kv_heads"])]

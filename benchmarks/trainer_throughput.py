@@ -24,6 +24,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from gpu_throughput import have_liger  # noqa: E402  (this directory is the script's first import path)
+
+from llama_megatron.parallel.launch import launcher_command  # noqa: E402
 from llama_megatron.training.config import TrainingConfig  # noqa: E402
 from llama_megatron.training.deepspeed_config import load_deepspeed_json, precision, zero_stage  # noqa: E402
 
@@ -33,18 +36,9 @@ SMOKE_OVERRIDES = ["model=configs/models/tiny.json", "seq_length=64", "batch.mic
 HF_VARIANTS = {"hf_trainer": False, "hf_trainer_liger": True}  # name -> use_liger_kernel
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(num_gpus: int, entry: list[str], log_path: str) -> None:
-    """``entry`` under the deepspeed launcher (its module form: a ``--target`` install has no script)."""
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
-           "--master_port", str(_free_port()), *entry]
+    """``entry`` under the deepspeed launcher."""
+    cmd = [*launcher_command(num_gpus), *entry]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     with open(log_path, "w", encoding="utf-8") as log:
         result = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -138,15 +132,6 @@ def hf_tokens_per_s(args, variant: str, zero: int, work: str) -> float:
         raise SystemExit(f"{variant} ran ZeRO {measured['zero']} for {measured['steps']} steps, not ZeRO {zero} "
                          f"for {args.steps}: not comparable")
     return measured["tokens_per_s"]
-
-
-def have_liger() -> bool:
-    try:
-        import liger_kernel  # noqa: F401
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def main() -> None:

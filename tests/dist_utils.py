@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 
@@ -11,11 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from llama_megatron.parallel.launch import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:

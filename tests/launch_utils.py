@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from dist_utils import free_port
+from llama_megatron.parallel.launch import launcher_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,11 +39,8 @@ def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 6
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
             env.pop(key, None)
     else:
-        script = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        # where deepspeed was installed without its script (a --target install), its module is the launcher
-        runner = [script] if os.path.exists(script) else [sys.executable, "-m", "deepspeed.launcher.runner"]
         module_or_script = ["--module", *entry[1:]] if entry[0] == "-m" else entry
-        cmd = [*runner, "--num_gpus", str(nprocs), "--master_port", str(free_port()), *module_or_script, *args]
+        cmd = [*launcher_command(nprocs), *module_or_script, *args]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"

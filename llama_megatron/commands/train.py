@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 from llama_megatron.errors import LlamaMegatronError, print_error
@@ -34,11 +33,10 @@ def single_process_env() -> None:
     """Without a launcher, give DeepSpeed a one-process rendezvous instead of letting it probe for MPI."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from llama_megatron.parallel.launch import free_port
+
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.batch_cache import per_micro_batch
+from llama_megatron.parallel.context_parallel import context_shard
 
 
 def inverse_frequencies(config: ModelConfig, seq_len: int | None = None) -> torch.Tensor:
@@ -75,9 +76,7 @@ def _cos_sin(config: ModelConfig, position_ids: torch.Tensor, shard: int,
         inv_freq = inverse_frequencies(config, max_pos).to(position_ids.device)
     else:
         inv_freq = _inverse_frequencies_on(config, position_ids.device)
-    if shards > 1:
-        position_ids = position_ids.chunk(shards, dim=-1)[shard]
-    angles = _angles(inv_freq, position_ids)
+    angles = _angles(inv_freq, context_shard(position_ids, shard, shards, dim=-1))
     return angles.cos(), angles.sin()
 
 

@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 
 import torch
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a one-host rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_command(num_procs: int) -> list[str]:
+    """The ``deepspeed`` launcher for ``num_procs`` local processes on a free port, in its module form (a
+    ``pip install --target`` of DeepSpeed has no ``deepspeed`` script); append the script or ``--module`` entry."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
+            "--master_port", str(free_port())]
 
 
 def init_distributed(timeout_minutes: int = 30) -> None:

@@ -229,8 +229,8 @@ def open_session(config: TrainingConfig, ds_source=None) -> Session:
     elif meta:
         ckpt.load_checkpoint(engine, pre.load_dir, load_tag)
         step, consumed = meta.step, meta.consumed_samples
-        same_layout = (meta.tensor, meta.pipeline, meta.data_parallel, meta.context) == (
-            pctx.tp_size, pctx.pp_size, pctx.dp_size, pctx.cp_size)
+        # TP and PP are the checkpoint's already (preflight refuses a resume under others)
+        same_layout = (meta.data_parallel, meta.context) == (pctx.dp_size, pctx.cp_size)
         rng = "restored" if same_layout and ckpt.restore_rng_state(pre.load_dir, meta.tag, pctx.rank) else "fresh"
         log.info(f"resumed from checkpoint {pre.load_dir}/{meta.tag} (step {meta.step}; RNG state {rng})")
     elif config.checkpoint.load == AUTO_LOAD:

@@ -24,6 +24,19 @@ def test_gpu_throughput_smoke() -> None:
         assert attention[key]["ms"] > 0
 
 
+def test_cpu_document_attention_smoke() -> None:
+    """One small length, eager FlexAttention only: the script runs and reports time and error per variant."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "cpu_document_attention.py"), "--lengths", "40",
+         "--check-lengths", "", "--no-compiled", "--repeats", "1", "--heads", "4", "--kv-heads", "2",
+         "--head-dim", "8", "--doc-len", "9"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert line["ours_fast"]["max_abs_error"] < 1e-5 and line["flex_eager"]["max_abs_error"] < 1e-5
+    assert line["flex_eager_time_vs_ours"] > 0
+
+
 def test_trainer_throughput_smoke() -> None:
     """Both trainers run under the deepspeed launcher on the tiny config (fp32 ZeRO-1) and are timed."""
     result = subprocess.run(

@@ -8,6 +8,8 @@ as the reference path does (logits 1e-4, gradients 1e-4 relative), at TP1 and TP
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,12 @@ from test_model_parity import CASES, check_parity
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import REFERENCE, resolve_kernels
 from llama_megatron.model.kernels import reference as ref_ops
-from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention
+from llama_megatron.model.kernels.attention import (
+    FastAttention,
+    ReferenceAttention,
+    document_block_mask,
+    fast_attention_route,
+)
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
@@ -53,7 +60,10 @@ def _forward_backward(fn, inputs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_elementwise_kernels_match_reference(dtype) -> None:
-    b, s, groups, g, d, h = 2, 8, 2, 3, 16, 48
+    """On the machine the tests run on (its vector ISA decides the generated code). Hidden 44 and head_dim 20 (RoPE
+    halves of 10) leave a tail after 8-, 16- and 32-wide vectors as well as whole vectors: compiled CPU code handles
+    tails separately, and compiled FlexAttention was wrong at such lengths on an AVX2-only CPU."""
+    b, s, groups, g, d, h = 2, 5, 2, 3, 20, 44
     cos_sin = torch.randn(b, s, d).cos(), torch.randn(b, s, d).sin()
     cases = {
         "rms_norm": (lambda x, w: COMPILED.rms_norm(x, w, 1e-5), lambda x, w: ref_ops.rms_norm(x, w, 1e-5),
@@ -80,8 +90,9 @@ def _packed_segments(batch: int, seq: int) -> torch.Tensor:
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("packed", [False, True])
 def test_fast_attention_matches_reference(groups, packed) -> None:
-    """SDPA enable_gqa (no K/V copies) and, for packed documents, FlexAttention's block mask (CPU: forward
-    only, so it serves inference; CPU training takes the dense mask) equal the reference attention."""
+    """SDPA enable_gqa (no K/V copies) and, for packed documents, the dense document mask (the CPU route for
+    training and inference alike) equal the reference attention, forward and backward and under no_grad.
+    Sequence 24 is a length at which compiled FlexAttention was wrong on an AVX2-only CPU."""
     b, s, kv, d = 2, 24, 2, 8
     segments = _packed_segments(b, s) if packed else None
     shapes = [(b, s, kv * groups, d), (b, s, kv, d), (b, s, kv, d)]
@@ -91,10 +102,39 @@ def test_fast_attention_matches_reference(groups, packed) -> None:
                                              _leaves(*shapes, dtype=torch.float32))
     for got, want in zip(got_out + got_grads, want_out + want_grads):
         torch.testing.assert_close(got, want, **TOL[torch.float32])
-    with torch.no_grad():  # the inference path: FlexAttention on CPU when documents are packed
+    with torch.no_grad():  # the inference path (evaluation, generate's prefill of packed prompts)
         q, k, v = (t.detach() for t in _leaves(*shapes, dtype=torch.float32))
         torch.testing.assert_close(FastAttention()(q, k, v, segments), ReferenceAttention()(q, k, v, segments),
                                    **TOL[torch.float32])
+
+
+def test_fast_attention_route() -> None:
+    """FlexAttention only on CUDA; on CPU packed documents take the dense mask, with or without flash-attn
+    installed, in every dtype; flash-attn only for CUDA half precision."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for have_flash in (False, True):
+            assert fast_attention_route("cpu", dtype, packed=True, have_flash=have_flash) == "sdpa-dense-mask"
+            assert fast_attention_route("cpu", dtype, packed=False, have_flash=have_flash) == "sdpa-causal"
+    assert fast_attention_route("cuda", torch.float32, packed=True, have_flash=True) == "flex"
+    assert fast_attention_route("cuda", torch.bfloat16, packed=True, have_flash=False) == "flex"
+    assert fast_attention_route("cuda", torch.bfloat16, packed=False, have_flash=False) == "sdpa-causal"
+    assert fast_attention_route("cuda", torch.bfloat16, packed=True, have_flash=True) == "flash"
+
+
+def test_document_block_mask_matches_dense_mask() -> None:
+    """The FlexAttention block mask CUDA runs is the reference's document mask: eager flex_attention (correct on
+    every CPU, forward only) with it equals the reference attention, GQA included."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    b, s, kv, groups, d = 2, 24, 2, 4, 8
+    segments = _packed_segments(b, s)
+    q, k, v = (t.detach() for t in _leaves((b, s, kv * groups, d), (b, s, kv, d), (b, s, kv, d),
+                                           dtype=torch.float32))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is the slow path
+        got = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=document_block_mask(segments),
+                             enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, ReferenceAttention()(q, k, v, segments), **TOL[torch.float32])
 
 
 def _reference_loss_sum(hidden, weight, target, pctx, vocab_size):

@@ -78,23 +78,36 @@ class ReferenceAttention:
         return _sdpa(q, k, v, _trailing_causal_mask(q, k), enable_gqa=False, causal=False)
 
 
-class FastAttention:
-    """No K/V copies for GQA; packed documents without a dense [s, s] mask.
+def fast_attention_route(device_type: str, dtype: torch.dtype, packed: bool, have_flash: bool = HAVE_FLASH_ATTN) -> str:
+    """The kernel :class:`FastAttention` runs for inputs on ``device_type`` of ``dtype``.
 
-    flash-attn (dense and varlen) when installed and the inputs are CUDA fp16/bf16; otherwise SDPA with
-    ``enable_gqa``, and FlexAttention with a document block mask for packed documents. FlexAttention has no
-    backward on CPU, so CPU training falls back to the dense mask there (CPU inference uses FlexAttention).
+    ``flash`` (flash-attn, dense or varlen) for CUDA fp16/bf16 when installed; ``sdpa-causal`` without documents;
+    for packed documents ``flex`` (compiled FlexAttention, document block mask) on CUDA and ``sdpa-dense-mask``
+    everywhere else. FlexAttention never runs on CPU: torch 2.13's compiled ``flex_attention`` returns wrong values
+    there on AVX2-only CPUs (observed 1.9 abs off, and NaN, on an AMD EPYC without AVX-512; eager is right), and the
+    eager fallback is 7-8x slower than SDPA with the dense mask (``benchmarks/cpu_document_attention.py``).
     """
+    if have_flash and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return "flash"
+    if not packed:
+        return "sdpa-causal"
+    return "flex" if device_type == "cuda" else "sdpa-dense-mask"
 
-    name = "flash-attn (varlen for documents) | sdpa enable_gqa + FlexAttention document block mask"
+
+class FastAttention:
+    """No K/V copies for GQA; packed documents without a dense [s, s] mask on CUDA (:func:`fast_attention_route`)."""
+
+    name = "flash-attn (varlen for documents) | sdpa enable_gqa + FlexAttention document block mask (CUDA) " \
+           "or dense document mask (CPU)"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  segment_ids: torch.Tensor | None) -> torch.Tensor:
-        if HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # pragma: no cover
+        route = fast_attention_route(q.device.type, q.dtype, segment_ids is not None)
+        if route == "flash":  # pragma: no cover - CUDA only
             return _flash(q, k, v, segment_ids)
-        if segment_ids is None:
+        if route == "sdpa-causal":
             return _sdpa(q, k, v, None, enable_gqa=True)
-        if q.is_cuda or not (q.requires_grad or k.requires_grad or v.requires_grad):
+        if route == "flex":  # pragma: no cover - CUDA only
             return _flex(q, k, v, segment_ids)
         return _sdpa(q, k, v, _dense_mask(segment_ids), enable_gqa=True)
 
@@ -136,7 +149,8 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.
 
 
 def document_block_mask(segment_ids: torch.Tensor):
-    """FlexAttention BlockMask: causal within each document (compiled on CUDA, so no [s, s] mask is made)."""
+    """FlexAttention BlockMask: causal within each document (compiled on CUDA, so no [s, s] mask is made; eager
+    elsewhere, where only the tests build it)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):

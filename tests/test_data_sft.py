@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from chat_families import template
 from launch_utils import ROOT, run_command
 
 from llama_megatron.cli import main as cli_main
@@ -33,18 +34,6 @@ CHAT = Path(ROOT) / "data" / "chat"
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion")
 SHIPPED = (Path(TOKENIZER) / "chat_template.jinja").read_text(encoding="utf-8")
 ASSISTANT_TURN = "{{- ' ' ~ (message['content'] | trim) ~ ' ' ~ eos_token -}}"
-# Other template families (plain text markers here: the shipped tokenizer has no chat special tokens), with the
-# assistant turn inside {% generation %} so transformers can compute its own assistant mask.
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
-          "{% generation %}{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}{% else %}"
-          "{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
-          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
-          "{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-
-
 def shipped_tagged() -> str:
     assert ASSISTANT_TURN in SHIPPED
     return SHIPPED.replace(ASSISTANT_TURN, "{%- generation -%}" + ASSISTANT_TURN + "{%- endgeneration -%}")
@@ -61,7 +50,8 @@ def hf_tok():
 def templates(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("templates")
     paths = {}
-    for name, text in (("shipped", shipped_tagged()), ("chatml", CHATML), ("llama3", LLAMA3)):
+    for name, text in (("shipped", shipped_tagged()), ("chatml", template("chatml", "turn")),
+                       ("llama3", template("llama3", "turn"))):
         paths[name] = str(out / f"{name}.jinja")
         Path(paths[name]).write_text(text, encoding="utf-8")
     return paths
@@ -396,14 +386,26 @@ def test_preprocess_sft_verb_makes_what_data_path_caches(tmp_path, capsys) -> No
 
 
 def test_template_that_rewrites_earlier_turns_is_refused(tmp_path) -> None:
-    """A generation prompt unlike the header a finished turn gets (Qwen3-style thinking) cannot be masked by spans."""
-    path = tmp_path / "t.jinja"
-    path.write_text(CHATML.replace("{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start|>assistant\\n<think>' }}"),
-                    encoding="utf-8")
-    encoder = ChatEncoder(TOKENIZER, str(path))
-    messages = template_messages(to_messages(_conv("Hi?", "Hello.")))
+    """A generation prompt unlike the header a finished turn gets (Qwen3-style thinking): without markers its turns
+    cannot be located by rendering prefixes (refused); with markers they can, as transformers' own mask."""
+    from transformers import AutoTokenizer
+
     from llama_megatron.data.chat_template import TemplateRenderError
 
-    with pytest.raises(TemplateRenderError, match="before message 1 differently"):
-        encoder.encode(messages, [False, True])
-    assert encoder.encode(messages, None).trained[1:].all()  # masking: all needs no spans
+    messages = template_messages(to_messages(_conv("Hi?", "Hello.")))
+    for variant in ("plain", "eot"):
+        path = tmp_path / f"{variant}.jinja"
+        path.write_text(template("chatml", variant).replace("{{- '<|im_start|>assistant\\n' -}}{%- endif",
+                                                            "{{- '<|im_start|>assistant\\n<think>' -}}{%- endif"),
+                        encoding="utf-8")
+        encoder = ChatEncoder(TOKENIZER, str(path))
+        assert encoder.render([], add_generation_prompt=True).endswith("<think>")
+        assert encoder.encode(messages, None).trained[1:].all()  # masking: all needs no spans
+        if variant == "plain":
+            with pytest.raises(TemplateRenderError, match="before message 1 differently"):
+                encoder.encode(messages, [False, True])
+            continue
+        ref = AutoTokenizer.from_pretrained(TOKENIZER).apply_chat_template(
+            messages, chat_template=encoder.source, return_dict=True, return_assistant_tokens_mask=True)
+        assert encoder.encode(messages, [False, True]).trained[1:].tolist() == ref["assistant_masks"][1:]
+        assert sum(ref["assistant_masks"]) > 0

@@ -7,6 +7,11 @@ compiled kernels: chunked linear cross-entropy, document attention without masks
 (micro batch 2, 4 accumulation steps, reference kernels) step by step, training and validation loss, fp32,
 relative 1e-4. The padded TP1-PP1 run itself equals transformers.LlamaForCausalLM + torch AdamW with HF's
 ``num_items_in_batch`` loss (the global-batch token mean) on the same batches.
+
+Against TRL: a random HF LLaMA converted to TP2 is fine-tuned on twelve conversations with a template whose
+generation prompt ends in a space and whose markers leave text after the end of turn untrained, by TRL's
+``SFTTrainer`` (``assistant_only_loss``, one batch of all twelve per step) and by us at TP2-SP x DP2 and at TP2 x PP2
+(the same twelve per global batch, cut into micro batches): the losses of three steps agree to 1e-4 relative.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 
 import pytest
 import torch
+from chat_families import TOKENIZER, message_records, write_templates
 from launch_utils import ROOT, assert_losses_close, hf_adamw_twin, launch_many, losses, train_args
 
 from llama_megatron.data.sft_dataset import SFTShards
@@ -31,6 +37,13 @@ LAYOUTS = {  # name -> (reference, overrides)
     "packed-tp2-pp2-sp-micro1": ("packed", [*TP2_SP, "parallel.pipeline=2", "batch.micro_batch_size=1", ZERO1]),
     "padded-tp2-pp2-micro2": ("padded", ["parallel.tensor=2", "parallel.pipeline=2", ZERO1]),
     "packed-tp2-dp2-sp-micro4-compiled": ("packed", [*TP2_SP, "batch.micro_batch_size=4", ZERO1, "kernels=compiled"]),
+}
+
+
+TRL_STEPS, TRL_LR = 3, 2e-3
+TRL_LAYOUTS = {  # global batch 12 = every record, once per step
+    "trl-tp2-dp2-sp-micro3": [*TP2_SP, "batch.micro_batch_size=3"],
+    "trl-tp2-pp2-micro2": ["parallel.tensor=2", "parallel.pipeline=2", "batch.micro_batch_size=2"],
 }
 
 
@@ -52,11 +65,71 @@ def references(work) -> dict:
 
 
 @pytest.fixture(scope="module")
-def layouts(work, references) -> dict[str, dict]:
+def trl_case(work) -> dict:
+    """TRL's SFTTrainer on the twelve conversations from a random HF LLaMA (the e2e model), its per-step losses, and
+    what our runs need: the HF model converted to TP2, the JSONL, the template and the training overrides."""
+    pytest.importorskip("trl")
+    import shutil
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from llama_megatron.cli import main as cli_main
+
+    out = work / "trl"
+    out.mkdir()
+    config = TrainingConfig.from_file(CONFIG, ["data.cache_dir=unused"])
+    torch.manual_seed(7)
+    hf_dir = out / "hf"
+    LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict())).save_pretrained(hf_dir)
+    for name in os.listdir(TOKENIZER):
+        shutil.copy(os.path.join(TOKENIZER, name), hf_dir / name)
+    assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(out / "tp2"), "--tp", "2",
+                     "--make-vocab-size-divisible-by", str(config.parallel.make_vocab_size_divisible_by)]) == 0
+    template = write_templates(str(out))["bot", "eot"]
+    records = message_records()
+    jsonl = out / "chats.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer.chat_template = open(template, encoding="utf-8").read()
+    step_losses: list[float] = []
+
+    class Recording(SFTTrainer):
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            step_losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
+            return loss
+
+    args = SFTConfig(output_dir=str(out / "trainer"), assistant_only_loss=True, max_length=None, report_to=[],
+                     use_cpu=True, bf16=False, disable_tqdm=True, per_device_train_batch_size=len(records),
+                     gradient_accumulation_steps=1, max_steps=TRL_STEPS, learning_rate=TRL_LR,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+                     adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", save_strategy="no",
+                     logging_steps=1, seed=7)
+    trainer = Recording(model=LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32), args=args,
+                        train_dataset=Dataset.from_list(records), processing_class=tokenizer)
+    longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
+    trainer.train()
+    assert len(step_losses) == TRL_STEPS
+    overrides = [f"data.path={jsonl}", f"data.chat_template={template}", "data.split=100,0,0", "data.pack=false",
+                 f"seq_length={-(-longest // 8) * 8}", f"batch.global_batch_size={len(records)}",
+                 f"train.steps={TRL_STEPS}", f"optimizer.lr={TRL_LR}", f"optimizer.min_lr={TRL_LR}",
+                 "optimizer.decay_style=constant", "optimizer.warmup_steps=0", "optimizer.decay_steps=null",
+                 "optimizer.weight_decay=0.0", "optimizer.clip_grad=1.0", "optimizer.betas=[0.9,0.999]",
+                 "optimizer.eps=1e-8", "eval.interval=0", f"checkpoint.load={out / 'tp2'}", "checkpoint.finetune=true",
+                 ZERO1]
+    return {"losses": dict(enumerate(step_losses, start=1)), "overrides": overrides}
+
+
+@pytest.fixture(scope="module")
+def layouts(work, references, trl_case) -> dict[str, dict]:
     runs = [_args(work, name, *overrides, *(["data.pack=true"] if ref == "packed" else []))
             for name, (ref, overrides) in LAYOUTS.items()]
+    runs += [_args(work, name, *trl_case["overrides"], *overrides) for name, overrides in TRL_LAYOUTS.items()]
     launch_many(4, runs, str(work / "layouts.json"))
-    return {name: _metrics(work / name) for name in LAYOUTS}
+    return {name: _metrics(work / name) for name in [*LAYOUTS, *TRL_LAYOUTS]}
 
 
 def _metrics(out) -> dict:
@@ -114,3 +187,12 @@ def test_padded_reference_equals_hf_with_global_token_mean(references, work) -> 
         scheduler.step()
         assert abs(total - ours[step]) <= REL * ours[step], f"step {step}: HF {total} vs ours {ours[step]}"
     assert len(counts) > 5, "micro batches should hold different numbers of trained tokens"
+
+
+@pytest.mark.parametrize("name", list(TRL_LAYOUTS))
+def test_whole_batch_steps_equal_trl_sft_trainer(name, layouts, trl_case) -> None:
+    got, want = layouts[name]["loss"], trl_case["losses"]
+    print(f"{name}: largest relative difference from SFTTrainer "
+          f"{max(abs(got[s] - want[s]) / want[s] for s in want):.2g}")
+    assert_losses_close(got, want, REL, range(1, TRL_STEPS + 1))
+    assert trl_case["losses"][TRL_STEPS] < trl_case["losses"][1], "the steps should train"

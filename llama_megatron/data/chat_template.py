@@ -1,4 +1,4 @@
-"""Chat templates rendered exactly as ``transformers``' ``apply_chat_template``, plus the spans to train on.
+"""Chat templates rendered exactly as ``transformers``' ``apply_chat_template``, plus the tokens to train on.
 
 The template is the HF tokenizer's ``chat_template`` (``tokenizer_config.json`` or ``chat_template.jinja`` in its
 directory) or a Jinja file named in the config; a tokenizer without one and no file is an error, never a silent
@@ -7,16 +7,27 @@ fallback. Rendering uses transformers' environment (sandboxed, ``trim_blocks``/`
 dropped), and tokenising the rendered text uses the HF tokenizer with ``add_special_tokens=False``, so ids equal
 ``tokenizer.apply_chat_template(messages)`` (tested).
 
-Which characters an assistant turn owns is read from the template itself, whatever it looks like: rendering the
-conversation up to the turn with the generation prompt gives where the turn's text starts, and rendering it up to
-and including the turn gives where it ends (its end-of-turn / EOS text included, the role header excluded). Both
-renders must be prefixes of the whole conversation's text, else the template cannot be masked this way (an error).
+Which tokens are trained (docs/data.md, "Rendering and masks"), the same rule as transformers' and TRL's:
+
+- a template with ``{% generation %}`` markers: exactly what the markers enclose (transformers'
+  ``return_assistant_tokens_mask``, TRL's ``assistant_only_loss``), for the trained assistant turns;
+- a template without markers: the characters a trained assistant turn adds to the render (from the end of the
+  render up to it with the generation prompt to the end of the render through it: content, end of turn and
+  whatever the turn writes after it; never the header);
+- prompt/completion records: every token after the longest common prefix of the tokenised prompt (with the
+  generation prompt) and the tokenised whole record (TRL's ``completion_only_loss``), and, with markers, only
+  what they enclose as well.
+
+Characters become tokens by transformers' rule: from the token holding a span's first character through the token
+holding its last, so a token straddling either end of a span (``"▁Ju"`` after a generation prompt ending in a
+space) is trained.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -31,14 +42,19 @@ class TemplateRenderError(ValueError):
     """The template rejected a conversation (its ``raise_exception``, or a Jinja error): a bad record."""
 
 
-def _environment():
+# How transformers and TRL recognise a template with assistant markers.
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _environment(tracker: dict):
+    """transformers' chat-template environment. While ``tracker["rendered"]`` is a list (the pieces
+    ``Template.generate`` has yielded so far), each ``{% generation %}`` block appends its (start, end) character
+    range to ``tracker["blocks"]``, measured as transformers does (the length of what was yielded before it)."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
-        """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag) renders its body."""
-
         tags = {"generation"}
 
         def parse(self, parser):
@@ -47,7 +63,11 @@ def _environment():
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
         def _body(self, caller):
-            return caller()
+            text = caller()
+            if tracker.get("rendered") is not None:
+                start = sum(len(piece) for piece in tracker["rendered"])
+                tracker["blocks"].append((start, start + len(text)))
+            return text
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -133,8 +153,10 @@ class ChatEncoder:
         self.template_file = template_file
         self.tokenizer = load_hf_tokenizer(tokenizer_path)
         self.source = template_source(self.tokenizer, tokenizer_path, template_file)
+        self.has_markers = bool(GENERATION_MARKER.search(self.source))
+        self._tracker: dict = {}
         try:
-            self._template = _environment().from_string(self.source)
+            self._template = _environment(self._tracker).from_string(self.source)
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ConfigError(f"chat template of {template_file or tokenizer_path} does not compile: {exc}") from None
         self._variables = dict(self.tokenizer.special_tokens_map)
@@ -146,21 +168,38 @@ class ChatEncoder:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["tokenizer_path"], state["template_file"])
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        """The text ``tokenizer.apply_chat_template(messages, tokenize=False)`` gives."""
+    def _render(self, messages: Sequence[dict], add_generation_prompt: bool, rendered: list[str] | None,
+                blocks: list[tuple[int, int]] | None) -> str:
         import jinja2
 
+        self._tracker.update(rendered=rendered, blocks=blocks)
+        pieces = [] if rendered is None else rendered
         try:
-            return self._template.render(messages=[_template_message(m) for m in messages], tools=None,
-                                         documents=None, add_generation_prompt=add_generation_prompt,
-                                         **self._variables)
+            for piece in self._template.generate(
+                    messages=[_template_message(m) for m in messages], tools=None, documents=None,
+                    add_generation_prompt=add_generation_prompt, **self._variables):
+                pieces.append(piece)
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateRenderError(f"chat template: {exc}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise TemplateRenderError(f"chat template failed: {exc}") from None
+        finally:
+            self._tracker.update(rendered=None, blocks=None)
+        return "".join(pieces)
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        """The text ``tokenizer.apply_chat_template(messages, tokenize=False)`` gives."""
+        return self._render(messages, add_generation_prompt, None, None)
+
+    def render_with_generation_blocks(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character ranges its ``{% generation %}`` blocks produced."""
+        blocks: list[tuple[int, int]] = []
+        return self._render(messages, False, [], blocks), blocks
 
     def trained_spans(self, messages: Sequence[dict], trained: Sequence[bool], text: str) -> list[tuple[int, int]]:
-        """Character ranges of ``text`` (the whole rendered conversation) owned by the trained assistant turns."""
+        """Character ranges of ``text`` (the whole rendered conversation) that the trained assistant turns add to
+        the render: from the end of the render before the turn (with the generation prompt) to the end of the
+        render through it. For templates without markers."""
         spans = []
         for i, train in enumerate(trained):
             if not train:
@@ -171,25 +210,59 @@ class ChatEncoder:
                 if not text.startswith(prefix):
                     raise TemplateRenderError(
                         f"the chat template renders the conversation {name} message {i} differently when later "
-                        "messages follow, so its assistant turns cannot be located (use masking: all)")
+                        "messages follow, so its assistant turns cannot be located (add {% generation %} markers "
+                        "to the template, or use masking: all)")
             if len(end_text) <= len(start_text):
                 raise TemplateRenderError(f"message {i} renders to no text")
             spans.append((len(start_text), len(end_text)))
         return spans
 
-    def encode(self, messages: Sequence[dict], trained: Sequence[bool] | None) -> Encoded:
-        """Token ids of the rendered conversation; ``trained`` marks the assistant messages whose tokens (content and
-        end of turn) are targets, or None to train every token."""
-        text = self.render(messages)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    @staticmethod
+    def marked_spans(messages: Sequence[dict], trained: Sequence[bool],
+                     blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The generation blocks of the trained assistant turns: all of them when every assistant turn is trained
+        (transformers' mask), else one block per assistant message, in order."""
+        assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if all(trained[i] for i in assistants):
+            return blocks
+        if len(blocks) != len(assistants):
+            raise TemplateRenderError(
+                f"the chat template renders {len(blocks)} {{% generation %}} block(s) for {len(assistants)} "
+                "assistant message(s), so untrained assistant turns cannot be told apart (train every assistant "
+                "turn, or use masking: all)")
+        return [block for block, i in zip(blocks, assistants) if trained[i]]
+
+    def completion_start(self, messages: Sequence[dict], prompt_length: int, ids: Sequence[int]) -> int:
+        """TRL's start of the completion in ``ids`` (the whole record's tokens): the length of the common prefix
+        of ``ids`` and the tokenised prompt rendered with the generation prompt."""
+        prompt_text = self.render(messages[:prompt_length], add_generation_prompt=True)
+        prompt_ids = self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        common = 0
+        for a, b in zip(prompt_ids, ids):
+            if a != b:
+                break
+            common += 1
+        return common
+
+    def encode(self, messages: Sequence[dict], trained: Sequence[bool] | None,
+               prompt_length: int | None = None) -> Encoded:
+        """Token ids of the rendered conversation and its training mask. ``trained`` flags the assistant messages
+        that are targets (None: every token is); ``prompt_length`` makes it a prompt/completion record whose first
+        ``prompt_length`` messages are the prompt (the flags then only say whether every token is trained)."""
+        text, blocks = self.render_with_generation_blocks(messages)
+        enc = self.tokenizer(text, add_special_tokens=False)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
-        mask = np.zeros(ids.size, dtype=np.uint8)
         if trained is None:
-            mask[:] = 1
+            mask = np.ones(ids.size, dtype=np.uint8)
+        elif prompt_length is not None:
+            mask = np.zeros(ids.size, dtype=np.uint8)
+            mask[self.completion_start(messages, prompt_length, enc["input_ids"]):] = 1
+            if self.has_markers:
+                mask &= _token_mask(enc, blocks, ids.size)
+        elif self.has_markers:
+            mask = _token_mask(enc, self.marked_spans(messages, trained, blocks), ids.size)
         else:
-            starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-            for lo, hi in self.trained_spans(messages, trained, text):
-                mask[(starts >= lo) & (starts < hi)] = 1
+            mask = _token_mask(enc, self.trained_spans(messages, trained, text), ids.size)
         if mask.size:
             mask[0] = 0  # the first token has no context to predict it from
         return Encoded(ids, mask)
@@ -208,3 +281,16 @@ class ChatEncoder:
                     h.update(fh.read())
         return {"template_sha256": hashlib.sha256(self.source.encode()).hexdigest(),
                 "tokenizer_sha256": h.hexdigest()}
+
+
+def _token_mask(encoding, spans: Sequence[tuple[int, int]], size: int) -> np.ndarray:
+    """1 from the token holding each span's first character through the token holding its last (transformers'
+    ``return_assistant_tokens_mask``: a span starting with no token stops the scan, one ending with none runs to the
+    end). transformers also runs to the end when the last character lies in token 0, which no turn can."""
+    mask = np.zeros(size, dtype=np.uint8)
+    for lo, hi in spans:
+        first, last = encoding.char_to_token(lo), encoding.char_to_token(hi - 1)
+        if first is None:
+            break
+        mask[first: size if last is None else last + 1] = 1
+    return mask

@@ -7,7 +7,8 @@
 - ``alpaca``: ``{"instruction": ..., "input": ...?, "output": ..., "system": ...?, "history": [[q, a], ...]?}``;
   the user turn is the instruction, then a blank line and the input when there is one.
 - ``prompt_completion``: ``{"prompt": ..., "completion": ..., "system": ...?}``, strings (one user and one assistant
-  turn) or lists of messages (TRL's conversational form; assistant turns of the prompt are not trained).
+  turn) or lists of messages (TRL's conversational form). The prompt is context and the completion the target, as
+  TRL's ``completion_only_loss`` (``Conversation.prompt_length``); ``train`` flags do not apply.
 
 ``auto`` picks the format of each record by its keys, in that order. Messages keep their other keys (the template
 may read them); ``train`` is removed before rendering.
@@ -15,6 +16,7 @@ may read them); ``train`` is removed before rendering.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion")
@@ -83,16 +85,21 @@ def _with_system(record: dict, messages: list[dict]) -> list[dict]:
 
 def to_messages(record: Any, fmt: str = "auto") -> list[dict]:
     """The record's chat messages (role, content, other keys, optional ``train``); RecordError if malformed."""
+    return _parse(record, fmt)[0]
+
+
+def _parse(record: Any, fmt: str) -> tuple[list[dict], int | None]:
+    """(messages, prompt_length): the number of prompt messages of a prompt/completion record, else None."""
     if not isinstance(record, dict):
         raise RecordError(f"expected a JSON object, got {type(record).__name__}")
     if fmt == "auto":
         fmt = detect_format(record)
     identity = {r: r for r in ROLES}
     if fmt == "messages":
-        return _message_list(record.get("messages"), "messages", "role", "content", identity)
+        return _message_list(record.get("messages"), "messages", "role", "content", identity), None
     if fmt == "sharegpt":
         return _with_system(record, _message_list(record.get("conversations"), "conversations", "from", "value",
-                                                  SHAREGPT_ROLES))
+                                                  SHAREGPT_ROLES)), None
     if fmt == "alpaca":
         instruction, extra = _text(record, "instruction"), _text(record, "input", optional=True)
         messages = []
@@ -105,18 +112,23 @@ def to_messages(record: Any, fmt: str = "auto") -> list[dict]:
             messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
         user = f"{instruction}\n\n{extra}" if extra else instruction
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": _text(record, "output")}]
-        return _with_system(record, messages)
+        return _with_system(record, messages), None
     if fmt == "prompt_completion":
         prompt, completion = record.get("prompt"), record.get("completion")
         if isinstance(prompt, list) or isinstance(completion, list):
             context = _message_list(prompt, "prompt", "role", "content", identity)
-            for m in context:  # the prompt is context: its assistant turns are not targets unless marked
-                if m["role"] == "assistant":
-                    m.setdefault("train", False)
-            return _with_system(record, context + _message_list(completion, "completion", "role", "content",
-                                                                identity))
-        return _with_system(record, [{"role": "user", "content": _text(record, "prompt")},
-                                     {"role": "assistant", "content": _text(record, "completion")}])
+            target = _message_list(completion, "completion", "role", "content", identity)
+        else:
+            context = [{"role": "user", "content": _text(record, "prompt")}]
+            target = [{"role": "assistant", "content": _text(record, "completion")}]
+        if any("train" in m for m in context + target):
+            raise RecordError("'train' flags do not apply to prompt/completion records: the completion is trained, "
+                              "the prompt is not (use the messages format to choose turns)")
+        for m in context:  # the prompt is context: its assistant turns are not targets
+            if m["role"] == "assistant":
+                m["train"] = False
+        messages = _with_system(record, context + target)
+        return messages, len(messages) - len(target)
     raise RecordError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
@@ -141,3 +153,19 @@ def trained_turns(messages: list[dict], masking: str) -> list[bool] | None:
 def template_messages(messages: list[dict]) -> list[dict]:
     """The messages as the chat template sees them (without our ``train`` flag)."""
     return [{k: v for k, v in m.items() if k != "train"} for m in messages]
+
+
+@dataclass
+class Conversation:
+    """One record ready to encode: messages as the template sees them, which messages are trained (None: every
+    token) and, for prompt/completion records, how many messages the prompt has."""
+
+    messages: list[dict]
+    trained: list[bool] | None
+    prompt_length: int | None = None
+
+
+def parse_record(record: Any, fmt: str, masking: str) -> Conversation:
+    """The record as a Conversation under ``masking``; RecordError if it is malformed or trains nothing."""
+    messages, prompt_length = _parse(record, fmt)
+    return Conversation(template_messages(messages), trained_turns(messages, masking), prompt_length)

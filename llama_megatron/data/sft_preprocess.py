@@ -23,11 +23,11 @@ from llama_megatron.data.chat_template import ChatEncoder, TemplateRenderError
 from llama_megatron.data.indexed_dataset import IndexedDatasetWriter, data_paths, token_dtype
 from llama_megatron.data.preprocess import MAX_BAD_SHOWN, ordered_map
 from llama_megatron.data.readers import Chunk, iter_jsonl, json_objects
-from llama_megatron.data.sft_formats import RecordError, template_messages, to_messages, trained_turns
+from llama_megatron.data.sft_formats import RecordError, parse_record
 from llama_megatron.errors import DataError
 from llama_megatron.progress import Progress
 
-SFT_VERSION = 1
+SFT_VERSION = 2  # 2: transformers' token rule at span ends, generation markers, TRL's completion rule
 
 
 def shard_prefixes(prefix: str) -> dict[str, str]:
@@ -61,9 +61,8 @@ def _init_worker(encoder: ChatEncoder, fmt: str, masking: str) -> None:
 
 def encode_record(record, encoder: ChatEncoder, fmt: str, masking: str):
     """(ids, mask) of one parsed JSON record; RecordError or TemplateRenderError when it cannot be used."""
-    messages = to_messages(record, fmt)
-    flags = trained_turns(messages, masking)
-    encoded = encoder.encode(template_messages(messages), flags)
+    conversation = parse_record(record, fmt, masking)
+    encoded = encoder.encode(conversation.messages, conversation.trained, conversation.prompt_length)
     if not encoded.trained.any():
         raise RecordError("no trained token: the trained turns render to no tokens after the first")
     return encoded.ids, encoded.trained
@@ -148,6 +147,10 @@ def read_meta(prefix: str) -> dict:
         raise DataError(f"{path} not found: SFT shards are written by `llama-megatron preprocess-sft`") from None
     except (OSError, ValueError) as exc:
         raise DataError(f"cannot read {path}: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("version") != SFT_VERSION:
+    version = meta.get("version") if isinstance(meta, dict) else None
+    if isinstance(version, int) and version < SFT_VERSION:
+        raise DataError(f"{path}: made by an older preprocess-sft (version {version}) whose masks follow another "
+                        "rule; run llama-megatron preprocess-sft again")
+    if version != SFT_VERSION:
         raise DataError(f"{path}: not SFT shard metadata of version {SFT_VERSION}")
     return meta

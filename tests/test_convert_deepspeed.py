@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from launch_utils import run_command
+from launch_utils import launch_many, run_command
 from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import hf_tensors, save_hf
 
@@ -71,6 +71,27 @@ def launch(setup: dict, name: str, *args: str, entry: tuple[str, ...] = ("-m", "
     return out
 
 
+TRAIN_RUNS = {  # name -> arguments of `train`: all in one 4-process launch (tests/scripts/train_many.py)
+    "eval-only": ["--eval-only", "--set=parallel.sequence_parallel=false"],
+    "eval-only-cp2": ["--eval-only", "--set=parallel.context=2", "--set=parallel.pipeline=1",
+                      "--set=parallel.sequence_parallel=true"],
+    "zero1-tp2-pp2": ["--set=checkpoint.save={work}/zero1-ckpt", "--set=checkpoint.interval=3"],
+    "zero3-tp2-dp2": ["--set=parallel.pipeline=1", f"--set=deepspeed_config={json.dumps(ZERO3)}",
+                      "--set=checkpoint.save={work}/zero3-ckpt", "--set=checkpoint.interval=3"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> dict[str, str]:
+    """Every TRAIN_RUNS entry trained or evaluated; name -> output dir."""
+    work = setup["work"]
+    outs = {name: str(work / name) for name in TRAIN_RUNS}
+    launch_many(4, [["--config", setup["config"], "--set", f"output_dir={outs[name]}",
+                     *(a.replace("{work}", str(work)) for a in args)] for name, args in TRAIN_RUNS.items()],
+                str(work / "runs.json"))
+    return outs
+
+
 def val_loss(out: str) -> dict[int, float]:
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         return {r["step"]: r["val_loss"] for r in map(json.loads, fh) if "val_loss" in r}
@@ -109,30 +130,28 @@ def assert_trained(setup: dict, hf_out: str) -> None:
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_converted_checkpoint_evaluates_like_hf(setup, sequence_parallel) -> None:
+def test_converted_checkpoint_evaluates_like_hf(setup, runs, sequence_parallel) -> None:
     """TP2 x PP2 with and without sequence parallelism (sequence shards travel between the stages); once as
     `train --eval-only`, once as the `evaluate` verb of `python -m llama_megatron` under the launcher."""
-    sp = f"--set=parallel.sequence_parallel={str(sequence_parallel).lower()}"
     if sequence_parallel:
-        out = launch(setup, "evaluate-sp", sp, entry=("-m", "llama_megatron", "evaluate"))
+        out = launch(setup, "evaluate-sp", "--set=parallel.sequence_parallel=true",
+                     entry=("-m", "llama_megatron", "evaluate"))
     else:
-        out = launch(setup, "eval-only", "--eval-only", sp)
+        out = runs["eval-only"]
     assert_close(val_loss(out)[0], hf_val_loss(setup, setup["hf_dir"]))
 
 
-def test_converted_checkpoint_evaluates_like_hf_with_context_parallelism(setup) -> None:
+def test_converted_checkpoint_evaluates_like_hf_with_context_parallelism(setup, runs) -> None:
     """`--eval-only` at CP2 x TP2 with SP (4 processes; the PP2 checkpoint read per layer into PP1): each rank holds 8
     of the 32 tokens, and the one KV head per TP rank is repeated for CP2's all-to-all."""
-    out = launch(setup, "eval-only-cp2", "--eval-only", "--set=parallel.context=2", "--set=parallel.pipeline=1",
-                 "--set=parallel.sequence_parallel=true")
+    out = runs["eval-only-cp2"]
     info = json.load(open(os.path.join(out, "run.json")))
     assert (info["context"], info["tensor"], info["pipeline"]) == (2, 2, 1)
     assert_close(val_loss(out)[0], hf_val_loss(setup, setup["hf_dir"]))
 
 
-def test_zero1_pipeline_training_exports_exactly(setup) -> None:
-    out = launch(setup, "zero1-tp2-pp2", f"--set=checkpoint.save={setup['work']}/zero1-ckpt",
-                 "--set=checkpoint.interval=3")
+def test_zero1_pipeline_training_exports_exactly(setup, runs) -> None:
+    out = runs["zero1-tp2-pp2"]
     ckpt = str(setup["work"] / "zero1-ckpt")
     meta = read_meta(ckpt)
     assert (meta.step, meta.tensor, meta.pipeline, meta.zero_stage) == (3, 2, 2, 1)
@@ -157,9 +176,8 @@ def test_zero1_pipeline_training_exports_exactly(setup) -> None:
     assert diff <= 1e-4, f"logits differ by {diff}"
 
 
-def test_zero3_training_exports_exactly(setup) -> None:
-    out = launch(setup, "zero3-tp2-dp2", "--set=parallel.pipeline=1", f"--set=deepspeed_config={json.dumps(ZERO3)}",
-                 f"--set=checkpoint.save={setup['work']}/zero3-ckpt", "--set=checkpoint.interval=3")
+def test_zero3_training_exports_exactly(setup, runs) -> None:
+    out = runs["zero3-tp2-dp2"]
     ckpt = str(setup["work"] / "zero3-ckpt")
     meta = read_meta(ckpt)
     assert (meta.tensor, meta.pipeline, meta.data_parallel, meta.zero_stage) == (2, 1, 2, 3)

@@ -17,7 +17,7 @@ import peft
 import pytest
 import torch
 from dist_utils import run_distributed
-from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
+from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
 from model_utils import gather_shards, hf_model, tiny_config
 
 from llama_megatron.cli import main as cli_main
@@ -323,15 +323,15 @@ def lora_runs(data_prefix, bases, tmp_path_factory) -> dict[str, str]:
     resumed from step 5, and the same two TP1 runs with adapter dropout."""
     work = tmp_path_factory.mktemp("lora-runs")
     dirs = {name: str(work / name) for name in ("tp1", "resumed", "dropout", "dropout-resumed", *LORA_LAYOUTS)}
-    launch(1, CONFIG, _lora_run(data_prefix, dirs["tp1"], bases["tp1"], "checkpoint.interval=5", "eval.interval=10"))
+    single = [_lora_run(data_prefix, dirs["tp1"], bases["tp1"], "checkpoint.interval=5", "eval.interval=10"),
+              _lora_run(data_prefix, dirs["dropout"], bases["tp1"], "checkpoint.interval=5", lora=DROPOUT_LORA)]
+    for run, resumed, lora in (("tp1", "resumed", RUN_LORA), ("dropout", "dropout-resumed", DROPOUT_LORA)):
+        single.append([f"data.prefix={data_prefix}", f"output_dir={dirs[resumed]}", f"lora={lora}",
+                       f"checkpoint.load={dirs[run]}/ckpt", "checkpoint.tag=global_step5", f"train.steps={RUN_STEPS}"])
+    # one process runs them in order (the resumes after the runs they resume)
+    launch_many(1, [train_args(CONFIG, overrides) for overrides in single], str(work / "single.json"))
     launch_many(4, [train_args(CONFIG, _lora_run(data_prefix, dirs[name], bases["tp2"], *extra))
                     for name, extra in LORA_LAYOUTS.items()], str(work / "runs.json"))
-    launch(1, CONFIG, _lora_run(data_prefix, dirs["dropout"], bases["tp1"], "checkpoint.interval=5",
-                                lora=DROPOUT_LORA))
-    for run, resumed, lora in (("tp1", "resumed", RUN_LORA), ("dropout", "dropout-resumed", DROPOUT_LORA)):
-        launch(1, CONFIG, [f"data.prefix={data_prefix}", f"output_dir={dirs[resumed]}", f"lora={lora}",
-                           f"checkpoint.load={dirs[run]}/ckpt", "checkpoint.tag=global_step5",
-                           f"train.steps={RUN_STEPS}"])
     return dirs
 
 

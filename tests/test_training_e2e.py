@@ -24,6 +24,9 @@ from llama_megatron.training.config import TrainingConfig
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 REL = 1e-4
+# Layouts are compared over HALF steps (past the 2 warm-up steps, Adam's moments in play); checkpoints are saved
+# at HALF and resumed to FULL.
+HALF, FULL = 6, 12
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +59,15 @@ def work(tmp_path_factory):
 
 
 def _common(prefix: str, out: str, *extra: str) -> list[str]:
-    return [f"data.prefix={prefix}", f"output_dir={out}", *extra]
+    return [f"data.prefix={prefix}", f"output_dir={out}", f"train.steps={HALF}", *extra]
 
 
 @pytest.fixture(scope="module")
 def reference(data_prefix, work) -> dict:
-    """TP1-PP1, one process, 20 steps with checkpoints at 10 and 20."""
+    """TP1-PP1, one process, FULL steps with checkpoints at HALF and FULL."""
     out = str(work / "ref")
-    launch(1, CONFIG, _common(data_prefix, out, "train.steps=20", f"checkpoint.save={out}/ckpt",
-                              "checkpoint.interval=10", "checkpoint.keep_last=2", "eval.interval=10",
+    launch(1, CONFIG, _common(data_prefix, out, f"train.steps={FULL}", f"checkpoint.save={out}/ckpt",
+                              f"checkpoint.interval={HALF}", "checkpoint.keep_last=2", f"eval.interval={HALF}",
                               f"logging.tensorboard_dir={out}/tb"))
     return {"dir": out, "losses": losses(out)}
 
@@ -79,14 +82,14 @@ def reference_per_document(short_documents_prefix, work) -> dict[int, float]:
 def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
     """TP1-PP1 under DeepSpeed equals transformers.LlamaForCausalLM + torch.optim.AdamW, step by step."""
     ours = reference["losses"]
-    assert ours[20] < ours[1] - 0.5, "loss must fall on real text"
+    assert ours[FULL] < ours[1] - 0.5, "loss must fall on real text"
     records = [json.loads(line) for line in open(os.path.join(reference["dir"], "metrics.jsonl"))]
     grad_norms = {r["step"]: r["grad_norm"] for r in records}
 
-    config = TrainingConfig.from_file(CONFIG, [f"data.prefix={data_prefix}", "train.steps=20"])
+    config = TrainingConfig.from_file(CONFIG, [f"data.prefix={data_prefix}", f"train.steps={FULL}"])
     hf, optimizer, scheduler, train_ds = hf_adamw_twin(config)
     opt = config.optimizer
-    for step, micro_batches in enumerate(step_batches(train_ds, config, ParallelContext.single(), 0, 10), start=1):
+    for step, micro_batches in enumerate(step_batches(train_ds, config, ParallelContext.single(), 0, FULL), start=1):
         optimizer.zero_grad()
         total = 0.0
         for mb in micro_batches:
@@ -105,11 +108,11 @@ def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None
     """metrics.jsonl has the documented fields, run.json the layout; TensorBoard got events; `evaluate`
     reproduces val_loss."""
     records = [json.loads(line) for line in open(os.path.join(reference["dir"], "metrics.jsonl"))]
-    assert [r["step"] for r in records] == list(range(1, 21))
+    assert [r["step"] for r in records] == list(range(1, FULL + 1))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
         assert all(isinstance(r[key], float) for r in records), key
     evaluated = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
-    assert sorted(evaluated) == [10, 20]
+    assert sorted(evaluated) == [HALF, FULL]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(reference["dir"], "tb")))
 
     info = json.load(open(os.path.join(reference["dir"], "run.json")))
@@ -117,24 +120,24 @@ def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None
             info["seq_length"]) == (1, 1, 1, 0, "fp32", 32)
 
     out = str(work / "eval-only")  # the evaluate verb through `python -m llama_megatron`
-    result = launch(1, CONFIG, _common(data_prefix, out, "train.steps=20", "eval.interval=10",
+    result = launch(1, CONFIG, _common(data_prefix, out, f"train.steps={FULL}", f"eval.interval={HALF}",
                                        f"checkpoint.load={reference['dir']}/ckpt"),
                     entry=["-m", "llama_megatron", "evaluate"])
     assert "val loss" in result.stdout
     (record,) = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert record["step"] == 20
-    assert abs(record["val_loss"] - evaluated[20]) <= 1e-6 * evaluated[20]
+    assert record["step"] == FULL
+    assert abs(record["val_loss"] - evaluated[FULL]) <= 1e-6 * evaluated[FULL]
 
 
 def test_exact_resume(reference, data_prefix, work) -> None:
-    """10 steps + resume + 10 steps == 20 steps straight (fp32, 1e-6)."""
+    """HALF steps + resume + HALF steps == FULL steps straight (fp32, 1e-6)."""
     out = str(work / "resume")
     ref = reference["dir"]
-    launch(1, CONFIG, _common(data_prefix, out, "train.steps=20", f"checkpoint.load={ref}/ckpt",
-                              "checkpoint.tag=global_step10"))
+    launch(1, CONFIG, _common(data_prefix, out, f"train.steps={FULL}", f"checkpoint.load={ref}/ckpt",
+                              f"checkpoint.tag=global_step{HALF}"))
     resumed = losses(out)
-    assert sorted(resumed) == list(range(11, 21))
-    assert_losses_close(resumed, reference["losses"], 1e-6, range(11, 21))
+    assert sorted(resumed) == list(range(HALF + 1, FULL + 1))
+    assert_losses_close(resumed, reference["losses"], 1e-6, range(HALF + 1, FULL + 1))
 
 
 ZERO1 = "deepspeed_config=ds_configs/zero1_fp32.json"
@@ -193,6 +196,9 @@ def _matrix() -> dict[str, tuple[str, list[str], float]]:
 
 
 MATRIX = _matrix()
+# The 4- and 8-rank runs take micro batches of 4 (the references: 2), so each step is 1 or 2 micro batches instead of
+# 2 or 4: the same global batches and loss, half the collectives on this 2-core machine.
+BIG_MICRO = "batch.micro_batch_size=4"
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +214,7 @@ def layout_matrix(data_prefix, short_documents_prefix, work) -> dict[str, dict[i
     runs = []
     for name, (reference, overrides, _) in MATRIX.items():
         prefix = short_documents_prefix if reference == "per_document" else data_prefix
-        runs.append(train_args(CONFIG, _common(prefix, str(work / name), *overrides)))
+        runs.append(train_args(CONFIG, _common(prefix, str(work / name), BIG_MICRO, *overrides)))
     launch_many(4, runs, str(work / "matrix.json"))
     return {name: losses(str(work / name)) for name in MATRIX}
 
@@ -216,10 +222,10 @@ def layout_matrix(data_prefix, short_documents_prefix, work) -> dict[str, dict[i
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_layout_matches_single_process(name, layout_matrix, reference, reference_per_document,
                                        reference_tied) -> None:
-    """Each layout trains the TP1-PP1 model: per-step losses within 1e-4 (fp32) over 10 steps."""
+    """Each layout trains the TP1-PP1 model: per-step losses within 1e-4 (fp32) over HALF steps."""
     reference_name, _, rel = MATRIX[name]
     want = {"causal": reference["losses"], "per_document": reference_per_document, "tied": reference_tied}
-    assert_losses_close(layout_matrix[name], want[reference_name], rel, range(1, 11))
+    assert_losses_close(layout_matrix[name], want[reference_name], rel, range(1, HALF + 1))
 
 
 EIGHT_RANK = {  # CP2 x TP2 x PP2 (8 processes on this 2-core machine: the two runs share one launch)
@@ -235,7 +241,7 @@ def eight_rank_runs(data_prefix, short_documents_prefix, work) -> dict[str, dict
     runs = []
     for name, (reference, overrides) in EIGHT_RANK.items():
         prefix = short_documents_prefix if reference == "per_document" else data_prefix
-        runs.append(train_args(CONFIG, _common(prefix, str(work / name), *overrides)))
+        runs.append(train_args(CONFIG, _common(prefix, str(work / name), BIG_MICRO, *overrides)))
     launch_many(8, runs, str(work / "eight-rank.json"))
     return {name: losses(str(work / name)) for name in EIGHT_RANK}
 
@@ -245,7 +251,7 @@ def test_context_tensor_pipeline_layout_matches_single_process(name, eight_rank_
                                                                reference_per_document) -> None:
     """CP2 x TP2 x PP2, with SP, recomputation and per-document attention and without: the TP1-PP1 losses (1e-4)."""
     want = reference_per_document if EIGHT_RANK[name][0] == "per_document" else reference["losses"]
-    assert_losses_close(eight_rank_runs[name], want, REL, range(1, 11))
+    assert_losses_close(eight_rank_runs[name], want, REL, range(1, HALF + 1))
 
 
 TWO_RANK = {  # name -> overrides: TP1 x DP2 under ZeRO-1/2/3 (fp32) and ZeRO-2 (bf16), TP1 x PP2 ZeRO-1 fp32 and bf16,
@@ -258,16 +264,16 @@ TWO_RANK = {  # name -> overrides: TP1 x DP2 under ZeRO-1/2/3 (fp32) and ZeRO-2 
     "bf16-tp1-pp2": ["parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json"],
     "cp2": ["parallel.context=2", ZERO1],
 }
-SAVE_AT_10 = ["train.steps=20", "checkpoint.interval=10"]
+SAVE_AT_HALF = [f"train.steps={FULL}", f"checkpoint.interval={HALF}"]
 CP_RESUME_REL = 1e-6
 EXPORT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(data_prefix, work) -> dict[str, str]:
-    """All of TWO_RANK in one 2-process launch, 20 steps saved at 10 and 20; name -> output dir."""
+    """All of TWO_RANK in one 2-process launch, FULL steps saved at HALF and FULL; name -> output dir."""
     dirs = {name: str(work / name) for name in TWO_RANK}
-    launch_many(2, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, *SAVE_AT_10,
+    launch_many(2, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, *SAVE_AT_HALF,
                                                f"checkpoint.save={dirs[name]}/ckpt"))
                     for name, extra in TWO_RANK.items()], str(work / "two-rank.json"))
     return dirs
@@ -276,50 +282,50 @@ def two_rank_runs(data_prefix, work) -> dict[str, str]:
 @pytest.mark.parametrize("name", list(TWO_RANK))
 def test_two_rank_layout_matches_single_process(name, two_rank_runs, reference) -> None:
     rel = BF16_REL if "bf16" in name else REL
-    assert_losses_close(losses(two_rank_runs[name]), reference["losses"], rel, range(1, 21))
+    assert_losses_close(losses(two_rank_runs[name]), reference["losses"], rel, range(1, FULL + 1))
     if name.startswith(("zero2", "zero3")):
         _check_zero_to_fp32(f"{two_rank_runs[name]}/ckpt", reference["dir"] + "/ckpt")
 
 
 @pytest.fixture(scope="module")
 def two_rank_resumed(two_rank_runs, reference, data_prefix, work) -> dict[str, dict[int, float]]:
-    """Every TWO_RANK checkpoint of step 10 resumed to step 20 with the same layout, and the single-process
+    """Every TWO_RANK checkpoint of step HALF resumed to step FULL with the same layout, and the single-process
     reference's (ZeRO-0) at CP2 ("reference-at-cp2"), in one 2-process launch."""
     resumes = {name: (f"{two_rank_runs[name]}/ckpt", extra) for name, extra in TWO_RANK.items()}
     resumes["reference-at-cp2"] = (f"{reference['dir']}/ckpt", ["parallel.context=2"])
     dirs = {name: str(work / f"{name}-resumed") for name in resumes}
-    launch_many(2, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, "train.steps=20",
-                                               f"checkpoint.load={ckpt}", "checkpoint.tag=global_step10"))
+    launch_many(2, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, f"train.steps={FULL}",
+                                               f"checkpoint.load={ckpt}", f"checkpoint.tag=global_step{HALF}"))
                     for name, (ckpt, extra) in resumes.items()], str(work / "two-rank-resumed.json"))
     return {name: losses(out) for name, out in dirs.items()}
 
 
 @pytest.mark.parametrize("name", list(TWO_RANK))
 def test_exact_resume_of_every_checkpoint_kind(name, two_rank_runs, two_rank_resumed) -> None:
-    """10 steps + resume + 10 steps == 20 steps, for ZeRO-1/2/3, PP2, fp32 and bf16 (ZeRO-0 PP1: test_exact_resume)."""
+    """HALF steps + resume + HALF steps == FULL steps, for ZeRO-1/2/3, PP2, fp32 and bf16 (ZeRO-0 PP1: test_exact_resume)."""
     resumed = two_rank_resumed[name]
-    assert sorted(resumed) == list(range(11, 21))
-    assert_losses_close(resumed, losses(two_rank_runs[name]), 1e-6, range(11, 21))
+    assert sorted(resumed) == list(range(HALF + 1, FULL + 1))
+    assert_losses_close(resumed, losses(two_rank_runs[name]), 1e-6, range(HALF + 1, FULL + 1))
 
 
 def test_resume_at_another_context_degree(two_rank_resumed, reference) -> None:
-    """The single-process (CP1, ZeRO-0) checkpoint of step 10 resumed at CP2 continues the 20-step run (the CP2
+    """The single-process (CP1, ZeRO-0) checkpoint of step HALF resumed at CP2 continues the FULL-step run (the CP2
     checkpoint resumed at CP1: test_resume_with_another_data_parallel_degree[cp2])."""
     resumed = two_rank_resumed["reference-at-cp2"]
-    assert sorted(resumed) == list(range(11, 21))
-    assert_losses_close(resumed, reference["losses"], CP_RESUME_REL, range(11, 21))
+    assert sorted(resumed) == list(range(HALF + 1, FULL + 1))
+    assert_losses_close(resumed, reference["losses"], CP_RESUME_REL, range(HALF + 1, FULL + 1))
 
 
 def test_export_after_context_parallel_run(two_rank_runs, reference, work) -> None:
     """The CP2 run's checkpoint exports to the same HF model as the single-process run's: same config, same tensor
-    names, every element within EXPORT_ATOL after 20 steps (observed 3.4e-5; the DP2 and PP2 runs differ from it by
+    names, every element within EXPORT_ATOL after FULL steps (observed 3.4e-5; the DP2 and PP2 runs differ from it by
     4.3e-5 as well: Adam turns summation-order differences of near-zero gradients into lr-sized steps)."""
     from safetensors.torch import load_file
 
     exported = {}
     for name, ckpt in (("cp2", f"{two_rank_runs['cp2']}/ckpt"), ("single", f"{reference['dir']}/ckpt")):
         out = str(work / f"export-{name}")
-        assert cli_main(["export", "--input", ckpt, "--tag", "global_step20", "--output", out]) == 0
+        assert cli_main(["export", "--input", ckpt, "--tag", f"global_step{FULL}", "--output", out]) == 0
         tensors = {}
         for file in sorted(os.listdir(out)):
             if file.endswith(".safetensors"):
@@ -336,8 +342,8 @@ def _check_zero_to_fp32(ckpt: str, reference_ckpt: str) -> None:
     """DeepSpeed's zero_to_fp32 recovers the full fp32 weights of a ZeRO-2/3 checkpoint (PP=1)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    recovered = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="global_step10")
-    reference = torch.load(f"{reference_ckpt}/global_step10/mp_rank_00_model_states.pt", weights_only=True)["module"]
+    recovered = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=f"global_step{HALF}")
+    reference = torch.load(f"{reference_ckpt}/global_step{HALF}/mp_rank_00_model_states.pt", weights_only=True)["module"]
     assert recovered.keys() == reference.keys()
     for key, tensor in reference.items():
         torch.testing.assert_close(recovered[key].float(), tensor, rtol=1e-3, atol=1e-4, msg=key)
@@ -356,12 +362,12 @@ UNIVERSAL["cp2"] = [ZERO1]  # the CP2 checkpoint resumed at CP1: ZeRO partitions
 
 @pytest.fixture(scope="module")
 def universal_resumed(two_rank_runs, data_prefix, work) -> dict[str, dict[int, float]]:
-    """The DP2 (and CP2) checkpoints of step 10 resumed at DP1 CP1 (one process) through DeepSpeed's universal
+    """The DP2 (and CP2) checkpoints of step HALF resumed at DP1 CP1 (one process) through DeepSpeed's universal
     checkpoint."""
     dirs = {name: str(work / f"{name}-dp1-resumed") for name in UNIVERSAL}
-    launch_many(1, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, "train.steps=20",
+    launch_many(1, [train_args(CONFIG, _common(data_prefix, dirs[name], *extra, f"train.steps={FULL}",
                                                f"checkpoint.load={two_rank_runs[name]}/ckpt",
-                                               "checkpoint.tag=global_step10"))
+                                               f"checkpoint.tag=global_step{HALF}"))
                     for name, extra in UNIVERSAL.items()], str(work / "universal-resumed.json"))
     return {name: losses(out) for name, out in dirs.items()}
 
@@ -369,36 +375,36 @@ def universal_resumed(two_rank_runs, data_prefix, work) -> dict[str, dict[int, f
 @pytest.mark.parametrize("name", list(UNIVERSAL))
 def test_resume_with_another_data_parallel_degree(name, two_rank_runs, universal_resumed) -> None:
     """ZeRO-1/2/3 and bf16 at DP2, and ZeRO-1 at CP2, resumed at DP1 CP1 through a universal checkpoint converted
-    beside the original: the 20-step run continues (observed: 6.9e-8 fp32, 2.3e-5 bf16; DP1 sums gradients in
+    beside the original: the FULL-step run continues (observed: 6.9e-8 fp32, 2.3e-5 bf16; DP1 sums gradients in
     another order)."""
     resumed = universal_resumed[name]
-    assert sorted(resumed) == list(range(11, 21))
-    assert_losses_close(resumed, losses(two_rank_runs[name]), REL if "bf16" in name else 1e-6, range(11, 21))
-    assert os.path.isdir(os.path.join(two_rank_runs[name], "ckpt", "global_step10_universal"))
+    assert sorted(resumed) == list(range(HALF + 1, FULL + 1))
+    assert_losses_close(resumed, losses(two_rank_runs[name]), REL if "bf16" in name else 1e-6, range(HALF + 1, FULL + 1))
+    assert os.path.isdir(os.path.join(two_rank_runs[name], "ckpt", f"global_step{HALF}_universal"))
 
 
 def test_restarted_job_resumes_after_a_rank_is_killed(two_rank_runs, data_prefix, work, monkeypatch) -> None:
-    """Rank 1 of a 2-process job is SIGKILLed as it starts step 8; the same command again, with checkpoint.load
-    "auto", continues from step 6 (the last complete checkpoint) exactly as the uninterrupted run."""
+    """Rank 1 of a 2-process job is SIGKILLed as it starts step 6; the same command again, with checkpoint.load
+    "auto", continues from step 4 (the last complete checkpoint) exactly as the uninterrupted run."""
     out = str(work / "killed")
     ckpt_dir = os.path.join(out, "ckpt")
     args = _common(data_prefix, out, ZERO1, f"checkpoint.save={ckpt_dir}", "checkpoint.load=auto",
-                   "checkpoint.interval=3")
+                   "checkpoint.interval=2")
     entry = [os.path.join(ROOT, "tests", "scripts", "kill_rank.py")]
-    monkeypatch.setenv("KILL_AT_STEP", "8")
+    monkeypatch.setenv("KILL_AT_STEP", str(HALF))
     first = launch(2, CONFIG, args, entry=entry, check=False)
     assert first.returncode != 0
     assert f"no checkpoint in {ckpt_dir} yet: starting fresh" in first.stdout
-    assert open(os.path.join(ckpt_dir, "latest")).read() == "global_step6"
-    assert sorted(losses(out)) == list(range(1, 8))
+    assert open(os.path.join(ckpt_dir, "latest")).read() == "global_step4"
+    assert sorted(losses(out)) == list(range(1, HALF))
 
     monkeypatch.delenv("KILL_AT_STEP")
     second = launch(2, CONFIG, args, entry=entry)
-    assert f"resumed from checkpoint {ckpt_dir}/global_step6 (step 6; RNG state restored)" in second.stdout
-    assert open(os.path.join(ckpt_dir, "latest")).read() == "global_step10"
+    assert f"resumed from checkpoint {ckpt_dir}/global_step4 (step 4; RNG state restored)" in second.stdout
+    assert open(os.path.join(ckpt_dir, "latest")).read() == f"global_step{HALF}"
     steps = [r["step"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "loss" in r]
-    assert steps == [*range(1, 8), *range(7, 11)]  # the restart redoes step 7, whose checkpoint was never written
-    assert_losses_close(losses(out), losses(two_rank_runs["zero1-dp2"]), 1e-6, range(1, 11))
+    assert steps == [*range(1, HALF), *range(5, HALF + 1)]  # the restart redoes step 5, whose checkpoint was never written
+    assert_losses_close(losses(out), losses(two_rank_runs["zero1-dp2"]), 1e-6, range(1, HALF + 1))
 
 
 def test_kill_during_save_keeps_previous_checkpoint(data_prefix, work, monkeypatch) -> None:

@@ -8,6 +8,7 @@ unset, a measured fp32 matmul peak (CPU) or the device's published dense bf16 pe
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -29,7 +30,13 @@ def device_peak_tflops(configured: float | None) -> float | None:
 
 
 def measured_matmul_tflops(n: int = 1024, repeats: int = 5) -> float:
-    """fp32 matmul throughput of this process (its threads), the CPU's practical peak."""
+    """fp32 matmul throughput of this process (its threads), the CPU's practical peak: measured once per thread
+    count (a process running several trainings in a row measures it once)."""
+    return _measured_matmul_tflops(n, repeats, torch.get_num_threads())
+
+
+@functools.cache
+def _measured_matmul_tflops(n: int, repeats: int, threads: int) -> float:
     generator = torch.Generator().manual_seed(0)  # its own: the global RNG's stream is the run's (dropout masks)
     a, b = torch.randn(n, n, generator=generator), torch.randn(n, n, generator=generator)
     a @ b

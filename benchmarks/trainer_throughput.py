@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 from gpu_throughput import have_liger  # noqa: E402  (this directory is the script's first import path)
 
-from llama_megatron.parallel.launch import launcher_command  # noqa: E402
+from llama_megatron.parallel.launch import launcher_command, skip_cpu_shared_memory_op  # noqa: E402
 from llama_megatron.training.config import TrainingConfig  # noqa: E402
 from llama_megatron.training.deepspeed_config import load_deepspeed_json, precision, zero_stage  # noqa: E402
 
@@ -72,6 +72,7 @@ def hf_worker(args, overrides: list[str]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+    skip_cpu_shared_memory_op()  # as our trainer does: HF's DeepSpeed start would JIT-build it on CPU
     config = TrainingConfig.from_file(args.config, overrides)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, seq = config.batch.micro_batch_size, config.seq_length

@@ -218,6 +218,8 @@ class ParallelConfig:
                           f"context x tensor = {cp} x {tp}")
 
     def check_world_size(self, world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world size must be a positive integer, got {world_size}")
         model_parallel = self.tensor * self.pipeline * self.context
         if world_size % model_parallel:
             layout = f"tensor x pipeline = {self.tensor} x {self.pipeline}"

@@ -1,6 +1,9 @@
-"""One exception type for every mistake a user can make (bad config, bad data, bad checkpoint).
+"""One exception type for every mistake a user can make (bad config, bad data, bad checkpoint), and for the faults a
+long run stops on.
 
-The CLI turns it into a single ``error: ...`` line and a non-zero exit code instead of a traceback.
+The CLI turns it into a single ``error: ...`` line and the exception's exit code instead of a traceback: 2 for bad
+input (found before anything runs, wherever it can be known then), 3 when the step guard stops a diverging run,
+4 when a checkpoint could not be written.
 """
 
 import sys
@@ -8,6 +11,8 @@ import sys
 
 class LlamaMegatronError(Exception):
     """A problem with the user's input, reported as one line."""
+
+    exit_code = 2
 
 
 class ConfigError(LlamaMegatronError):
@@ -20,6 +25,18 @@ class DataError(LlamaMegatronError):
 
 class CheckpointError(LlamaMegatronError):
     """Missing, corrupt or incompatible checkpoints."""
+
+
+class TrainingStopped(LlamaMegatronError):
+    """The step guard stopped the run: too many consecutive bad (non-finite, skipped or spiking) steps."""
+
+    exit_code = 3
+
+
+class SaveFailed(LlamaMegatronError):
+    """A checkpoint could not be written (disk full, I/O error); the previous one is intact."""
+
+    exit_code = 4
 
 
 def print_error(error: BaseException | str) -> None:

@@ -37,6 +37,15 @@ def test_cpu_document_attention_smoke() -> None:
     assert line["flex_eager_time_vs_ours"] > 0
 
 
+def test_checkpoint_integrity_smoke() -> None:
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_integrity.py"), "--gib", "0.01", "--files", "2",
+         "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert line["verify_gib_per_s"] > 0 and line["verify_time_vs_read"] > 0
+
+
 def test_trainer_throughput_smoke() -> None:
     """Both trainers run under the deepspeed launcher on the tiny config (fp32 ZeRO-1) and are timed."""
     result = subprocess.run(

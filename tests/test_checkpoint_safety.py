@@ -25,6 +25,7 @@ from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import save_hf_bin, save_meta
 
 from llama_megatron import train
+from llama_megatron.checkpoint.manifest import MANIFEST_FILE, file_digest, read_manifest, write_manifest
 from llama_megatron.checkpoint.safe_load import load_file, verify_checkpoint_dir
 from llama_megatron.cli import main as cli
 from llama_megatron.errors import CheckpointError
@@ -65,9 +66,19 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def poison(path: str, marker: str, **save_kwargs) -> None:
+    """Add the payload to a checkpoint file, and rewrite its tag's manifest as a forger would: the manifest guards
+    against damage, the weights-only loader against hostile files (this module tests the second)."""
     state = load_file(path, mmap=False)
     state["extra"] = Payload(marker)
     torch.save(state, path, **save_kwargs)
+    tag_dir = os.path.dirname(path)
+    while tag_dir != os.path.dirname(tag_dir) and not os.path.isfile(os.path.join(tag_dir, MANIFEST_FILE)):
+        tag_dir = os.path.dirname(tag_dir)
+    files = read_manifest(tag_dir)
+    if files is not None:
+        name = os.path.relpath(path, tag_dir)
+        files[name] = file_digest(path)
+        write_manifest(tag_dir, files)
 
 
 def poisoned_copy(checkpoints: dict[str, str], kind: str, tmp_path) -> tuple[str, str, str, str]:

@@ -96,17 +96,18 @@ def test_truncated_files(hf_dir, converted, tmp_path, capsys) -> None:
     os.truncate(shard, os.path.getsize(shard) - 100)
     fails(capsys, ["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", str(tmp_path / "o"), "--tp", "1"],
           "(truncated or not safetensors)")
-    # a layer file in the middle of the model: the export has started writing when it finds out
+    # a layer file in the middle of the model: the manifest's size says so before anything is read or written
     layer = os.path.join(converted, "converted", "layer_02-model_01-model_states.pt")
     os.truncate(layer, os.path.getsize(layer) // 2)
     fails(capsys, ["export", "--input", converted, "--output", str(tmp_path / "hf-out")],
-          "layer_02-model_01-model_states.pt (truncated or not a checkpoint)")
+          "is damaged: layer_02-model_01-model_states.pt has")
+    assert not os.path.exists(tmp_path / "hf-out")
 
 
 def test_missing_checkpoint_pieces(converted, tmp_path, capsys) -> None:
     os.remove(os.path.join(converted, "converted", "layer_01-model_01-model_states.pt"))
     fails(capsys, ["export", "--input", converted, "--output", str(tmp_path / "o")],
-          "checkpoint file missing: ")
+          "is incomplete: layer_01-model_01-model_states.pt is missing")
     os.remove(os.path.join(converted, "latest"))
     fails(capsys, ["reshard", "--input", converted, "--output", str(tmp_path / "r"), "--tp", "1"],
           "no 'latest' file")

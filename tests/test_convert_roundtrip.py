@@ -154,7 +154,7 @@ def test_hf_to_tp2_pp2_and_back_is_exact(case, tmp_path) -> None:
     layers = config.num_hidden_layers
     indices = range(layers + 2) if config.tie_word_embeddings else range(layers + 3)
     want_files = {f"layer_{i:02d}-model_{r:02d}-model_states.pt" for i in indices for r in range(2)}
-    assert set(os.listdir(tag_dir)) == want_files | {"llama_megatron.json"}
+    assert set(os.listdir(tag_dir)) == want_files | {"llama_megatron.json", "manifest.json"}
     for name in ("config.json", "tokenizer.model", "tokenizer_config.json"):
         assert os.path.isfile(os.path.join(ckpt, "hf_config", name))
     hf_state = model.state_dict()

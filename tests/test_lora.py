@@ -272,12 +272,8 @@ RUN_STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("data")
-    prefix = str(out / "shakespeare")
-    assert cli_main(["preprocess", "--input", os.path.join(ROOT, "data/corpus/shakespeare.jsonl"), "--tokenizer",
-                     os.path.join(ROOT, "data/tokenizer"), "--output-prefix", prefix, "--append-eod", "--quiet"]) == 0
-    return prefix + "_text_document"
+def data_prefix(shakespeare_prefix) -> str:
+    return shakespeare_prefix
 
 
 def _hf_base(config, out: str, seed: int) -> str:

@@ -30,13 +30,8 @@ HALF, FULL = 6, 12
 
 
 @pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("data")
-    prefix = str(out / "shakespeare")
-    rc = cli_main(["preprocess", "--input", os.path.join(ROOT, "data/corpus/shakespeare.jsonl"), "--tokenizer",
-                   os.path.join(ROOT, "data/tokenizer"), "--output-prefix", prefix, "--append-eod", "--quiet"])
-    assert rc == 0
-    return prefix + "_text_document"
+def data_prefix(shakespeare_prefix) -> str:
+    return shakespeare_prefix
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ from llama_megatron.checkpoint.atomic import atomic_output_dir, check_output
 from llama_megatron.checkpoint.hf_io import HF_ASSET_FILES, HF_CONFIG_DIR, HFCheckpoint, copy_assets
 from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES, hf_config_dict, write_hf_directory
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
-from llama_megatron.checkpoint.megatron_writer import DEFAULT_TAG, check_tag, write_megatron_checkpoint
+from llama_megatron.checkpoint.megatron_writer import DEFAULT_TAG, write_megatron_checkpoint
+from llama_megatron.checkpoint.meta import check_tag_name
 from llama_megatron.checkpoint.meta_format import MetaCheckpoint, is_meta_checkpoint
 from llama_megatron.checkpoint.peft_export import export_lora
 from llama_megatron.checkpoint.sources import TensorSource, check_source
@@ -102,7 +103,7 @@ def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: 
                 show_progress: bool = False) -> Result:
     start = time.perf_counter()
     check_output(output, overwrite, inputs=(input_dir,))
-    check_tag(tag)
+    check_tag_name(tag, "--tag")
     source, config, kind = open_input(input_dir, max_position_embeddings, input_format)
     padded = _layout(config, tp, pp, divisible_by)
     check_source(source, config, input_dir)
@@ -164,7 +165,7 @@ def reshard(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: int 
             show_progress: bool = False) -> Result:
     start = time.perf_counter()
     check_output(output, overwrite, inputs=(input_dir,))
-    check_tag(out_tag)
+    check_tag_name(out_tag, "--output-tag")
     source = MegatronCheckpoint(input_dir, tag, fp32_master=dtype == "fp32")
     if source.lora is not None:
         raise CheckpointError(f"{source.tag_dir} holds LoRA adapters only, which reshard does not re-split: merge "

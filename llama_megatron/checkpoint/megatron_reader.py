@@ -20,6 +20,7 @@ import os
 import torch
 from torch import nn
 
+from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
 from llama_megatron.checkpoint.safe_load import load_state_file, verify_checkpoint_dir
 from llama_megatron.checkpoint.weights import is_pipeline_checkpoint, layer_file, model_states_file
@@ -39,9 +40,13 @@ from llama_megatron.model.tp_slicing import merge_parts, shard_shape
 class MegatronCheckpoint:
     """A :class:`~llama_megatron.checkpoint.sources.TensorSource` over ``load_dir`` (tag: ``latest`` or named)."""
 
-    def __init__(self, load_dir: str, tag: str | None = None, fp32_master: bool = False) -> None:
+    def __init__(self, load_dir: str, tag: str | None = None, fp32_master: bool = False,
+                 checksum: bool = True) -> None:
+        """Reads the tag's metadata and checks its files against the manifest (sizes; checksums too unless
+        ``checksum`` is False: the training start verifies those spread over its ranks) before any tensor."""
         self.meta: CheckpointMeta = read_meta(load_dir, tag)
         self.tag_dir = os.path.join(load_dir, self.meta.tag)
+        self.verified = verify_tag(self.tag_dir, checksum=checksum)
         verify_checkpoint_dir(self.tag_dir)
         try:
             self.config = ModelConfig.from_dict(self.meta.model)
@@ -156,7 +161,7 @@ def load_model_weights(model: nn.Module, load_dir: str, tag: str | None, tp_rank
     ``tp_rank``'s tensors of a checkpoint with the same TP degree: the fine-tuning start, before DeepSpeed wraps
     the model. A full checkpoint fills the base weights, a LoRA checkpoint the adapters. ZeRO-3 and bf16
     checkpoints give their fp32 master weights."""
-    source = MegatronCheckpoint(load_dir, tag, fp32_master=True)
+    source = MegatronCheckpoint(load_dir, tag, fp32_master=True, checksum=False)
     for name, param in model.named_parameters():
         if is_adapter_parameter(name) != (source.lora is not None):
             continue

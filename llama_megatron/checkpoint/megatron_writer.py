@@ -10,18 +10,17 @@ pre-laid-out torch archives, so memory stays at about one parameter.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 
 import torch
 
 from llama_megatron.checkpoint.atomic import write_text_atomic
-from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, CheckpointMeta
+from llama_megatron.checkpoint.manifest import write_manifest_for
+from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, CheckpointMeta, check_tag_name
 from llama_megatron.checkpoint.sources import TensorSource
 from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
 from llama_megatron.checkpoint.weights import layer_file, model_states_file
 from llama_megatron.config import ModelConfig
-from llama_megatron.errors import CheckpointError
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 from llama_megatron.model.tp_slicing import shard_parts, shard_shape
 from llama_megatron.progress import TaskProgress
@@ -29,16 +28,11 @@ from llama_megatron.progress import TaskProgress
 DEFAULT_TAG = "converted"
 
 
-def check_tag(tag: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", tag) or tag in (".", ".."):
-        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (letters, digits, '_', '.', '-')")
-
-
 def write_megatron_checkpoint(source: TensorSource, config: ModelConfig, out_dir: str, tp: int, pp: int,
                               padded_vocab_size: int, dtype: torch.dtype | None = None, tag: str = DEFAULT_TAG,
                               progress: TaskProgress | None = None) -> str:
     """Write ``out_dir/tag`` and ``out_dir/latest``; returns the tag directory."""
-    check_tag(tag)
+    check_tag_name(tag, "checkpoint tag")
     tag_dir = os.path.join(out_dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
     layout = ParamLayout(config)
@@ -81,5 +75,6 @@ def write_megatron_checkpoint(source: TensorSource, config: ModelConfig, out_dir
     meta = CheckpointMeta(step=0, consumed_samples=0, tensor=tp, pipeline=pp, data_parallel=1, zero_stage=0,
                           model=config.to_dict(), padded_vocab_size=padded_vocab_size)
     write_text_atomic(os.path.join(tag_dir, META_FILE), meta.to_json())
+    write_manifest_for(tag_dir)
     write_text_atomic(os.path.join(out_dir, LATEST_FILE), tag)
     return tag_dir

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,19 @@ TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 
 
+_TAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def step_tag(step: int) -> str:
     return f"global_step{step}"
+
+
+def check_tag_name(tag: str, what: str) -> str:
+    """A tag is a plain directory name (letters, digits, '.', '_', '-'): never a path that leads elsewhere."""
+    if not isinstance(tag, str) or not _TAG_NAME.fullmatch(tag):
+        raise CheckpointError(f"{what} {tag!r} is not a plain tag name (letters, digits, '.', '_' and '-', "
+                              "starting with a letter or digit; no path)")
+    return tag
 
 
 @dataclass
@@ -44,6 +56,7 @@ class CheckpointMeta:
     context: int = 1  # context-parallel degree of the run that saved it (older checkpoints: 1)
     format_version: int = FORMAT_VERSION
     lora: dict[str, Any] | None = None  # adapter-only checkpoint: rank, alpha, dropout, targets, base
+    saved_at: float | None = None  # wall-clock time of the save (retention keeps the newest saves by it)
     tag: str = ""
 
     @property
@@ -64,8 +77,9 @@ class CheckpointMeta:
     def to_json(self) -> str:
         data = dict(self.__dict__)
         data.pop("tag")
-        if data["lora"] is None:
-            data.pop("lora")
+        for key in ("lora", "saved_at"):
+            if data[key] is None:
+                data.pop(key)
         return json.dumps(data, indent=2, sort_keys=True)
 
 
@@ -79,12 +93,12 @@ def read_latest(load_dir: str) -> str:
         tag = fh.read().strip()
     if not tag:
         raise CheckpointError(f"{path} is empty")
-    return tag
+    return check_tag_name(tag, f"{path} names")
 
 
 def read_meta(load_dir: str, tag: str | None = None) -> CheckpointMeta:
     """The checkpoint's run position and layout; one-line errors for anything missing or unreadable."""
-    tag = tag or read_latest(load_dir)
+    tag = check_tag_name(tag, "checkpoint tag") if tag else read_latest(load_dir)
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint {tag_dir} not found")
@@ -101,3 +115,20 @@ def read_meta(load_dir: str, tag: str | None = None) -> CheckpointMeta:
     if meta.format_version != FORMAT_VERSION:
         raise CheckpointError(f"{meta_path}: format version {meta.format_version}, expected {FORMAT_VERSION}")
     return meta
+
+
+def saved_tags(save_dir: str) -> list[str]:
+    """The complete tags in ``save_dir`` (holding ``llama_megatron.json``; temporaries and universal conversions
+    excluded), newest save first: by the save time their metadata records, else the metadata file's mtime."""
+    found = []
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+        meta_path = os.path.join(save_dir, name, META_FILE)
+        if not _TAG_NAME.fullmatch(name) or name.endswith("_universal") or not os.path.isfile(meta_path):
+            continue
+        try:
+            with open(meta_path, encoding="utf-8") as fh:
+                saved_at = json.load(fh).get("saved_at")
+        except (OSError, ValueError, AttributeError):
+            saved_at = None
+        found.append((saved_at if isinstance(saved_at, (int, float)) else os.path.getmtime(meta_path), name))
+    return [name for _, name in sorted(found, reverse=True)]

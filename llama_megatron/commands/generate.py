@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="auto", help="auto | reference | compiled | liger")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--output", default=None, help="also write the completions as JSONL here")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -72,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    if args.output:  # before anything is generated
+        parent = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"--output {args.output}: directory {parent} does not exist")
+        if os.path.lexists(args.output) and not args.overwrite:
+            raise ConfigError(f"--output {args.output} exists (pass --overwrite to replace it)")
     single_process_env()
     request = GenerationRequest(
         checkpoint=args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, chat_template=args.chat_template,

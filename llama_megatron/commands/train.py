@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except LlamaMegatronError as exc:
         print_error(exc)
-        return 2
+        return exc.exit_code
+    except KeyboardInterrupt:  # a second SIGINT while a stop is pending (training), or any SIGINT elsewhere
+        print_error("interrupted")
+        return 130
 
 
 if __name__ == "__main__":

@@ -25,9 +25,13 @@ space) is trained.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -76,11 +80,75 @@ def _environment(tracker: dict):
         # transformers' override: Jinja's own tojson escapes HTML characters
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, with the operators that build big values bounded (an untrusted template)."""
+
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+# Bounds on an untrusted template (a chat template ships with a downloaded tokenizer): what one render may produce,
+# and how long it may take. A conversation renders to about its own length; these are far above any real one.
+MAX_RENDER_CHARS = 1 << 24
+RENDER_SECONDS = 10.0
+
+
+def _check_binop(operator: str, left, right) -> None:
+    sized = (str, list, tuple)
+    if operator == "*" and isinstance(left, sized + (int,)) and isinstance(right, sized + (int,)):
+        seq, times = (left, right) if isinstance(left, sized) else (right, left)
+        if isinstance(seq, sized) and isinstance(times, int) and len(seq) * times > MAX_RENDER_CHARS:
+            raise TemplateRenderError(f"chat template builds a value of {len(seq) * times} items (limit "
+                                      f"{MAX_RENDER_CHARS})")
+    elif operator == "**" and isinstance(right, int) and abs(right) > 4096 and isinstance(left, (int, float)):
+        raise TemplateRenderError(f"chat template raises to the power {right} (limit 4096)")
+    elif operator == "+" and isinstance(left, sized) and isinstance(right, sized) and \
+            len(left) + len(right) > MAX_RENDER_CHARS:
+        raise TemplateRenderError(f"chat template builds a value of {len(left) + len(right)} items (limit "
+                                  f"{MAX_RENDER_CHARS})")
+
+
+def _bounded_join(values) -> str:
+    parts = [str(v) for v in values]
+    if sum(map(len, parts)) > MAX_RENDER_CHARS:
+        raise TemplateRenderError(f"chat template builds a string of more than {MAX_RENDER_CHARS} characters")
+    return "".join(parts)
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Interrupt the block after ``seconds`` (SIGALRM; in the main thread only, and restoring any timer already
+    set, e.g. pytest-timeout's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if old_delay:
+            signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - start), 1e-3), old_interval)
 
 
 # Names a message's reasoning is passed under (transformers aliases them all; the first is what templates read).
@@ -159,6 +227,11 @@ class ChatEncoder:
             self._template = _environment(self._tracker).from_string(self.source)
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ConfigError(f"chat template of {template_file or tokenizer_path} does not compile: {exc}") from None
+        # ``a ~ b`` compiles to a call of ``str_join`` in the template's own globals, out of reach of the sandbox's
+        # operator hooks: bound it there (this template only)
+        namespace = getattr(self._template.root_render_func, "__globals__", {})
+        if "str_join" in namespace:
+            namespace["str_join"] = _bounded_join
         self._variables = dict(self.tokenizer.special_tokens_map)
 
     def __getstate__(self) -> dict:
@@ -174,14 +247,25 @@ class ChatEncoder:
 
         self._tracker.update(rendered=rendered, blocks=blocks)
         pieces = [] if rendered is None else rendered
+        size = 0
         try:
-            for piece in self._template.generate(
-                    messages=[_template_message(m) for m in messages], tools=None, documents=None,
-                    add_generation_prompt=add_generation_prompt, **self._variables):
-                pieces.append(piece)
+            with _time_limit(RENDER_SECONDS):
+                for piece in self._template.generate(
+                        messages=[_template_message(m) for m in messages], tools=None, documents=None,
+                        add_generation_prompt=add_generation_prompt, **self._variables):
+                    size += len(piece)
+                    if size > MAX_RENDER_CHARS:
+                        raise TemplateRenderError(f"chat template output exceeds {MAX_RENDER_CHARS} characters")
+                    pieces.append(piece)
+        except TemplateRenderError:
+            raise
+        except _RenderTimeout:
+            raise TemplateRenderError(f"chat template did not finish within {RENDER_SECONDS:g} s") from None
+        except MemoryError:
+            raise TemplateRenderError("chat template ran out of memory") from None
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateRenderError(f"chat template: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
             raise TemplateRenderError(f"chat template failed: {exc}") from None
         finally:
             self._tracker.update(rendered=None, blocks=None)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 from llama_megatron.data.gpt_dataset import (
     DEFAULT_SPLIT,
     build_train_valid_test_datasets,
+    check_pretraining_data,
     validate_data_config,
 )
 from llama_megatron.data.sft_config import SFTData
@@ -38,6 +39,10 @@ class DataConfig(Protocol):
 
     def prepare(self, tokenizer: str | None) -> None:
         """Work done once before the datasets are built (SFT: tokenise JSONL into its cache); idempotent."""
+
+    def check(self, vocab_size: int, need_validation: bool) -> None:
+        """After ``prepare``, before launch: token ids within ``vocab_size``, and a validation split with samples
+        when evaluation is asked for; ConfigError otherwise."""
 
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:
@@ -67,6 +72,9 @@ class PretrainData:
     def prepare(self, tokenizer: str | None) -> None:
         pass  # preprocessed by the preprocess verb
 
+    def check(self, vocab_size: int, need_validation: bool) -> None:
+        check_pretraining_data(self.to_dict(), vocab_size, need_validation)
+
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:
         return build_train_valid_test_datasets(self.to_dict(), seq_length, seed, num_samples,
@@ -87,6 +95,9 @@ class SyntheticData:
 
     def prepare(self, tokenizer: str | None) -> None:
         pass  # nothing to read
+
+    def check(self, vocab_size: int, need_validation: bool) -> None:
+        pass  # random ids below vocab_size, any number of validation samples
 
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llama_megatron.data.blended_dataset import BlendedDataset
-from llama_megatron.data.index_cache import cached_arrays, file_fingerprint
+from llama_megatron.data.index_cache import cached_arrays, check_token_range, file_fingerprint
 from llama_megatron.data.indexed_dataset import MMapIndexedDataset, data_paths
 from llama_megatron.data.sample_index import (
     build_doc_idx,
@@ -197,6 +197,21 @@ def validate_data_config(data_config: dict) -> None:
         missing = [p for p in data_paths(prefix) if not os.path.isfile(p)]
         if missing:
             raise ConfigError(f"data prefix {prefix!r}: {', '.join(missing)} not found (cwd {os.getcwd()})")
+
+
+def check_pretraining_data(data_config: dict, vocab_size: int, need_validation: bool) -> None:
+    """What building the datasets would find late, found before launch: token ids beyond the vocabulary (each file
+    read once, then cached) and, when evaluation is asked for, a split that gives validation no documents."""
+    fractions = parse_split(data_config.get("split", DEFAULT_SPLIT))
+    validation_docs = 0
+    for _, prefix in _blend_entries(data_config):
+        ds = MMapIndexedDataset(prefix)
+        check_token_range(ds, _cache_dir(data_config, prefix), vocab_size)
+        lo, hi = split_document_ranges(ds.num_documents, fractions)[1]
+        validation_docs += hi - lo
+    if need_validation and not validation_docs:
+        raise ConfigError(f"eval.interval is set but data.split {data_config.get('split', DEFAULT_SPLIT)!r} gives "
+                          "the validation split no documents: give it a share, or set eval.interval 0")
 
 
 def _cache_dir(data_config: dict, prefix: str) -> str:

@@ -132,3 +132,38 @@ def check_entry(entry: str, description: dict) -> None:
     stored.pop("arrays", None)  # entries written before cached_directory existed list their arrays here
     if stored != json.loads(json.dumps(description)):
         raise ConfigError(f"cache entry {entry} does not match its name; delete the directory")
+
+
+_RANGE_CHUNK = 1 << 26  # tokens per vectorised min/max pass: bounded memory at any file size
+
+
+def token_range(ds, cache_dir: str) -> tuple[int, int]:
+    """(smallest, largest) token id of an indexed dataset, read once per file: every token in vectorised chunks the
+    first time (about 3 ms per million tokens here), then from the cache beside the index (keyed by both files)."""
+    from llama_megatron.data.indexed_dataset import data_paths
+
+    def build() -> dict[str, np.ndarray]:
+        tokens = ds.tokens
+        lo, hi = 0, -1
+        for start in range(0, tokens.size, _RANGE_CHUNK):
+            chunk = tokens[start: start + _RANGE_CHUNK]
+            lo = int(chunk.min()) if start == 0 else min(lo, int(chunk.min()))
+            hi = max(hi, int(chunk.max()))
+        return {"range": np.asarray([lo, hi], dtype=np.int64)}
+
+    description = {"kind": "token-range", "version": 1, "files": [file_fingerprint(p) for p in data_paths(ds.prefix)]}
+    name = os.path.basename(ds.prefix) + "-token-range"
+    lo, hi = cached_arrays(cache_dir, name, description, build)["range"].tolist()
+    return lo, hi
+
+
+def check_token_range(ds, cache_dir: str, vocab_size: int) -> None:
+    """Every id of ``ds`` must index the model's embedding table: one line before launch, not on one rank hours
+    into the run when that sample is read."""
+    if not ds.num_tokens:
+        return
+    lo, hi = token_range(ds, cache_dir)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ConfigError(f"data prefix {ds.prefix!r} holds token id {bad}, outside the model's vocab_size "
+                          f"{vocab_size}: was it preprocessed with another tokenizer?")

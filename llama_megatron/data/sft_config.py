@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 from llama_megatron.data.chat_template import ChatEncoder
 from llama_megatron.data.gpt_dataset import DEFAULT_SPLIT
-from llama_megatron.data.index_cache import cached_directory, check_entry, file_fingerprint
+from llama_megatron.data.index_cache import cached_directory, check_entry, check_token_range, file_fingerprint
 from llama_megatron.data.indexed_dataset import prefix_exists
-from llama_megatron.data.sample_index import parse_split
+from llama_megatron.data.sample_index import parse_split, split_document_ranges
 from llama_megatron.data.sft_dataset import OVERLONG, SFTShards, build_sft_datasets
 from llama_megatron.data.sft_formats import FORMATS, MASKING
 from llama_megatron.data.sft_preprocess import SFT_VERSION, preprocess_sft, read_meta, shard_prefixes
@@ -120,6 +120,15 @@ class SFTData:
         entry = cached_directory(self._cache_dir(), name, description, write)
         check_entry(entry, description)
         self._shards = SFTShards(os.path.join(entry, name))
+
+    def check(self, vocab_size: int, need_validation: bool) -> None:
+        if self._shards is None:
+            raise RuntimeError("SFTData.prepare(tokenizer) must run before check")
+        check_token_range(self._shards.tokens, self._cache_dir(), vocab_size)
+        lo, hi = split_document_ranges(len(self._shards), parse_split(self.split))[1]
+        if need_validation and hi <= lo:
+            raise ConfigError(f"eval.interval is set but data.split {self.split!r} gives the validation split none of "
+                              f"the {len(self._shards)} samples: give it a share, or set eval.interval 0")
 
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> tuple:

@@ -23,6 +23,19 @@ def launcher_command(num_procs: int) -> list[str]:
             "--master_port", str(free_port())]
 
 
+def skip_cpu_shared_memory_op() -> bool:
+    """On CPU, mark DeepSpeed's shared-memory all-reduce op (inference only; a 1-2 minute JIT build the first time a
+    process group starts) incompatible so it is never built; True on CPU. Anything that lets DeepSpeed start the
+    process group (HF Trainer in the benchmarks, too) calls this first."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return True
+
+
 def init_distributed(timeout_minutes: int = 30) -> None:
     """Initialise DeepSpeed's communication layer (gloo on CPU, NCCL on GPU: DeepSpeed picks).
 
@@ -33,10 +46,8 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     import datetime
 
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if skip_cpu_shared_memory_op():
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_size, 1)))

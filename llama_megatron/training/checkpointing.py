@@ -20,33 +20,173 @@ as if uninterrupted. Under another layout ranks draw different streams anyway, s
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
-import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import torch
+import torch.distributed as dist
 
 from llama_megatron.checkpoint.atomic import write_text_atomic
-from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, TMP_PREFIX, CheckpointMeta, step_tag
+from llama_megatron.checkpoint.manifest import (
+    digest_files,
+    fsync_dir,
+    fsync_tree,
+    tag_files,
+    verify_tag,
+    write_manifest,
+)
+from llama_megatron.checkpoint.meta import (
+    LATEST_FILE,
+    META_FILE,
+    TMP_PREFIX,
+    CheckpointMeta,
+    read_latest,
+    read_meta,
+    saved_tags,
+    step_tag,
+)
 from llama_megatron.checkpoint.safe_load import (
     load_state_file,
     load_through_safe_engine,
     verify_checkpoint_dir,
 )
 from llama_megatron.checkpoint.universal import universal_checkpoint_info
-from llama_megatron.errors import CheckpointError
+from llama_megatron.errors import CheckpointError, ConfigError, SaveFailed
 from llama_megatron.parallel.launch import barrier
 from llama_megatron.training.config import AUTO_LOAD, CheckpointConfig
 
 
 def resolve_load_dir(cfg: CheckpointConfig) -> str | None:
     """The directory to load: ``checkpoint.load``, or for ``"auto"`` ``checkpoint.save`` once it holds a
-    ``latest`` (None: nothing saved yet, start fresh)."""
+    checkpoint (None: nothing saved yet, start fresh)."""
     if cfg.load != AUTO_LOAD:
         return cfg.load
-    return cfg.save if os.path.isfile(os.path.join(cfg.save, LATEST_FILE)) else None
+    has_any = os.path.isfile(os.path.join(cfg.save, LATEST_FILE)) or saved_tags(cfg.save)
+    return cfg.save if has_any else None
+
+
+def choose_tag(load_dir: str, tag: str | None, fallback: bool,
+               skip: frozenset[str] = frozenset()) -> tuple[CheckpointMeta, list[str]]:
+    """The tag to load and its metadata, its files present with the sizes its manifest lists: ``tag``, else the
+    one ``latest`` names. With ``fallback`` (``checkpoint.load: auto``), when that one is missing, incomplete or
+    damaged (or in ``skip``), the newest complete save that passes instead, with one note per tag passed over."""
+    if not fallback:
+        meta = read_meta(load_dir, tag)
+        verify_tag(os.path.join(load_dir, meta.tag), checksum=False)
+        return meta, []
+    notes = []
+    try:
+        candidates = [read_latest(load_dir)]
+    except CheckpointError as exc:
+        candidates = []
+        notes.append(f"passing over {exc}")
+    candidates += [name for name in saved_tags(load_dir) if name not in candidates]
+    for name in candidates:
+        if name in skip:
+            continue
+        try:
+            meta = read_meta(load_dir, name)
+            verify_tag(os.path.join(load_dir, name), checksum=False)
+        except CheckpointError as exc:
+            notes.append(f"passing over {exc}")
+            continue
+        if notes:
+            notes.append(f"resuming from {load_dir}/{name}, the newest complete checkpoint")
+        return meta, notes
+    raise CheckpointError(f"no complete checkpoint in {load_dir}" + (f" ({notes[0]})" if notes else ""))
+
+
+def check_save_dir(cfg: CheckpointConfig, load_dir: str | None) -> None:
+    """A run that does not continue ``checkpoint.save`` may not write into one that holds checkpoints (its
+    retention and ``latest`` would mix two runs) unless ``checkpoint.overwrite`` says to replace them."""
+    if not cfg.save or cfg.overwrite:
+        return
+    if load_dir is not None and os.path.isdir(load_dir) and os.path.isdir(cfg.save) and \
+            os.path.samefile(load_dir, cfg.save):
+        return  # resuming (or rolling back) the run saved there
+    existing = saved_tags(cfg.save)
+    if existing:
+        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
+        raise ConfigError(f"checkpoint.save {cfg.save} already holds checkpoints ({shown}) of another run: continue "
+                          "it with checkpoint.load auto, or replace them with checkpoint.overwrite true")
+
+
+class SaveDirLock:
+    """``checkpoint.save`` owned by one run at a time: rank 0 holds an exclusive ``flock`` on ``.lock`` in it for
+    the whole run. The kernel drops the lock when the process ends, so a crashed run never leaves it stuck. The file
+    names the holder (host, pid, start) for the message the next run prints."""
+
+    FILE = ".lock"
+
+    def __init__(self, save_dir: str) -> None:
+        self.path = os.path.join(save_dir, self.FILE)
+        self._fh = None
+
+    def acquire(self) -> str | None:
+        """None when taken (or when the file system has no locks); else who holds it."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fh = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            fh.close()
+            return holder
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on host {socket.gethostname()} since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        fh.flush()
+        self._fh = fh
+        return None
+
+    def release(self) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fh, fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None
+
+
+def take_save_dir(cfg: CheckpointConfig, load_dir: str | None, pctx, log) -> SaveDirLock | None:
+    """Rank 0 takes ``checkpoint.save`` for this run; every rank learns the outcome (a held lock is one line on
+    every rank). With ``checkpoint.overwrite`` a run that does not continue the dir then removes its checkpoints."""
+    if not cfg.save:
+        return None
+    lock = SaveDirLock(cfg.save)
+    holder = lock.acquire() if pctx.rank == 0 else None
+    holder = all_gather_objects(holder)[0]
+    if holder is not None:
+        raise ConfigError(f"checkpoint.save {cfg.save} is in use by another run ({holder}): one run at a time "
+                          "writes a save dir")
+    continuing = load_dir is not None and os.path.isdir(load_dir) and os.path.samefile(load_dir, cfg.save)
+    if cfg.overwrite and not continuing:
+        removed = _remove_checkpoints(cfg.save) if pctx.rank == 0 else 0
+        barrier()
+        if removed:
+            log.info(f"checkpoint.overwrite: removed {removed} checkpoint(s) of an earlier run from {cfg.save}")
+    return lock
+
+
+def _remove_checkpoints(save_dir: str) -> int:
+    names = saved_tags(save_dir)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(save_dir, LATEST_FILE))
+    for name in names:
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        shutil.rmtree(os.path.join(save_dir, universal_tag(name)), ignore_errors=True)
+    return len(names)
 
 
 def check_resume_layout(meta: CheckpointMeta, tensor: int, pipeline: int, load_dir: str) -> None:
@@ -121,44 +261,121 @@ def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
     return True
 
 
-def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, rank: int) -> str:
+def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, pctx) -> str:
+    """Write ``meta``'s tag: DeepSpeed's files and each rank's RNG state into ``.tmp-<tag>``, every file hashed
+    (SHA-256, spread over the ranks) and fsynced, the manifest and metadata, then the rename, ``latest`` and
+    retention (rank 0), each directory fsynced. A failure on any rank (a full disk, an I/O error) is seen by all:
+    the temporary directory is removed and :class:`SaveFailed` is raised with one line; ``latest`` and the tags
+    already there are untouched."""
+    rank, world = pctx.rank, pctx.world_size
     tag = step_tag(meta.step)
-    tmp_tag = TMP_PREFIX + tag
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(os.path.join(save_dir, tmp_tag), ignore_errors=True)
-    barrier()
+    tmp_dir, final_dir = os.path.join(save_dir, TMP_PREFIX + tag), os.path.join(save_dir, tag)
+    where = f"{save_dir}/{tag}"
+    error = _attempt(lambda: (os.makedirs(save_dir, exist_ok=True), shutil.rmtree(tmp_dir, ignore_errors=True))
+                     if rank == 0 else None)
+    _agree(error, where, tmp_dir, pctx)
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
     lora = engine.config.lora
     client_state = {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine.config.model, lora)}
-    # a LoRA run saves its adapters (and their optimizer state) only: the base is the checkpoint meta.lora names
-    engine.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False,
-                                  exclude_frozen_parameters=lora is not None)
-    _save_rng_state(os.path.join(save_dir, tmp_tag), rank)
-    barrier()
-    if rank == 0:
-        tmp_dir, final_dir = os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag)
+
+    def write_shards() -> None:
+        # a LoRA run saves its adapters (and their optimizer state) only: the base is the checkpoint meta.lora names
+        engine.engine.save_checkpoint(save_dir, tag=TMP_PREFIX + tag, client_state=client_state,
+                                      save_latest=False, exclude_frozen_parameters=lora is not None)
+
+    error = _attempt(write_shards)
+    if error:
+        barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
+    error = error or _attempt(lambda: _save_rng_state(tmp_dir, rank))
+    _agree(error, where, tmp_dir, pctx)
+    digests: dict = {}
+    error = _attempt(lambda: digests.update(digest_files(tmp_dir, tag_files(tmp_dir)[rank::world], fsync=True)))
+    _agree(error, where, tmp_dir, pctx)
+    shares = all_gather_objects(digests)
+
+    def finish() -> None:
+        meta.saved_at = time.time()
         write_text_atomic(os.path.join(tmp_dir, META_FILE), meta.to_json())
-        if os.path.isdir(final_dir):
-            shutil.rmtree(final_dir)
-        os.replace(tmp_dir, final_dir)
+        entries = {name: entry for share in shares for name, entry in share.items()}
+        entries.update(digest_files(tmp_dir, [META_FILE]))
+        write_manifest(tmp_dir, entries)
+        fsync_tree(tmp_dir)
+        _replace_tag(save_dir, tmp_dir, final_dir)
         write_text_atomic(os.path.join(save_dir, LATEST_FILE), tag)
-        _prune(save_dir, keep_last)
-    barrier()
+        fsync_dir(save_dir)
+        _prune(save_dir, keep_last, tag)
+
+    _agree(_attempt(finish) if rank == 0 else None, where, tmp_dir, pctx)
     return tag
 
 
-def _prune(save_dir: str, keep_last: int) -> None:
+def _attempt(action) -> str | None:
+    """Run ``action``; the one-line reason it failed (an OSError, or torch's zip writer failing, which reports
+    no errno: a short write), or None."""
+    try:
+        action()
+    except OSError as exc:
+        return os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[0]
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()
+        if any(mark in str(exc) for mark in ("PytorchStreamWriter", "inline_container", "file write failed")):
+            return "a file could not be written completely (disk full, or a file size limit)"
+        return f"RuntimeError: {text[0] if text else ''}"
+    return None
+
+
+def _agree(error: str | None, where: str, tmp_dir: str, pctx) -> None:
+    """Every rank learns whether any failed; then the partial save is removed and all raise the same line."""
+    errors = all_gather_objects(error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if pctx.rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    barrier()
+    rank, reason = failed[0]
+    save_dir = os.path.dirname(tmp_dir)
+    latest = os.path.join(save_dir, LATEST_FILE)
+    kept = f"latest still names {open(latest).read().strip()}" if os.path.isfile(latest) else "nothing was saved before"
+    with contextlib.suppress(OSError):
+        reason += f"; {shutil.disk_usage(save_dir).free / 2**20:,.0f} MiB free there"
+    raise SaveFailed(f"saving checkpoint {where} failed on rank {rank} ({reason}); the partial save was removed and "
+                     f"{kept}")
+
+
+def all_gather_objects(value) -> list:
+    """``value`` of every rank (one process: ``[value]``)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _replace_tag(save_dir: str, tmp_dir: str, final_dir: str) -> None:
+    """Move the finished save into place. A tag saved again replaces the old one (moved aside first, so its name
+    is never missing for long) and loses the universal conversion made from the old one."""
+    old = None
+    if os.path.isdir(final_dir):
+        old = os.path.join(save_dir, f".old-{os.path.basename(final_dir)}-{os.getpid()}")
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(save_dir)
+    shutil.rmtree(universal_tag(final_dir), ignore_errors=True)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _prune(save_dir: str, keep_last: int, just_saved: str) -> None:
+    """Keep the ``keep_last`` newest saves by save time (never the one just written, nor the one ``latest``
+    names), with their universal conversions; 0 keeps every save."""
     if keep_last <= 0:
         return
-    steps = sorted(
-        (int(m.group(1)), name) for name in os.listdir(save_dir)
-        if (m := re.fullmatch(r"global_step(\d+)", name))
-    )
-    for _, name in steps[:-keep_last]:
-        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-        shutil.rmtree(os.path.join(save_dir, universal_tag(name)), ignore_errors=True)
+    for name in saved_tags(save_dir)[keep_last:]:
+        if name != just_saved:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            shutil.rmtree(os.path.join(save_dir, universal_tag(name)), ignore_errors=True)
 
 
 def load_checkpoint(engine, load_dir: str, tag: str) -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from llama_megatron.checkpoint.meta import check_tag_name
 from llama_megatron.config import ModelConfig, ParallelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.errors import ConfigError
@@ -31,9 +34,19 @@ class BatchConfig:
         return self.global_batch_size // (self.micro_batch_size * data_parallel)
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+
+
 @dataclass
-class TrainLengthConfig:
+class TrainConfig:
+    """How long a run goes and when it stops early (training/guard.py, training/preemption.py)."""
+
     steps: int = 100
+    max_minutes: float | None = None   # wall-clock budget: save and exit 0 once a step ends past it
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")  # finish the step, save, exit 0
+    max_bad_steps: int = 3             # stop (exit 3) after this many consecutive bad steps
+    loss_spike_factor: float | None = None  # a loss above factor x the mean of the last window good ones is bad
+    loss_spike_window: int = 20
 
 
 @dataclass
@@ -66,6 +79,8 @@ class CheckpointConfig:
     load: str | None = None
     tag: str | None = None
     finetune: bool = False
+    overwrite: bool = False  # a run that does not continue checkpoint.save may replace the checkpoints there
+    verify: str = "checksum"  # what a load checks against each tag's manifest: "checksum" or "size"
 
 
 @dataclass
@@ -88,7 +103,7 @@ class PipelineConfig:
 
 _SECTIONS = {
     "batch": BatchConfig,
-    "train": TrainLengthConfig,
+    "train": TrainConfig,
     "optimizer": OptimizerConfig,
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
@@ -106,7 +121,7 @@ class TrainingConfig:
     tokenizer: str | None = None
     seq_length: int = 128
     batch: BatchConfig = field(default_factory=BatchConfig)
-    train: TrainLengthConfig = field(default_factory=TrainLengthConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -161,8 +176,7 @@ class TrainingConfig:
         b = self.batch
         if b.micro_batch_size < 1 or b.global_batch_size < 1:
             raise ConfigError("batch.micro_batch_size and batch.global_batch_size must be >= 1")
-        if self.train.steps < 1:
-            raise ConfigError(f"train.steps must be >= 1, got {self.train.steps}")
+        self._validate_train()
         opt = self.optimizer
         if opt.decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"optimizer.decay_style {opt.decay_style!r}: choose cosine, linear or constant")
@@ -181,6 +195,34 @@ class TrainingConfig:
                                   "takes no checkpoint.tag and no checkpoint.finetune (name the directory to load)")
         if self.eval.interval < 0 or self.eval.iters < 1:
             raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
+        if self.logging.interval < 1:
+            raise ConfigError(f"logging.interval must be >= 1 (steps between log lines), got {self.logging.interval}")
+        if ckpt.keep_last < 0 or ckpt.interval < 0:
+            raise ConfigError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if ckpt.verify not in ("checksum", "size"):
+            raise ConfigError(f"checkpoint.verify {ckpt.verify!r}: choose checksum or size")
+        for key in ("tag", "load", "save"):
+            value = getattr(ckpt, key)
+            if value is not None and not value:
+                raise ConfigError(f"checkpoint.{key} is empty")
+        if ckpt.tag is not None:
+            check_tag_name(ckpt.tag, "checkpoint.tag")
+
+    def _validate_train(self) -> None:
+        train = self.train
+        if train.steps < 1:
+            raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
+        if train.max_minutes is not None and train.max_minutes <= 0:
+            raise ConfigError(f"train.max_minutes must be > 0 (or null), got {train.max_minutes}")
+        if train.max_bad_steps < 1:
+            raise ConfigError(f"train.max_bad_steps must be >= 1, got {train.max_bad_steps}")
+        if train.loss_spike_factor is not None and train.loss_spike_factor <= 1:
+            raise ConfigError(f"train.loss_spike_factor must be > 1 (or null), got {train.loss_spike_factor}")
+        if train.loss_spike_window < 1:
+            raise ConfigError(f"train.loss_spike_window must be >= 1, got {train.loss_spike_window}")
+        unknown = [name for name in train.stop_signals if name not in STOP_SIGNALS]
+        if unknown:
+            raise ConfigError(f"train.stop_signals: {unknown[0]!r} is not one of {', '.join(STOP_SIGNALS)}")
 
     def check_world_size(self, world_size: int) -> None:
         """What the launch adds to :meth:`validate`: TP x PP divides the world, and the batch divides over DP."""
@@ -233,9 +275,53 @@ def _section(section_cls, name: str, value: Any):
     if unknown:
         raise ConfigError(f"unknown keys in {name!r}: {', '.join(sorted(unknown))}")
     value = dict(value)
-    if "betas" in value:
-        value["betas"] = tuple(value["betas"])
+    hints = typing.get_type_hints(section_cls)
+    for key, item in value.items():
+        value[key] = _typed(item, hints[key], f"{name}.{key}")
     return section_cls(**value)
+
+
+def _typed(value: Any, hint: Any, key: str) -> Any:
+    """``value`` checked against a section field's type (int, float, bool, str, tuple of them, or None where the
+    field allows it); a JSON list becomes the tuple. One-line ConfigError naming the key otherwise."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+            args = typing.get_args(option)
+            item_hints = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+            if len(item_hints) == len(value):
+                try:
+                    return tuple(_typed(v, h, key) for v, h in zip(value, item_hints))
+                except ConfigError:
+                    pass
+    names = " or ".join(_type_name(o) for o in options)
+    raise ConfigError(f"{key} must be {names}, got {json.dumps(value) if _jsonable(value) else repr(value)}")
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is tuple:
+        return "a list"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

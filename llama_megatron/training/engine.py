@@ -111,11 +111,27 @@ class TrainingEngine:
             dist.all_reduce(count, group=self.pctx.dp_cp_group)
         return (count.clamp(min=1).double() / (len(micro_batches) * ranks)).float()
 
-    def grad_norm(self) -> float | None:
+    def grad_norm(self) -> torch.Tensor | float | None:
+        """The last step's global gradient norm as the engine holds it (a device tensor is not read here)."""
         norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            norm = self._grad_norm
-        return None if norm is None else float(norm)
+        return self._grad_norm if norm is None else norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps DeepSpeed skipped so far (overflow: fp16 loss scaling, ZeRO's and bf16's inf/NaN check)."""
+        return int(self.engine.skipped_steps)
+
+    def parameters_finite(self) -> bool:
+        """Every parameter of every rank is finite (checked before a save; one all-reduce over the world)."""
+        finite = torch.ones((), device=self.device)
+        for param in self.model.parameters():
+            data = param.ds_tensor if hasattr(param, "ds_tensor") else param.data  # ZeRO-3: this rank's partition
+            if data.numel() and not torch.isfinite(data).all():
+                finite.zero_()
+                break
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
 
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

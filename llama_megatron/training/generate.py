@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,13 @@ from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.generation import Sampling, generate
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.setup import load_model, preflight, start_process_groups, world_size_from_env
+from llama_megatron.training.setup import (
+    load_model,
+    preflight,
+    start_process_groups,
+    verify_checkpoint_files,
+    world_size_from_env,
+)
 
 
 @dataclass
@@ -101,11 +108,13 @@ def run_generation(request: GenerationRequest) -> list[dict] | None:
 
     tokenizer_dir = _tokenizer_dir(request)
     config = generation_config(request, tokenizer_dir)
-    pre = preflight(config)
+    pre = preflight(config, mode="generate")
     tokenizer = load_hf_tokenizer(tokenizer_dir)
     encoder = None if request.raw else ChatEncoder(tokenizer_dir, request.chat_template)
     prompts = [_encode(request, p, encoder, tokenizer) for p in request.prompts]
+    budgets = _new_token_budgets(prompts, request.max_new_tokens, config.model.max_position_embeddings)
     pctx = start_process_groups(pre)
+    pre = verify_checkpoint_files(pre, pctx, None)
     device = torch.device(get_accelerator().current_device_name())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[request.dtype or ("bf16" if device.type == "cuda"
                                                                                else "fp32")]
@@ -113,8 +122,25 @@ def run_generation(request: GenerationRequest) -> list[dict] | None:
     sampling = Sampling(request.temperature, request.top_k, request.top_p, request.seed)
     stop = _stop_ids(config, tokenizer, tokenizer_dir)
     results = []
-    for prompt, ids in zip(request.prompts, prompts):
-        new = generate(model, ids, request.max_new_tokens, stop, sampling, request.use_cache)
+    for prompt, ids, budget in zip(request.prompts, prompts, budgets):
+        new = generate(model, ids, budget, stop, sampling, request.use_cache)
         text = tokenizer.decode([t for t in new if t not in stop], skip_special_tokens=True).strip()
         results.append({"prompt": prompt, "completion": text, "prompt_tokens": len(ids), "tokens": new})
     return results if pctx.rank == 0 else None
+
+
+def _new_token_budgets(prompts: list[list[int]], max_new_tokens: int, context: int) -> list[int]:
+    """``max_new_tokens`` per prompt, capped so prompt and completion fit the model's context (positions past it
+    were never trained, and RoPE scaling, if any, is defined up to it); a prompt that fills the context already is
+    refused before any process group starts."""
+    budgets = []
+    for number, ids in enumerate(prompts, start=1):
+        room = context - len(ids)
+        if room < 1:
+            raise ConfigError(f"prompt {number} has {len(ids)} tokens: nothing fits after it in the model's context "
+                              f"of {context} (max_position_embeddings)")
+        if room < max_new_tokens and int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: prompt {number}: --max-new-tokens {max_new_tokens} capped to {room} (context {context}, "
+                  f"prompt {len(ids)} tokens)", file=sys.stderr, flush=True)
+        budgets.append(min(room, max_new_tokens))
+    return budgets

@@ -13,7 +13,9 @@ from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.deepspeed_config import zero_stage
 from llama_megatron.training.flops import training_flops_per_token
+from llama_megatron.training.guard import StepGuard
 from llama_megatron.training.metrics import device_peak_tflops, format_eta
+from llama_megatron.training.preemption import StopRequests
 from llama_megatron.training.setup import Session, open_session
 
 
@@ -29,12 +31,12 @@ def evaluate(session: Session, valid_ds) -> dict:
 
 def run_evaluation(config: TrainingConfig, ds_source=None) -> dict:
     """Evaluate ``checkpoint.load`` (or the seeded model) on the validation split; one metrics record."""
-    session = open_session(config, ds_source)
+    session = open_session(config, ds_source, mode="evaluate")
     _, valid_ds, _ = build_datasets(config, session.pre.eod_id)
     result = {"step": session.step, **evaluate(session, valid_ds)}
     session.log.log(session.step, result, f"eval step {session.step} | val loss {result['val_loss']:.6f} | "
                     f"val ppl {result['val_ppl']:.3f}")
-    session.log.close()
+    session.close()
     return result
 
 
@@ -42,6 +44,13 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
     if eval_only:
         return run_evaluation(config, ds_source)
     session = open_session(config, ds_source)
+    try:
+        return _train(session, config)
+    finally:
+        session.close()
+
+
+def _train(session: Session, config: TrainingConfig) -> dict:
     engine, pctx, log = session.engine, session.pctx, session.log
     step, consumed = session.step, session.consumed_samples
     ds_config = session.pre.ds_config
@@ -61,42 +70,88 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
         f"{pctx.pp_size} context {pctx.cp_size} data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
         f"{config.batch.global_batch_size} x {config.seq_length} tokens | steps {step + 1}..{config.train.steps}"
     )
+    train = config.train
+    guard = StepGuard(train.max_bad_steps, train.loss_spike_factor, train.loss_spike_window, engine.device)
+    stops = StopRequests(train.stop_signals, train.max_minutes)
     last_metrics: dict = {}
     start_step = step
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     save = config.checkpoint
-    for micro_batches in step_batches(train_ds, config, pctx, consumed, config.train.steps - step):
-        lr = engine.learning_rate()
-        loss_on_device = engine.train_step(micro_batches)  # read only on logging steps: reading syncs the host
-        step += 1
-        consumed += config.batch.global_batch_size
-        window_steps += 1
-        metrics: dict = {}
-        if config.eval.interval and step % config.eval.interval == 0:
-            metrics.update(evaluate(session, valid_ds))
-        if step % config.logging.interval == 0 or step == config.train.steps or metrics:
-            loss = float(loss_on_device)
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = tokens_per_step * window_steps / elapsed
-            tflops = flops_per_step * window_steps / elapsed / 1e12 / pctx.world_size
-            seconds_per_step = (time.perf_counter() - run_start) / (step - start_step)
-            metrics.update(loss=loss, lr=lr, grad_norm=engine.grad_norm(),
-                           tokens_per_s=tokens_per_s, tflops_per_device=tflops,
-                           mfu=tflops / peak if peak else None, consumed_samples=consumed)
-            mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
-            line = (f"step {step}/{config.train.steps} | loss {loss:.6f} | lr {metrics['lr']:.3e} | grad norm "
-                    f"{_fmt(metrics['grad_norm'])} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s{mfu} | "
-                    f"ETA {format_eta(seconds_per_step * (config.train.steps - step))}")
-            if "val_loss" in metrics:
-                line += f" | val loss {metrics['val_loss']:.6f} | val ppl {metrics['val_ppl']:.3f}"
-            log.log(step, metrics, line)
-            last_metrics = metrics
-            window_start, window_steps = time.perf_counter(), 0
-        if save.save and save.interval and (step % save.interval == 0 or step == config.train.steps):
-            _save(engine, config, pctx, ds_config, step, consumed, log, session.pre.checkpoint_lora())
+    skipped = engine.skipped_steps
+    try:
+        for micro_batches in step_batches(train_ds, config, pctx, consumed, train.steps - step):
+            lr = engine.learning_rate()
+            loss_on_device = engine.train_step(micro_batches)  # read at check points only: reading syncs the host
+            step += 1
+            consumed += config.batch.global_batch_size
+            window_steps += 1
+            guard.record(step, loss_on_device, engine.grad_norm(), engine.skipped_steps > skipped)
+            skipped = engine.skipped_steps
+            stop = stops.poll()
+            evaluate_now = bool(config.eval.interval) and step % config.eval.interval == 0
+            save_now = bool(save.save and save.interval) and (step % save.interval == 0 or step == train.steps)
+            log_now = step % config.logging.interval == 0 or step == train.steps or evaluate_now
+            if not (log_now or save_now or stop):
+                continue
+            reports = guard.check()
+            for report in reports[:-1]:
+                if report.bad:
+                    log.info(f"step {report.step}: bad step ({'; '.join(report.reasons)})")
+            if guard.exhausted:  # log the step that ends the run, then stop (below)
+                evaluate_now = save_now = False
+                stop, log_now = None, True
+            metrics: dict = {}
+            if evaluate_now:
+                metrics.update(evaluate(session, valid_ds))
+            if log_now:
+                last = reports[-1]
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                tflops = flops_per_step * window_steps / elapsed / 1e12 / pctx.world_size
+                seconds_per_step = (time.perf_counter() - run_start) / (step - start_step)
+                metrics.update(loss=last.loss, lr=lr, grad_norm=last.grad_norm, tokens_per_s=tokens_per_s,
+                               tflops_per_device=tflops, mfu=tflops / peak if peak else None,
+                               consumed_samples=consumed)
+                if last.bad:
+                    metrics["bad_step"] = "; ".join(last.reasons)
+                mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
+                line = (f"step {last.step}/{train.steps} | loss {_fmt(last.loss, 6)} | lr {metrics['lr']:.3e} | grad "
+                        f"norm {_fmt(last.grad_norm, 4)} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s{mfu} | "
+                        f"ETA {format_eta(seconds_per_step * (train.steps - step))}")
+                if last.bad:
+                    line += f" | bad step: {metrics['bad_step']}"
+                if "val_loss" in metrics:
+                    line += f" | val loss {metrics['val_loss']:.6f} | val ppl {metrics['val_ppl']:.3f}"
+                log.log(last.step, metrics, line)
+                last_metrics = metrics
+                window_start, window_steps = time.perf_counter(), 0
+            guard.stop()  # TrainingStopped (exit 3) after train.max_bad_steps bad steps in a row, once logged
+            saved = None
+            if save_now or (stop and save.save):
+                saved = _save_if_good(engine, guard, config, pctx, ds_config, step, consumed, log,
+                                      session.pre.checkpoint_lora())
+            if stop:
+                where = (f"saved checkpoint {save.save}/{saved}" if saved else
+                         "nothing saved (no checkpoint.save)" if not save.save else "nothing saved")
+                log.info(f"stopped at step {step} on {stop}: {where}; the same command with checkpoint.load auto "
+                         "continues from there")
+                break
+    finally:
+        stops.close()
     barrier()
-    log.close()
     return {"step": step, **last_metrics}
+
+
+def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consumed, log, lora) -> str | None:
+    """Save unless the latest step was bad or left non-finite weights (a poisoned state is never written, so
+    ``latest`` and what retention keeps stay good); returns the tag, or None."""
+    if not guard.clean:
+        log.info(f"not saving a checkpoint at step {step}: the step was bad ({'; '.join(guard.streak[-1].reasons)})")
+        return None
+    if not engine.parameters_finite():
+        log.info(f"not saving a checkpoint at step {step}: the weights are not finite")
+        return None
+    return _save(engine, config, pctx, ds_config, step, consumed, log, lora)
 
 
 def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None) -> None:
@@ -105,9 +160,10 @@ def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | Non
         data_parallel=pctx.dp_size, context=pctx.cp_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
         padded_vocab_size=config.parallel.padded_vocab_size(config.model.vocab_size), lora=lora,
     )
-    tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx.rank)
+    tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx)
     log.info(f"saved checkpoint {config.checkpoint.save}/{tag}")
+    return tag
 
 
-def _fmt(value) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
+def _fmt(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"  # nan and inf print as such

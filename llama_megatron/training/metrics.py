@@ -74,7 +74,11 @@ class RunLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
-        self._metrics.write(json.dumps(record) + "\n")
+        # JSON has no NaN or infinity: such values are written as null and named under "nonfinite"
+        nonfinite = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        if nonfinite:
+            record.update({k: None for k in nonfinite}, nonfinite=nonfinite)
+        self._metrics.write(json.dumps(record, allow_nan=False) + "\n")
         self._metrics.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):

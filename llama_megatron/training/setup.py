@@ -12,16 +12,17 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from torch import nn
 
 from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, check_lora_start, checkpoint_lora_section
+from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.checkpoint.megatron_reader import load_model_weights
-from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
-from llama_megatron.errors import ConfigError
+from llama_megatron.checkpoint.meta import CheckpointMeta
+from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import Kernels, resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
@@ -47,6 +48,7 @@ class Preflight:
     kernels: Kernels
     load_dir: str | None = None  # checkpoint.load, "auto" resolved
     lora_base: BaseRecord | None = None  # a LoRA run's base checkpoint
+    notes: list[str] = field(default_factory=list)  # for the log: checkpoints passed over, unverified ones
 
     @property
     def adapters_checkpoint(self) -> bool:
@@ -76,6 +78,12 @@ class Session:
     engine: TrainingEngine
     step: int
     consumed_samples: int
+    owner: ckpt.SaveDirLock | None = None  # held while the run may write checkpoint.save
+
+    def close(self) -> None:
+        self.log.close()
+        if self.owner is not None:
+            self.owner.release()
 
     @property
     def config(self) -> TrainingConfig:
@@ -107,11 +115,15 @@ def _model_differences(saved: dict, run: dict, finetune: bool) -> list[str]:
     return [k for k in keys if saved.get(k) != run.get(k) and not (finetune and k in CONTEXT_KEYS)]
 
 
-def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int) -> CheckpointMeta | None:
+def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int,
+                      skip: frozenset[str] = frozenset()) -> tuple[CheckpointMeta | None, list[str]]:
+    """The checkpoint this run loads (metadata, layout and files checked) and notes for the log. With
+    ``checkpoint.load: auto`` a damaged newest tag (or those in ``skip``) gives way to the newest good one."""
     if not load_dir:
-        return None
+        return None, []
     finetune = config.checkpoint.finetune
-    meta = read_meta(load_dir, config.checkpoint.tag)
+    meta, notes = ckpt.choose_tag(load_dir, config.checkpoint.tag, fallback=config.checkpoint.load == AUTO_LOAD,
+                                  skip=skip)
     # weights-only loading reads per (layer, TP rank): any PP of this run will do
     pipeline = meta.pipeline if finetune else config.parallel.pipeline
     ckpt.check_resume_layout(meta, config.parallel.tensor, pipeline, load_dir)
@@ -128,7 +140,7 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
                           f"section ({', '.join(differences)}){hint}")
     partitions = config.data_parallel_size(world_size) * config.parallel.context  # DeepSpeed's DP group
     ckpt.verify_load(load_dir, meta, None if finetune else partitions)
-    return meta
+    return meta, notes
 
 
 def _check_lora(config: TrainingConfig, meta: CheckpointMeta | None, load_dir: str | None) -> BaseRecord | None:
@@ -145,20 +157,30 @@ def _check_lora(config: TrainingConfig, meta: CheckpointMeta | None, load_dir: s
     return record
 
 
-def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = None) -> Preflight:
-    """Every check that needs no process group, so a bad setup fails in seconds with one line."""
+MODES = ("train", "evaluate", "generate")
+
+
+def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = None, mode: str = "train") -> Preflight:
+    """Every check that needs no process group, so a bad setup fails in seconds with one line. ``mode`` says what
+    the run does: training also checks that it may write into ``checkpoint.save``; training with evaluation steps
+    and evaluation need a validation split."""
     world_size = world_size_from_env() if world_size is None else world_size
     config.check_world_size(world_size)
     config.data.validate()
     eod_id = _check_tokenizer(config)
     config.data.prepare(config.tokenizer)  # SFT JSONL: tokenised here once, so bad records stop before launch
+    # what building the datasets would find late: ids beyond the vocabulary, no validation split to evaluate on
+    config.data.check(config.model.vocab_size,
+                      need_validation=mode == "evaluate" or (mode == "train" and config.eval.interval > 0))
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
     kernels = resolve_kernels(config.kernels, accelerator)
     load_dir = ckpt.resolve_load_dir(config.checkpoint)
-    meta = _check_checkpoint(config, load_dir, world_size)
+    if mode == "train":
+        ckpt.check_save_dir(config.checkpoint, load_dir)
+    meta, notes = _check_checkpoint(config, load_dir, world_size)
     return Preflight(config, world_size, ds_config, meta, eod_id, kernels, load_dir,
-                     _check_lora(config, meta, load_dir))
+                     _check_lora(config, meta, load_dir), notes)
 
 
 def _seed_everything(seed: int) -> None:
@@ -193,7 +215,38 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
         with open(os.path.join(config.output_dir, RUN_INFO_FILE), "w", encoding="utf-8") as fh:
             json.dump(info, fh, indent=2)
     log.info("kernels: " + " | ".join(f"{k} {v}" for k, v in pre.kernels.describe().items()))
+    for note in pre.notes:
+        log.info(note)
     return pctx, log
+
+
+def verify_checkpoint_files(pre: Preflight, pctx: ParallelContext, log: RunLogger | None) -> Preflight:
+    """The checksums of the tag to load against its manifest, each rank hashing its share of the files
+    (``checkpoint.verify: checksum``; preflight checked every size already). A damaged tag is an error, or under
+    ``checkpoint.load: auto`` gives way to the newest good one (checked again from the start)."""
+    config, skipped = pre.config, set()
+    while pre.checkpoint is not None and config.checkpoint.verify == "checksum":
+        tag_dir = os.path.join(pre.load_dir, pre.checkpoint.tag)
+        error, verified = None, False
+        try:
+            verified = verify_tag(tag_dir, checksum=True, share=(pctx.rank, pctx.world_size))
+        except CheckpointError as exc:
+            error = str(exc)
+        errors = [e for e in ckpt.all_gather_objects(error) if e]
+        if not errors:
+            if not verified and log is not None:
+                log.info(f"checkpoint {tag_dir} has no manifest (written by an older version or another tool): "
+                         "its files were not verified")
+            break
+        if config.checkpoint.load != AUTO_LOAD:
+            raise CheckpointError(errors[0])
+        skipped.add(pre.checkpoint.tag)
+        meta, notes = _check_checkpoint(config, pre.load_dir, pre.world_size, frozenset(skipped))
+        if log is not None:
+            for note in [f"passing over {errors[0]}", *notes]:
+                log.info(note)
+        pre = replace(pre, checkpoint=meta, lora_base=_check_lora(config, meta, pre.load_dir))
+    return pre
 
 
 def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
@@ -211,10 +264,13 @@ def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
     return model
 
 
-def open_session(config: TrainingConfig, ds_source=None) -> Session:
-    """The whole path: preflight, process groups, model and weights, DeepSpeed engine, checkpoint state."""
-    pre = preflight(config, ds_source)
+def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") -> Session:
+    """The whole path: preflight, process groups, the save dir taken (training), the checkpoint's files verified,
+    model and weights, DeepSpeed engine, checkpoint state."""
+    pre = preflight(config, ds_source, mode=mode)
     pctx, log = start(pre)
+    owner = ckpt.take_save_dir(config.checkpoint, pre.load_dir, pctx, log) if mode == "train" else None
+    pre = verify_checkpoint_files(pre, pctx, log)
     meta = pre.checkpoint
     load_tag = meta.tag if meta else None
     if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size):
@@ -240,4 +296,4 @@ def open_session(config: TrainingConfig, ds_source=None) -> Session:
         log.info(f"LoRA rank {config.lora.rank} alpha {config.lora.alpha} on {', '.join(config.lora.targets)}: "
                  f"{trainable:,} trainable parameters on rank 0 (base frozen: {pre.lora_base.path}/"
                  f"{pre.lora_base.tag})")
-    return Session(pre, pctx, log, engine, step, consumed)
+    return Session(pre, pctx, log, engine, step, consumed, owner)

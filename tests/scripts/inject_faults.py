@@ -1,0 +1,88 @@
+"""Training runs with faults injected, for tests/test_faults.py (one launch, several runs, like train_many.py).
+
+    deepspeed --num_gpus N tests/scripts/inject_faults.py RUNS.json
+
+RUNS.json is a list of ``{"argv": [...], "expect": exit code, "faults": {...}}``; every run goes through the real
+entry point of ``llama_megatron.train``, and the launch fails (exit 1) when a run's exit code is not the expected
+one. Faults, each at optimizer steps counted from 1:
+
+- ``"loss": {"STEP": factor}``: the loss divisor of that step multiplied by ``factor`` on every rank that computes
+  the loss: ``"nan"`` makes the loss and every gradient NaN, ``0`` makes them infinite, ``0.1`` multiplies them
+  by ten (a spike);
+- ``"signal": {"step": STEP, "rank": R, "name": "SIGTERM"}``: the signal sent to rank R's own process as that step
+  starts (it finishes the step: the run must stop after it);
+- ``"file_size": {"save": N, "rank": R, "bytes": B}``: while the N-th checkpoint is written, rank R may write
+  files of at most B bytes (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG as on a full disk).
+"""
+
+import json
+import os
+import resource
+import signal
+import sys
+
+from llama_megatron import train
+from llama_megatron.training import checkpointing
+from llama_megatron.training.engine import TrainingEngine
+
+RANK = int(os.environ.get("RANK", "0"))
+FAULTS: dict = {}
+_divisor, _train_step, _save = TrainingEngine._loss_divisor, TrainingEngine.train_step, checkpointing.save_checkpoint
+_saves = [0]
+
+
+def _next_step(engine) -> int:
+    return int(engine.engine.global_steps) + 1
+
+
+def loss_divisor(self, micro_batches):
+    divisor = _divisor(self, micro_batches)
+    factor = FAULTS.get("loss", {}).get(str(_next_step(self)))
+    if divisor is None or factor is None:
+        return divisor
+    return divisor * float(factor)
+
+
+def train_step(self, micro_batches):
+    fault = FAULTS.get("signal")
+    if fault and fault["step"] == _next_step(self) and fault.get("rank", 0) == RANK:
+        os.kill(os.getpid(), getattr(signal, fault.get("name", "SIGTERM")))
+    return _train_step(self, micro_batches)
+
+
+def save_checkpoint(engine, save_dir, meta, keep_last, pctx):
+    _saves[0] += 1
+    fault = FAULTS.get("file_size")
+    if not (fault and fault["save"] == _saves[0] and fault.get("rank", 0) == RANK):
+        return _save(engine, save_dir, meta, keep_last, pctx)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fault["bytes"], hard))
+    try:
+        return _save(engine, save_dir, meta, keep_last, pctx)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+TrainingEngine._loss_divisor = loss_divisor
+TrainingEngine.train_step = train_step
+checkpointing.save_checkpoint = save_checkpoint
+
+
+def main(path: str) -> int:
+    with open(path, encoding="utf-8") as fh:
+        runs = json.load(fh)
+    for run in runs:
+        FAULTS.clear()
+        FAULTS.update(run.get("faults", {}))
+        _saves[0] = 0
+        rc = train.main(run["argv"])
+        if rc != run.get("expect", 0):
+            print(f"run exited {rc}, expected {run.get('expect', 0)}: {' '.join(run['argv'])}", file=sys.stderr,
+                  flush=True)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))))

@@ -54,7 +54,8 @@ def _hf_greedy(hf, prompt: str) -> list[int]:
 
 
 def _ours(ckpt: str, out_file: str, *extra: str) -> list[dict]:
-    args = ["generate", "--checkpoint", ckpt, "--max-new-tokens", str(NEW_TOKENS), "--output", out_file, *extra]
+    args = ["generate", "--checkpoint", ckpt, "--max-new-tokens", str(NEW_TOKENS), "--output", out_file,
+            "--overwrite", *extra]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
     assert cli_main(args) == 0

@@ -20,6 +20,7 @@ from dist_utils import run_distributed
 from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
 from model_utils import gather_shards, hf_model, tiny_config
 
+from llama_megatron.checkpoint.manifest import write_manifest_for
 from llama_megatron.cli import main as cli_main
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
@@ -491,6 +492,8 @@ def _lora_checkpoint_with_base(src: str, dst: str, base_path: str) -> str:
     meta["lora"]["base"]["path"] = base_path
     with open(meta_path, "w") as fh:
         json.dump(meta, fh)
+    # a checkpoint really trained on that base: its manifest matches its files
+    write_manifest_for(os.path.dirname(meta_path))
     return dst
 
 

@@ -3,15 +3,40 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 
 import torch
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on this host now, for a one-host rendezvous."""
-    with socket.socket() as sock:
+    """A TCP port free on this host now, for a one-host rendezvous.
+
+    Chosen at random just below the kernel's ephemeral range: a port the kernel handed out for ``bind(0)`` is free
+    again once we close it, and any socket another job opens before the launcher binds it (gloo and NCCL open
+    hundreds) may be given the same one; ports below that range are never handed out, so only another explicit
+    choice can collide, one chance in thousands."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every try taken: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

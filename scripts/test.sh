@@ -8,4 +8,4 @@ export OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 # Two workers, a test file each at a time (a file's launched runs are module fixtures its tests share): the
 # multi-rank runs leave a core idle while a launcher starts or rank 0 checks results, the other file fills it.
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile \
-  --no-loadscopereorder "$@"
+  --no-loadscope-reorder "$@"

@@ -3,7 +3,7 @@ long run stops on.
 
 The CLI turns it into a single ``error: ...`` line and the exception's exit code instead of a traceback: 2 for bad
 input (found before anything runs, wherever it can be known then), 3 when the step guard stops a diverging run,
-4 when a checkpoint could not be written.
+4 when a checkpoint could not be written, 5 when a rank made no progress for ``distributed.timeout_minutes``.
 """
 
 import sys
@@ -37,6 +37,12 @@ class SaveFailed(LlamaMegatronError):
     """A checkpoint could not be written (disk full, I/O error); the previous one is intact."""
 
     exit_code = 4
+
+
+class Stalled(LlamaMegatronError):
+    """No progress for ``distributed.timeout_minutes`` (training/watchdog.py): a rank stopped or a collective hangs."""
+
+    exit_code = 5
 
 
 def print_error(error: BaseException | str) -> None:

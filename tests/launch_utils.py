@@ -35,9 +35,11 @@ def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 6
     """``entry args`` in one plain process, or under the deepspeed launcher for several (or when asked)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nprocs == 1 and not launcher:
-        # one process has the machine to itself while the test waits: every core (the multi-process runs it is
-        # compared with use one thread per rank; the tolerances hold either way)
-        env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+        # one process has this pytest worker's share of the cores while the test waits (the multi-process runs it
+        # is compared with use one thread per rank; the tolerances hold either way); never more threads than that
+        # share: OpenMP threads spin-wait for each other, and one without a core of its own stalls them all
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
         cmd = [sys.executable, *entry, *args]
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
             env.pop(key, None)

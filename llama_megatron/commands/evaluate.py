@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from llama_megatron.commands.train import add_config_arguments, single_process_env
+from llama_megatron.commands.train import add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,10 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.loop import run_evaluation
 
-    single_process_env()
+    adopt_launcher_env()
     config = TrainingConfig.from_file(args.config, args.overrides)
     run_evaluation(config, args.deepspeed_config or config.deepspeed_config)
     return 0

@@ -65,7 +65,7 @@ def _prompts(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llama_megatron.commands.train import single_process_env
+    from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.generate import GenerationRequest, run_generation
 
     for name in ("max_new_tokens",):
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--output {args.output}: directory {parent} does not exist")
         if os.path.lexists(args.output) and not args.overwrite:
             raise ConfigError(f"--output {args.output} exists (pass --overwrite to replace it)")
-    single_process_env()
+    adopt_launcher_env()
     request = GenerationRequest(
         checkpoint=args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, chat_template=args.chat_template,
         prompts=_prompts(args), raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -2,12 +2,12 @@
 
     deepspeed --num_gpus N --module llama_megatron.train --config configs/pretrain/X.json [--set key=value ...]
     llama-megatron train --config configs/pretrain/X.json          # one process, no launcher needed
+    torchrun --nnodes 2 --node_rank N ... -m llama_megatron.train ...; srun python -m llama_megatron.train ...
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from llama_megatron.errors import LlamaMegatronError, print_error
@@ -29,21 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="evaluate checkpoint.load on the validation split (= llama-megatron evaluate)")
 
 
-def single_process_env() -> None:
-    """Without a launcher, give DeepSpeed a one-process rendezvous instead of letting it probe for MPI."""
-    if "RANK" in os.environ:
-        return
-    from llama_megatron.parallel.launch import free_port
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
-
-
 def run(args: argparse.Namespace) -> int:
+    from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.loop import run_pretraining
 
-    single_process_env()
+    adopt_launcher_env()
     config = TrainingConfig.from_file(args.config, args.overrides)
     run_pretraining(config, args.deepspeed_config or config.deepspeed_config, eval_only=args.eval_only)
     return 0

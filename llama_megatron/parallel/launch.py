@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import sys
+from collections.abc import MutableMapping
+from dataclasses import dataclass
 
 import torch
+
+from llama_megatron.errors import ConfigError
+
+# The variables torch's env:// rendezvous reads; every launcher we support ends up setting them.
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _ephemeral_low() -> int:
@@ -61,7 +69,111 @@ def skip_cpu_shared_memory_op() -> bool:
     return True
 
 
-def init_distributed(timeout_minutes: int = 30) -> None:
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits in the job, as its launcher set it up: global rank and size, and the ranks on its
+    own node (launchers number ranks node by node: node n holds ranks n x local .. n x local + local - 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "none"
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(self.local_world_size, 1))
+
+    def group_spans_nodes(self, consecutive: int) -> bool:
+        """Whether a group of ``consecutive`` ranks (TP's: the fastest axis) would cross a node boundary."""
+        return self.world_size > self.local_world_size and self.local_world_size % consecutive != 0
+
+
+def placement(environ: MutableMapping[str, str] | None = None) -> Placement:
+    """This process's placement from the environment: torchrun (LOCAL_WORLD_SIZE), the deepspeed launcher
+    (LOCAL_SIZE), or srun (SLURM_* variables, when no launcher set RANK); one process without any of them."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env:
+        world = int(env.get("WORLD_SIZE", "1"))
+        local = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or (_slurm_local_size(env) if
+                                                                          _in_slurm_step(env) else None)
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed" if "LOCAL_SIZE" in env else "env"
+        return Placement(int(env["RANK"]), world, int(env.get("LOCAL_RANK", "0")), int(local or world), launcher)
+    if _in_slurm_step(env):
+        return Placement(int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", "0")),
+                         _slurm_local_size(env), "srun")
+    return Placement()
+
+
+def adopt_launcher_env(environ: MutableMapping[str, str] | None = None) -> Placement:
+    """Make torch's env:// rendezvous work under whatever started this process, before any process group:
+
+    - a launcher (deepspeed, torchrun, a scheduler exporting RANK/WORLD_SIZE/MASTER_ADDR/...): as it is;
+    - ``srun`` starting every task itself: RANK and the rest from SLURM_PROCID, SLURM_STEP_NUM_TASKS,
+      SLURM_LOCALID and the step's tasks per node; MASTER_ADDR, unless exported, the step's first node;
+      MASTER_PORT, unless exported, derived from the job id (the same on every node, no port to agree on);
+    - nothing: a one-process rendezvous on a free local port (instead of DeepSpeed probing for MPI).
+    """
+    env = os.environ if environ is None else environ
+    where = placement(env)
+    if "RANK" in env:
+        return where
+    if where.launcher == "srun":
+        master = env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST") or
+                                                      env.get("SLURM_JOB_NODELIST", ""))
+        if not master:
+            raise ConfigError("under srun without MASTER_ADDR: SLURM_STEP_NODELIST names no node to rendezvous at; "
+                              "export MASTER_ADDR=<first node>")
+        port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 10000)
+        env.update(RANK=str(where.rank), WORLD_SIZE=str(where.world_size), LOCAL_RANK=str(where.local_rank),
+                   LOCAL_WORLD_SIZE=str(where.local_world_size), MASTER_ADDR=master, MASTER_PORT=port)
+        return where
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR=env.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=env.get("MASTER_PORT", str(free_port())))
+    return where
+
+
+def rendezvous_address() -> tuple[str, int] | None:
+    """MASTER_ADDR:MASTER_PORT, where every launcher keeps the job's key-value store (None without one)."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def _in_slurm_step(env) -> bool:
+    # inside `srun` (a job step): SLURM_STEP_NUM_TASKS; a batch script's own shell has SLURM_PROCID too, but no
+    # step of its own, and must stay one process
+    return "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env
+
+
+def _slurm_local_size(env) -> int:
+    """This node's task count from SLURM_STEP_TASKS_PER_NODE ("4(x2),2": four on each of the first two nodes, two
+    on the third) and SLURM_NODEID."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts: list[int] = []
+    for part in filter(None, spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={spec!r}: not SLURM's count list (e.g. 4(x2),2)")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    if node < len(counts):
+        return counts[node]
+    return int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list ("gpu[03-05,09],cpu1" -> "gpu03") without calling scontrol."""
+    depth, end = 0, len(nodelist)
+    for i, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = i
+            break
+    return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", nodelist[:end].strip())
+
+
+def init_distributed(timeout_minutes: float = 30) -> None:
     """Initialise DeepSpeed's communication layer (gloo on CPU, NCCL on GPU: DeepSpeed picks).
 
     On CPU DeepSpeed would JIT-build its shared-memory all-reduce op (1-2 minutes) that only inference uses;
@@ -72,10 +184,8 @@ def init_distributed(timeout_minutes: int = 30) -> None:
 
     import deepspeed
 
-    if skip_cpu_shared_memory_op():
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_size, 1)))
+    if skip_cpu_shared_memory_op() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(placement().local_world_size, 1)))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
 
 

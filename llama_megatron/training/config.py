@@ -2,8 +2,8 @@
 
 Sections: model (path to a preset / HF config.json, or inline), parallel, data, tokenizer, seq_length,
 batch, train, optimizer (with its schedule), eval, checkpoint, logging, activation_checkpointing, pipeline,
-deepspeed_config, kernels, lora (LoRA adapters on a frozen base), seed, output_dir. ``--set a.b=value`` overrides
-any key (value parsed as JSON when it parses).
+distributed, deepspeed_config, kernels, lora (LoRA adapters on a frozen base), seed, output_dir. ``--set a.b=value``
+overrides any key (value parsed as JSON when it parses).
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ class PipelineConfig:
     partition_method: str = "type:DecoderLayerPipe"
 
 
+@dataclass
+class DistributedConfig:
+    # no progress on a rank for this long (a stopped rank, a stuck collective): every rank exits 5 with one line
+    timeout_minutes: float = 30.0
+
+
 _SECTIONS = {
     "batch": BatchConfig,
     "train": TrainConfig,
@@ -110,6 +116,7 @@ _SECTIONS = {
     "logging": LoggingConfig,
     "activation_checkpointing": ActivationCheckpointConfig,
     "pipeline": PipelineConfig,
+    "distributed": DistributedConfig,
 }
 
 
@@ -128,6 +135,7 @@ class TrainingConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     deepspeed_config: str | dict | None = None
     kernels: str = "auto"
     lora: LoraConfig | None = None
@@ -207,6 +215,8 @@ class TrainingConfig:
                 raise ConfigError(f"checkpoint.{key} is empty")
         if ckpt.tag is not None:
             check_tag_name(ckpt.tag, "checkpoint.tag")
+        if not self.distributed.timeout_minutes > 0:
+            raise ConfigError(f"distributed.timeout_minutes must be > 0, got {self.distributed.timeout_minutes}")
 
     def _validate_train(self) -> None:
         train = self.train

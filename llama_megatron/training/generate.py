@@ -19,13 +19,13 @@ import torch
 from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.generation import Sampling, generate
+from llama_megatron.parallel.launch import placement
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.setup import (
     load_model,
     preflight,
     start_process_groups,
     verify_checkpoint_files,
-    world_size_from_env,
 )
 
 
@@ -57,7 +57,7 @@ def _tokenizer_dir(request: GenerationRequest) -> str:
 def generation_config(request: GenerationRequest, tokenizer_dir: str) -> TrainingConfig:
     """A run of the checkpoint's model at its TP, one pipeline stage, its weights loaded for inference."""
     meta = read_meta(request.checkpoint, request.tag)
-    world = world_size_from_env()
+    world = placement().world_size
     if world != meta.tensor:
         raise ConfigError(f"checkpoint {request.checkpoint}/{meta.tag} is tensor parallel {meta.tensor}: run "
                           f"generate with {meta.tensor} process(es) (deepspeed --num_gpus {meta.tensor}), not {world}")

@@ -7,7 +7,7 @@ import time
 
 from llama_megatron.checkpoint.meta import CheckpointMeta
 from llama_megatron.errors import ConfigError
-from llama_megatron.parallel.launch import barrier
+from llama_megatron.parallel.launch import barrier, rendezvous_address
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig
@@ -17,6 +17,7 @@ from llama_megatron.training.guard import StepGuard
 from llama_megatron.training.metrics import device_peak_tflops, format_eta
 from llama_megatron.training.preemption import StopRequests
 from llama_megatron.training.setup import Session, open_session
+from llama_megatron.training.watchdog import StallWatchdog
 
 
 def evaluate(session: Session, valid_ds) -> dict:
@@ -73,16 +74,21 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     train = config.train
     guard = StepGuard(train.max_bad_steps, train.loss_spike_factor, train.loss_spike_window, engine.device)
     stops = StopRequests(train.stop_signals, train.max_minutes)
+    watchdog = StallWatchdog(config.distributed.timeout_minutes, pctx.rank, pctx.world_size,
+                             (pctx.pp_rank, pctx.pp_size), rendezvous_address())
     last_metrics: dict = {}
     start_step = step
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     save = config.checkpoint
     skipped = engine.skipped_steps
     try:
+        watchdog.beat(step + 1, "reading its batches")
         for micro_batches in step_batches(train_ds, config, pctx, consumed, train.steps - step):
+            watchdog.beat(step + 1, "forward, backward and optimizer step")
             lr = engine.learning_rate()
             loss_on_device = engine.train_step(micro_batches)  # read at check points only: reading syncs the host
             step += 1
+            watchdog.beat(step, "the end-of-step checks")
             consumed += config.batch.global_batch_size
             window_steps += 1
             guard.record(step, loss_on_device, engine.grad_norm(), engine.skipped_steps > skipped)
@@ -92,6 +98,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
             save_now = bool(save.save and save.interval) and (step % save.interval == 0 or step == train.steps)
             log_now = step % config.logging.interval == 0 or step == train.steps or evaluate_now
             if not (log_now or save_now or stop):
+                watchdog.beat(step + 1, "reading its batches")
                 continue
             reports = guard.check()
             for report in reports[:-1]:
@@ -102,6 +109,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                 stop, log_now = None, True
             metrics: dict = {}
             if evaluate_now:
+                watchdog.beat(step, "evaluation")
                 metrics.update(evaluate(session, valid_ds))
             if log_now:
                 last = reports[-1]
@@ -128,6 +136,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
             guard.stop()  # TrainingStopped (exit 3) after train.max_bad_steps bad steps in a row, once logged
             saved = None
             if save_now or (stop and save.save):
+                watchdog.beat(step, "checkpoint save")
                 saved = _save_if_good(engine, guard, config, pctx, ds_config, step, consumed, log,
                                       session.pre.checkpoint_lora())
             if stop:
@@ -136,9 +145,12 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                 log.info(f"stopped at step {step} on {stop}: {where}; the same command with checkpoint.load auto "
                          "continues from there")
                 break
+            watchdog.beat(step + 1, "reading its batches")
+        watchdog.beat(step, "the final barrier")
+        barrier()
     finally:
         stops.close()
-    barrier()
+        watchdog.close()
     return {"step": step, **last_metrics}
 
 

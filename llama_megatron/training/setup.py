@@ -26,7 +26,7 @@ from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import Kernels, resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.launch import init_distributed
+from llama_megatron.parallel.launch import init_distributed, placement
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config, precision, zero_stage
@@ -88,10 +88,6 @@ class Session:
     @property
     def config(self) -> TrainingConfig:
         return self.pre.config
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _check_tokenizer(config: TrainingConfig) -> int | None:
@@ -164,7 +160,8 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     """Every check that needs no process group, so a bad setup fails in seconds with one line. ``mode`` says what
     the run does: training also checks that it may write into ``checkpoint.save``; training with evaluation steps
     and evaluation need a validation split."""
-    world_size = world_size_from_env() if world_size is None else world_size
+    where = placement()
+    world_size = where.world_size if world_size is None else world_size
     config.check_world_size(world_size)
     config.data.validate()
     eod_id = _check_tokenizer(config)
@@ -179,6 +176,10 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     if mode == "train":
         ckpt.check_save_dir(config.checkpoint, load_dir)
     meta, notes = _check_checkpoint(config, load_dir, world_size)
+    if where.world_size == world_size and where.group_spans_nodes(config.parallel.tensor):
+        notes.append(f"warning: tensor parallel groups of {config.parallel.tensor} span nodes ({where.local_world_size} "
+                     f"processes per node): their all-reduces, the heaviest traffic, cross the network; use a "
+                     f"tensor degree that divides the processes per node")
     return Preflight(config, world_size, ds_config, meta, eod_id, kernels, load_dir,
                      _check_lora(config, meta, load_dir), notes)
 

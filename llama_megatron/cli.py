@@ -19,6 +19,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("llama_megatron.commands.train", "pretrain or fine-tune (one process; the deepspeed launcher for many)"),
     "evaluate": ("llama_megatron.commands.evaluate", "validation loss of a checkpoint (same setup as train)"),
     "generate": ("llama_megatron.commands.generate", "text from a checkpoint: chat template, greedy or sampled, KV cache"),
+    "doctor": ("llama_megatron.commands.doctor", "check a multi-node setup under its launcher: ranks, files, bandwidth"),
     "estimate": ("llama_megatron.commands.estimate", "per-rank memory estimate and the largest micro batch that fits"),
     "plot": ("llama_megatron.commands.plot", "PNG of loss, validation loss, lr and tokens/s of one or more runs"),
     "preprocess": ("llama_megatron.commands.preprocess", "tokenize JSONL/text/parquet/HF datasets into .bin/.idx"),

@@ -21,6 +21,7 @@ from llama_megatron.data.gpt_dataset import (
     DEFAULT_SPLIT,
     build_train_valid_test_datasets,
     check_pretraining_data,
+    input_files,
     validate_data_config,
 )
 from llama_megatron.data.sft_config import SFTData
@@ -47,6 +48,9 @@ class DataConfig(Protocol):
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:
         """(train, valid, test) datasets of ``num_samples`` samples each."""
+
+    def files(self) -> list[str]:
+        """The input files the section reads (``doctor`` checks every rank sees the same ones)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The section as written in the training JSON."""
@@ -75,6 +79,9 @@ class PretrainData:
     def check(self, vocab_size: int, need_validation: bool) -> None:
         check_pretraining_data(self.to_dict(), vocab_size, need_validation)
 
+    def files(self) -> list[str]:
+        return input_files(self.to_dict())
+
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:
         return build_train_valid_test_datasets(self.to_dict(), seq_length, seed, num_samples,
@@ -98,6 +105,9 @@ class SyntheticData:
 
     def check(self, vocab_size: int, need_validation: bool) -> None:
         pass  # random ids below vocab_size, any number of validation samples
+
+    def files(self) -> list[str]:
+        return []
 
     def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
               eod_id: int | None) -> Splits:

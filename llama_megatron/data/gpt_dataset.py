@@ -199,6 +199,11 @@ def validate_data_config(data_config: dict) -> None:
             raise ConfigError(f"data prefix {prefix!r}: {', '.join(missing)} not found (cwd {os.getcwd()})")
 
 
+def input_files(data_config: dict) -> list[str]:
+    """Every .bin/.idx file the section reads."""
+    return [path for _, prefix in _blend_entries(data_config) for path in data_paths(prefix)]
+
+
 def check_pretraining_data(data_config: dict, vocab_size: int, need_validation: bool) -> None:
     """What building the datasets would find late, found before launch: token ids beyond the vocabulary (each file
     read once, then cached) and, when evaluation is asked for, a split that gives validation no documents."""

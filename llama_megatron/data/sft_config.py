@@ -23,7 +23,13 @@ from llama_megatron.data.indexed_dataset import prefix_exists
 from llama_megatron.data.sample_index import parse_split, split_document_ranges
 from llama_megatron.data.sft_dataset import OVERLONG, SFTShards, build_sft_datasets
 from llama_megatron.data.sft_formats import FORMATS, MASKING
-from llama_megatron.data.sft_preprocess import SFT_VERSION, preprocess_sft, read_meta, shard_prefixes
+from llama_megatron.data.sft_preprocess import (
+    SFT_VERSION,
+    output_paths,
+    preprocess_sft,
+    read_meta,
+    shard_prefixes,
+)
 from llama_megatron.errors import ConfigError
 
 CACHE_DIR_NAME = "sft-cache"
@@ -90,6 +96,11 @@ class SFTData:
                 raise ConfigError(f"data.path {path!r} not found (cwd {os.getcwd()})")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError(f"data.chat_template {self.chat_template!r} not found (cwd {os.getcwd()})")
+
+    def files(self) -> list[str]:
+        if self.path is not None:
+            return self.paths + ([self.chat_template] if self.chat_template else [])
+        return output_paths(self.prefix)
 
     def _cache_dir(self) -> str:
         if self.cache_dir:

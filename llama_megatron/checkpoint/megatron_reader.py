@@ -35,6 +35,7 @@ from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.lora_layout import adapter_layout, is_adapter_parameter
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 from llama_megatron.model.tp_slicing import merge_parts, shard_shape
+from llama_megatron.parallel.zero3 import copy_into, full_shape
 
 
 class MegatronCheckpoint:
@@ -166,8 +167,8 @@ def load_model_weights(model: nn.Module, load_dir: str, tag: str | None, tp_rank
         if is_adapter_parameter(name) != (source.lora is not None):
             continue
         tensor = source.read_rank(source.layout.for_module(name), tp_rank)
-        if tensor.shape != param.shape:
+        if tuple(tensor.shape) != full_shape(param):
             raise CheckpointError(f"{source.tag_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "
-                                  f"{tuple(param.shape)}")
-        param.copy_(tensor.to(param.dtype))
+                                  f"{full_shape(param)}")
+        copy_into(param, tensor)  # a ZeRO-3 partitioned parameter takes its slice only
         source.release()

@@ -7,7 +7,13 @@ import argparse
 from llama_megatron.commands.train import add_config_arguments
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config
-from llama_megatron.training.memory_estimate import Estimate, estimate, largest_micro_batch, parse_bytes
+from llama_megatron.training.memory_estimate import (
+    Estimate,
+    construction_bytes,
+    estimate,
+    largest_micro_batch,
+    parse_bytes,
+)
 
 ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
         ("activations", "activations"), ("logits + loss", "logits")]
@@ -60,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     best = largest_micro_batch(config, ds, world, budget)
     verdict = "fits" if est.peak_gpu <= budget else "does NOT fit"
     print(f"peak {est.peak_gpu / 2**30:.3f} GiB per GPU {verdict} in {args.gpu_memory}")
+    built = construction_bytes(config, ds, world)
+    how = ("partitioned as it is made (ZeRO-3, distributed.zero3_init)" if est.zero == 3 and
+           config.distributed.zero3_init else "whole on every rank, then handed to DeepSpeed")
+    print(f"building the model: {built / 2**30:.3f} GiB per rank at most ({how})")
     if best is None:
         print("no micro batch fits (global batch kept; micro batch must divide global_batch / data parallel)")
     else:

@@ -19,6 +19,7 @@ from llama_megatron.config import ModelConfig
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 from llama_megatron.model.tp_slicing import shard_for_rank
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.zero3 import copy_into
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -57,4 +58,4 @@ def initialize_parameters(named_parameters: Iterable[tuple[str, nn.Parameter]], 
             return initial_hf_tensor(hf_name, shape, spec.init, config.initializer_range, seed)
 
         shard = shard_for_rank(spec, get_hf, config, pctx.tp_rank, pctx.tp_size, padded_vocab_size)
-        param.copy_(shard.to(param.dtype))
+        copy_into(param, shard)  # under ZeRO-3's partitioned construction: this rank's slice only

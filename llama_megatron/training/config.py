@@ -105,6 +105,10 @@ class PipelineConfig:
 class DistributedConfig:
     # no progress on a rank for this long (a stopped rank, a stuck collective): every rank exits 5 with one line
     timeout_minutes: float = 30.0
+    # ZeRO-3: build the model partitioned (deepspeed.zero.Init: no rank ever holds it whole) and fill each rank's
+    # slices from the seeded tensors or the checkpoint; false builds it whole on every rank first (accelerate's
+    # zero3_init_flag)
+    zero3_init: bool = True
 
 
 _SECTIONS = {

@@ -104,15 +104,19 @@ def _store(where: Placement, address: tuple[str, int], timeout: datetime.timedel
 
 def _check_in(store, where: Placement, timeout_s: float) -> dict[int, str]:
     """Every rank's host, or one line naming the ranks that never arrived (exit 5 on every rank present)."""
-    store.set(f"doctor/hello/{where.rank}", socket.gethostname())
     keys = {r: f"doctor/hello/{r}" for r in range(where.world_size)}
+    hosts: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
-    while True:
-        arrived = {r for r, key in keys.items() if store.check([key])}
-        if len(arrived) == where.world_size or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    hosts = {r: store.get(keys[r]).decode() for r in sorted(arrived)}
+    try:
+        store.set(keys[where.rank], socket.gethostname())
+        while len(hosts) < where.world_size and time.monotonic() <= deadline:
+            for rank, key in keys.items():
+                if rank not in hosts and store.check([key]):
+                    hosts[rank] = store.get(key).decode()
+            time.sleep(0.2)
+    except (RuntimeError, dist.DistError):
+        pass  # the store went away: rank 0, which holds it, gave up on the same missing ranks
+    arrived = set(hosts)
     missing = sorted(set(keys) - arrived)
     if missing:
         local = max(where.local_world_size, 1)
@@ -126,7 +130,7 @@ def _check_in(store, where: Placement, timeout_s: float) -> dict[int, str]:
                          f"({len(arrived)} of {where.world_size} ranks did)\n")
         sys.stderr.flush()
         if where.rank == 0:
-            time.sleep(2)  # rank 0 holds the store: let the others read it for their own line
+            time.sleep(5)  # rank 0 holds the store: let the others read it for their own line
         os._exit(Stalled.exit_code)
     return hosts
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llama_megatron.parallel.zero3 import full_shape
 from llama_megatron.training.config import OptimizerConfig
 
 
@@ -13,7 +14,8 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
+        matrix = len(full_shape(param)) >= 2  # a ZeRO-3 partitioned parameter's own shape is (0,)
+        (decay if matrix and not name.endswith(".bias") else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

@@ -9,6 +9,7 @@ groups, then :func:`load_model`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import Kernels, resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import init_distributed, placement
+from llama_megatron.parallel.zero3 import is_partitioned
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config, precision, zero_stage
@@ -255,14 +257,27 @@ def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
     LoRA run's base weights come from its base checkpoint (``checkpoint.load``, or the one an adapter checkpoint
     records) before DeepSpeed wraps the model, as any weights-only start."""
     config = pre.config
-    model = build_model(config.model, config.parallel, pctx, seed=config.seed,
-                        activation_checkpoint_interval=config.activation_checkpointing.interval,
-                        partition_method=config.pipeline.partition_method, kernels=pre.kernels, lora=config.lora)
+    with partitioned_construction(pre.ds_config, pctx, config.distributed.zero3_init):
+        model = build_model(config.model, config.parallel, pctx, seed=config.seed,
+                            activation_checkpoint_interval=config.activation_checkpointing.interval,
+                            partition_method=config.pipeline.partition_method, kernels=pre.kernels, lora=config.lora)
     if pre.adapters_checkpoint:
         load_model_weights(model, pre.lora_base.path, pre.lora_base.tag, pctx.tp_rank)
     if pre.weights_only:
         load_model_weights(model, pre.load_dir, pre.checkpoint.tag, pctx.tp_rank)
     return model
+
+
+def partitioned_construction(ds_config: dict, pctx: ParallelContext, enabled: bool):
+    """Under ZeRO-3 (with ``distributed.zero3_init``), DeepSpeed's ``zero.Init``: each parameter is partitioned over
+    DP x CP (DeepSpeed's data-parallel group) as its module is made, and initialisation and checkpoint loading
+    write each rank's slice only (parallel/zero3.py); a no-op context otherwise. The engine then finds the
+    parameters partitioned already, as it leaves them after partitioning a whole model itself."""
+    if not (enabled and zero_stage(ds_config) == 3):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.Init(data_parallel_group=pctx.dp_cp_group, config_dict_or_path=ds_config, mpu=pctx)
 
 
 def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") -> Session:
@@ -279,7 +294,12 @@ def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") ->
                  f"{pctx.dp_size} x {pctx.cp_size}: loading through a universal checkpoint")
         load_tag = ckpt.ensure_universal(pre.load_dir, meta.tag, pctx.rank)
         pre.ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    engine = TrainingEngine(config, pre.ds_config, pctx, load_model(pre, pctx))
+    model = load_model(pre, pctx)
+    partitioned = sum(is_partitioned(p) for p in model.parameters())
+    if partitioned:
+        log.info(f"ZeRO-3: the model was built partitioned (zero.Init): {partitioned} of "
+                 f"{len(list(model.parameters()))} parameters, each rank holding 1/{pctx.dp_cp_size} of each")
+    engine = TrainingEngine(config, pre.ds_config, pctx, model)
     step, consumed = 0, 0
     if meta and pre.weights_only:
         log.info(f"loaded the weights of checkpoint {pre.load_dir}/{meta.tag} (step {meta.step}) for fine-tuning")

@@ -1,0 +1,109 @@
+"""Peak memory per rank while a ZeRO-3 model is built and filled: partitioned as it is made (``zero.Init``,
+``distributed.zero3_init: true``) against whole on every rank first (the path HF + DeepSpeed take without
+``zero3_init_flag``), and against ``llama-megatron estimate``'s construction figure.
+
+Each rank goes through the training setup path (preflight, process groups, ``load_model``: construction and the
+seeded initialisation) under the deepspeed launcher, and reports its peak resident memory (ru_maxrss) above what it
+held before building. One JSON line.
+
+    python benchmarks/zero3_init_memory.py                      # a 0.6B shape at ZeRO-3 DP4 (fp32), ~2 minutes
+    python benchmarks/zero3_init_memory.py --layers 2 --hidden 256 --ranks 2   # the smoke test's size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from llama_megatron.parallel.launch import launcher_command  # noqa: E402
+
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def _config(args, zero3_init: bool) -> dict:
+    return {"model": {"vocab_size": 32000, "hidden_size": args.hidden, "intermediate_size": args.hidden * 11 // 4,
+                      "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 64,
+                      "num_key_value_heads": args.hidden // 64, "max_position_embeddings": 256},
+            "data": {"type": "synthetic"}, "seq_length": 64,
+            "batch": {"micro_batch_size": 1, "global_batch_size": args.ranks},
+            "deepspeed_config": ZERO3, "distributed": {"zero3_init": zero3_init}, "kernels": "reference",
+            "output_dir": os.path.join(args.work, f"run-{zero3_init}")}
+
+
+def worker(path: str, out: str) -> None:
+    """One rank: RSS before and the peak while building and filling its model."""
+    from llama_megatron.parallel.launch import adopt_launcher_env
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.setup import load_model, preflight, start_process_groups
+
+    adopt_launcher_env()
+    with open(path, encoding="utf-8") as fh:
+        config = TrainingConfig.from_dict(json.load(fh))
+    pre = preflight(config, config.deepspeed_config, mode="evaluate")
+    pctx = start_process_groups(pre)
+    import torch.distributed as dist
+
+    dist.barrier()
+    before = _rss_kib()
+    load_model(pre, pctx)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open(f"{out}.{pctx.rank}", "w", encoding="utf-8") as fh:
+        json.dump({"before_mib": before / 1024, "peak_mib": peak / 1024}, fh)
+    dist.barrier()
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.memory_estimate import construction_bytes
+
+    with tempfile.TemporaryDirectory() as work:
+        args.work = work
+        result = {"benchmark": "zero3_init_memory", "ranks": args.ranks, "layers": args.layers,
+                  "hidden": args.hidden}
+        for zero3_init in (False, True):
+            path, out = os.path.join(work, f"config-{zero3_init}.json"), os.path.join(work, f"rss-{zero3_init}")
+            config = _config(args, zero3_init)
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(config, fh)
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            subprocess.run([*launcher_command(args.ranks), os.path.abspath(__file__), "--worker", path, out],
+                           cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+            ranks = [json.load(open(f"{out}.{r}", encoding="utf-8")) for r in range(args.ranks)]
+            built = max(r["peak_mib"] - r["before_mib"] for r in ranks)
+            typed = TrainingConfig.from_dict(config)
+            ds = build_deepspeed_config(typed, typed.deepspeed_config, args.ranks, "cpu")
+            key = "partitioned" if zero3_init else "whole"
+            result[f"{key}_peak_mib"] = round(built, 1)
+            result[f"{key}_estimate_mib"] = round(construction_bytes(typed, ds, args.ranks) / 2**20, 1)
+            result["parameters"] = typed.model.num_parameters()
+        result["model_fp32_mib"] = round(result["parameters"] * 4 / 2**20, 1)
+        result["ratio_whole_to_partitioned"] = round(result["whole_peak_mib"] / result["partitioned_peak_mib"], 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

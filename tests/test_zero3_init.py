@@ -1,7 +1,7 @@
 """ZeRO-3 with the model built partitioned (``deepspeed.zero.Init``, ``distributed.zero3_init``) against the model
 built whole on every rank and partitioned by the engine: the seeded random start and the fine-tuning start from a
 checkpoint (weights read straight into each rank's slices) train bit for bit alike, at DP2 and at TP2 x DP2, in bf16
-too; the checkpoints they write export to the same Hugging Face weights."""
+too; the checkpoints they write export to the same Hugging Face weights and generate the same text."""
 
 from __future__ import annotations
 
@@ -86,3 +86,17 @@ def test_its_checkpoints_export_the_same_weights(runs, name) -> None:
     assert exported[0].keys() == exported[1].keys()
     for key, tensor in exported[0].items():
         assert torch.equal(tensor, exported[1][key]), key
+
+
+def test_generate_reads_its_checkpoint(runs) -> None:
+    """generate decodes the checkpoint of the partitioned run (TP1) exactly as that of the whole-model run."""
+    import json
+
+    tokens = []
+    for init in ("false", "true"):
+        out = runs / f"generated-{init}.jsonl"
+        assert cli_main(["generate", "--checkpoint", str(runs / f"dp2-odd-bf16-{init}" / "ckpt"), "--tokenizer",
+                         os.path.join(ROOT, "data", "tokenizer"), "--raw", "--prompt", "To be, or not to be",
+                         "--max-new-tokens", "8", "--output", str(out)]) == 0
+        tokens.append([json.loads(line)["tokens"] for line in open(out, encoding="utf-8")])
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 8

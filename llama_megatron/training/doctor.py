@@ -38,9 +38,10 @@ import torch.distributed as dist
 
 from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.data.index_cache import file_fingerprint
-from llama_megatron.errors import ConfigError, Stalled
+from llama_megatron.errors import ConfigError, Stalled, print_error
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import Placement, rendezvous_address, skip_cpu_shared_memory_op
+from llama_megatron.training.checkpointing import all_gather_objects
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.watchdog import StallWatchdog
 
@@ -74,13 +75,13 @@ def run_doctor(config: TrainingConfig, where: Placement, timeout_minutes: float,
         par = config.parallel
         pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context)
         watchdog.beat(0, "gathering every rank's report")
-        reports = _gather(_local_report(config, where))
+        reports = all_gather_objects(_local_report(config, where))
         watchdog.beat(0, "the checkpoint directory check")
         fs = _filesystem(config, pctx)
         watchdog.beat(0, "the bandwidth checks")
         bandwidth = _bandwidth(pctx, cuda)
         watchdog.beat(0, "the straggler check")
-        compute = _gather(_matmul_seconds(cuda))
+        compute = all_gather_objects(_matmul_seconds(cuda))
         watchdog.beat(0, "the report")
         code = 0
         if where.rank == 0:
@@ -125,10 +126,9 @@ def _check_in(store, where: Placement, timeout_s: float) -> dict[int, str]:
             node_hosts = sorted({hosts[r] for r in hosts if r // local == rank // local})
             node = f"node {rank // local}" + (f", host {', '.join(node_hosts)}" if node_hosts else ", no rank of it arrived")
             named.append(f"rank {rank} ({node})")
-        sys.stderr.write(f"error: doctor: {', '.join(named)} did not reach the rendezvous at "
-                         f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout_s:.0f} s "
-                         f"({len(arrived)} of {where.world_size} ranks did)\n")
-        sys.stderr.flush()
+        print_error(f"doctor: {', '.join(named)} did not reach the rendezvous at {os.environ['MASTER_ADDR']}:"
+                    f"{os.environ['MASTER_PORT']} within {timeout_s:.0f} s ({len(arrived)} of {where.world_size} "
+                    "ranks did)")
         if where.rank == 0:
             time.sleep(5)  # rank 0 holds the store: let the others read it for their own line
         os._exit(Stalled.exit_code)
@@ -162,12 +162,6 @@ def _local_report(config: TrainingConfig, where: Placement) -> dict:
         "environment": {"variables": nccl, "infiniband": sorted(os.listdir(ib)) if os.path.isdir(ib) else [],
                         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None},
     }
-
-
-def _gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _identity_checks(reports: list[dict]) -> list[Check]:
@@ -228,7 +222,7 @@ def _ranks_check(hosts: dict[int, str], where: Placement) -> Check:
 # ---- the checkpoint directory ----
 def _filesystem(config: TrainingConfig, pctx: ParallelContext) -> Check:
     directory = config.checkpoint.save or config.output_dir
-    token = _gather(uuid.uuid4().hex if pctx.rank == 0 else None)[0]
+    token = all_gather_objects(uuid.uuid4().hex if pctx.rank == 0 else None)[0]
     probe = os.path.join(directory, f".doctor-{token}")
     error = None
     try:
@@ -244,7 +238,7 @@ def _filesystem(config: TrainingConfig, pctx: ParallelContext) -> Check:
             fh.write(token)
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc.strerror or exc}"
-    errors = _gather((pctx.rank, socket.gethostname(), error))
+    errors = all_gather_objects((pctx.rank, socket.gethostname(), error))
     unseen = []
     if pctx.rank == 0:
         unseen = [r for r in range(pctx.world_size) if not os.path.isfile(f"{probe}.rank{r}")]
@@ -277,7 +271,7 @@ def _bandwidth(pctx: ParallelContext, cuda: bool) -> list[Check]:
             continue
         seconds = _timed(lambda g=group: dist.all_reduce(buffer, group=g), iterations, cuda)
         bus = buffer.numel() * 4 * 2 * (size - 1) / size / seconds
-        results = _gather((pctx.rank, bus))
+        results = all_gather_objects((pctx.rank, bus))
         checks.append(_slowest(f"all-reduce, {name} groups of {size}", results, buffer.numel() * 4))
     if pctx.pp_size > 1:
         checks.append(_pipeline_bandwidth(pctx, buffer, iterations, cuda))
@@ -299,7 +293,7 @@ def _pipeline_bandwidth(pctx: ParallelContext, buffer: torch.Tensor, iterations:
                 (dist.send if sending else dist.recv)(buffer, peer)
 
             rate = buffer.numel() * 4 / _timed(exchange, iterations, cuda, barrier=False)
-        results += _gather((pctx.rank, rate))
+        results += all_gather_objects((pctx.rank, rate))
     return _slowest(f"send/recv between the {pctx.pp_size} pipeline stages",
                     [(r, rate) for r, rate in results if rate is not None], buffer.numel() * 4)
 
@@ -379,8 +373,6 @@ def _report(checks: list[Check], reports: list[dict], config: TrainingConfig, ou
     print(f"doctor: {len(checks) - len(failed)} of {len(checks)} checks passed; report in {path}")
     if failed:
         sys.stdout.flush()
-        sys.stderr.write(f"error: doctor: {len(failed)} check(s) failed: {', '.join(failed)} (table above, "
-                         f"{path})\n")
-        sys.stderr.flush()
+        print_error(f"doctor: {len(failed)} check(s) failed: {', '.join(failed)} (table above, {path})")
         return 2
     return 0

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from llama_megatron.errors import Stalled
+from llama_megatron.errors import Stalled, print_error
 
 KEY = "llama_megatron/progress/{rank}"
 
@@ -69,8 +69,7 @@ class StallWatchdog:
                    f"({self.host}): no progress for {idle:.0f} s (distributed.timeout_minutes "
                    f"{self.timeout / 60:g}); {self._silent_ranks()}")
         sys.stdout.flush()
-        sys.stderr.write(f"error: {message}\n")
-        sys.stderr.flush()
+        print_error(message)
         if self.rank == 0:
             # under the deepspeed launcher rank 0 hosts the store: the others, stalled at about the same moment,
             # read it for their own line before it goes

@@ -73,7 +73,7 @@ def write_hf_input(config_path: str, dtype_name: str, path: str) -> tuple[int, i
     from safetensors.torch import save_file
 
     from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES, hf_config_dict
-    from llama_megatron.checkpoint.safetensors_stream import INDEX_FILE, plan_shards
+    from llama_megatron.checkpoint.safetensors_stream import plan_shards
     from llama_megatron.config import ModelConfig
     from llama_megatron.model.param_layout import ParamLayout
 
@@ -91,7 +91,7 @@ def write_hf_input(config_path: str, dtype_name: str, path: str) -> tuple[int, i
         save_file(state, os.path.join(path, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in state})
     total = sum(torch.Size(s).numel() for s in shapes.values())
-    with open(os.path.join(path, INDEX_FILE), "w") as fh:
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {"total_size": total * dtype.itemsize}, "weight_map": weight_map}, fh)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(hf_config_dict(config, dtype), fh)

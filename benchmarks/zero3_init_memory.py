@@ -2,20 +2,24 @@
 ``distributed.zero3_init: true``) against whole on every rank first (the path HF + DeepSpeed take without
 ``zero3_init_flag``), and against ``llama-megatron estimate``'s construction figure.
 
-Each rank goes through the training setup path (preflight, process groups, ``load_model``: construction and the
-seeded initialisation) under the deepspeed launcher, and reports its peak resident memory (ru_maxrss) above what it
-held before building. One JSON line.
+Each rank goes through the training setup path (preflight, process groups, ``load_model``) under the deepspeed
+launcher, and reports its peak resident memory (ru_maxrss) above what it held before building. Twice per path:
+built with the seeded initialisation (``init``), and filled from a converted checkpoint as a fine-tuning start
+reads it, per tensor into each rank's slices (``load``: random HF weights written as ``save_pretrained`` does,
+then ``llama-megatron convert hf-to-megatron``). One JSON line.
 
-    python benchmarks/zero3_init_memory.py                      # a 0.6B shape at ZeRO-3 DP4 (fp32), ~2 minutes
+    python benchmarks/zero3_init_memory.py                      # a 0.54B shape at ZeRO-3 DP4 (fp32), ~5 minutes
     python benchmarks/zero3_init_memory.py --layers 2 --hidden 256 --ranks 2   # the smoke test's size
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,14 +32,35 @@ from llama_megatron.parallel.launch import launcher_command  # noqa: E402
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 
-def _config(args, zero3_init: bool) -> dict:
-    return {"model": {"vocab_size": 32000, "hidden_size": args.hidden, "intermediate_size": args.hidden * 11 // 4,
-                      "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 64,
-                      "num_key_value_heads": args.hidden // 64, "max_position_embeddings": 256},
-            "data": {"type": "synthetic"}, "seq_length": 64,
-            "batch": {"micro_batch_size": 1, "global_batch_size": args.ranks},
-            "deepspeed_config": ZERO3, "distributed": {"zero3_init": zero3_init}, "kernels": "reference",
-            "output_dir": os.path.join(args.work, f"run-{zero3_init}")}
+def _model(args) -> dict:
+    return {"vocab_size": 32000, "hidden_size": args.hidden, "intermediate_size": args.hidden * 11 // 4,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 64,
+            "num_key_value_heads": args.hidden // 64, "max_position_embeddings": 256}
+
+
+def _config(args, zero3_init: bool, checkpoint: str | None) -> dict:
+    config = {"model": _model(args), "data": {"type": "synthetic"}, "seq_length": 64,
+              "batch": {"micro_batch_size": 1, "global_batch_size": args.ranks},
+              "deepspeed_config": ZERO3, "distributed": {"zero3_init": zero3_init}, "kernels": "reference",
+              "output_dir": os.path.join(args.work, f"run-{zero3_init}")}
+    if checkpoint:
+        config["checkpoint"] = {"load": checkpoint, "finetune": True}
+    return config
+
+
+def _converted_checkpoint(args) -> str:
+    """Random weights in save_pretrained's layout, converted to a TP1 checkpoint (the fine-tuning start)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from convert_throughput import write_hf_input
+
+    model_path, hf_dir, out = (os.path.join(args.work, name) for name in ("model.json", "hf", "converted"))
+    with open(model_path, "w", encoding="utf-8") as fh:
+        json.dump(_model(args), fh)
+    write_hf_input(model_path, "fp32", hf_dir)
+    subprocess.run([sys.executable, "-m", "llama_megatron.cli", "convert", "hf-to-megatron", "--hf-dir", hf_dir,
+                    "--output", out, "--tp", "1"], cwd=ROOT, check=True, capture_output=True, text=True)
+    shutil.rmtree(hf_dir)
+    return out
 
 
 def worker(path: str, out: str) -> None:
@@ -84,9 +109,10 @@ def main() -> None:
         args.work = work
         result = {"benchmark": "zero3_init_memory", "ranks": args.ranks, "layers": args.layers,
                   "hidden": args.hidden}
-        for zero3_init in (False, True):
-            path, out = os.path.join(work, f"config-{zero3_init}.json"), os.path.join(work, f"rss-{zero3_init}")
-            config = _config(args, zero3_init)
+        checkpoint = _converted_checkpoint(args)
+        for (zero3_init, phase) in itertools.product((False, True), ("init", "load")):
+            path, out = (os.path.join(work, f"{name}-{zero3_init}-{phase}") for name in ("config", "rss"))
+            config = _config(args, zero3_init, checkpoint if phase == "load" else None)
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(config, fh)
             env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -97,11 +123,13 @@ def main() -> None:
             typed = TrainingConfig.from_dict(config)
             ds = build_deepspeed_config(typed, typed.deepspeed_config, args.ranks, "cpu")
             key = "partitioned" if zero3_init else "whole"
-            result[f"{key}_peak_mib"] = round(built, 1)
+            result[f"{key}_{phase}_peak_mib"] = round(built, 1)
             result[f"{key}_estimate_mib"] = round(construction_bytes(typed, ds, args.ranks) / 2**20, 1)
             result["parameters"] = typed.model.num_parameters()
         result["model_fp32_mib"] = round(result["parameters"] * 4 / 2**20, 1)
-        result["ratio_whole_to_partitioned"] = round(result["whole_peak_mib"] / result["partitioned_peak_mib"], 2)
+        for phase in ("init", "load"):
+            result[f"{phase}_ratio_whole_to_partitioned"] = round(
+                result[f"whole_{phase}_peak_mib"] / result[f"partitioned_{phase}_peak_mib"], 2)
     print(json.dumps(result))
 
 

@@ -29,7 +29,7 @@ from llama_megatron.checkpoint.manifest import MANIFEST_FILE, file_digest, read_
 from llama_megatron.checkpoint.safe_load import load_file, verify_checkpoint_dir
 from llama_megatron.cli import main as cli
 from llama_megatron.errors import CheckpointError
-from llama_megatron.training.checkpointing import ensure_universal
+from llama_megatron.training.universal_conversion import ensure_universal
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 COMMON = ['data={"type": "synthetic"}', "tokenizer=null", "train.steps=2",

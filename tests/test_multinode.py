@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 from launch_utils import ROOT, train_args
@@ -28,6 +30,7 @@ from llama_megatron.parallel.launch import (
     free_port,
     launcher_command,
     placement,
+    rendezvous_store,
 )
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
@@ -246,3 +249,28 @@ def test_tensor_groups_across_nodes_are_warned_about_in_preflight(monkeypatch, s
     assert found["1"] == ["warning: tensor parallel groups of 2 span nodes (1 processes per node): their "
                           "all-reduces, the heaviest traffic, cross the network; use a tensor degree that divides "
                           "the processes per node"]
+
+
+def test_a_stopped_store_does_not_hang_its_clients() -> None:
+    """A TCPStore request to a server that is alive but stopped waits forever whatever its own timeout; through
+    RendezvousStore it raises TimeoutError within the timeout, and every later request at once."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                               f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); "
+                               "s.set('k', 'v'); print('up', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        store = rendezvous_store(2.0, ("127.0.0.1", port))
+        assert store.check(["k"]) and store.get("k") == b"v"
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"127.0.0.1:{port} did not answer within 2 s"):
+            store.get("k")
+        assert 2.0 <= time.monotonic() - start < 5.0
+        with pytest.raises(TimeoutError, match="did not answer before"):
+            store.set("k", "w")
+    finally:
+        server.kill()
+        server.wait()
+        time.sleep(0.5)  # the abandoned request ends (connection reset) while the test still runs

@@ -35,6 +35,11 @@ def step_tag(step: int) -> str:
     return f"global_step{step}"
 
 
+def universal_tag(tag: str) -> str:
+    """The name of ``tag``'s conversion to DeepSpeed's universal format, kept beside it."""
+    return f"{tag}_universal"
+
+
 def check_tag_name(tag: str, what: str) -> str:
     """A tag is a plain directory name (letters, digits, '.', '_', '-'): never a path that leads elsewhere."""
     if not isinstance(tag, str) or not _TAG_NAME.fullmatch(tag):

@@ -140,6 +140,73 @@ def rendezvous_address() -> tuple[str, int] | None:
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
+class RendezvousStore:
+    """A client of the job's key-value store (the rendezvous at MASTER_ADDR:MASTER_PORT, served by rank 0 under
+    the deepspeed launcher and by the agent under torchrun): ranks publish progress there beside the process
+    groups, so a stalled collective cannot hide it.
+
+    Every request (the connection too) ends within ``timeout_s``, raising ``TimeoutError`` otherwise: a TCPStore
+    request to a server that is alive but stopped (SIGSTOP, a paused host) waits forever whatever the store's own
+    timeout, so each runs in a daemon thread that is abandoned when it does not answer. A store that did not answer
+    once is not asked again (its connection may hold the unanswered request): every later request raises too."""
+
+    def __init__(self, address: tuple[str, int], timeout_s: float) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self._store = None
+        self._failed: BaseException | None = None
+
+    def set(self, key: str, value: str) -> None:
+        self._call(lambda store: store.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda store: store.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda store: store.check(keys))
+
+    def _connect(self):
+        import datetime
+
+        import torch.distributed as dist
+
+        if self._store is None:
+            self._store = dist.TCPStore(self.address[0], self.address[1], is_master=False, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._store
+
+    def _call(self, request):
+        import threading
+
+        if self._failed is not None:
+            raise TimeoutError(f"the store at {self.address[0]}:{self.address[1]} did not answer before")
+        result: list = []
+
+        def run() -> None:
+            try:
+                result.append((True, request(self._connect())))
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                result.append((False, error))
+
+        thread = threading.Thread(target=run, name="rendezvous-store", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not result:
+            self._failed = TimeoutError(f"the store at {self.address[0]}:{self.address[1]} did not answer within "
+                                        f"{self.timeout_s:g} s")
+            raise self._failed
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
+
+
+def rendezvous_store(timeout_s: float, address: tuple[str, int] | None = None) -> RendezvousStore | None:
+    """The job's store with requests bounded by ``timeout_s`` (:class:`RendezvousStore`); None without a rendezvous
+    address (``address`` overrides MASTER_ADDR:MASTER_PORT)."""
+    address = address or rendezvous_address()
+    return None if address is None else RendezvousStore(address, timeout_s)
+
+
 def _in_slurm_step(env) -> bool:
     # inside `srun` (a job step): SLURM_STEP_NUM_TASKS; a batch script's own shell has SLURM_PROCID too, but no
     # step of its own, and must stay one process

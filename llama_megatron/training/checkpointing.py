@@ -26,8 +26,6 @@ import fcntl
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 
 import torch
@@ -51,6 +49,7 @@ from llama_megatron.checkpoint.meta import (
     read_meta,
     saved_tags,
     step_tag,
+    universal_tag,
 )
 from llama_megatron.checkpoint.safe_load import (
     load_state_file,
@@ -204,10 +203,6 @@ def needs_universal(meta: CheckpointMeta, partitions: int) -> bool:
     return meta.zero_partitions != partitions and meta.zero_stage >= 1
 
 
-def universal_tag(tag: str) -> str:
-    return f"{tag}_universal"
-
-
 def verify_load(load_dir: str, meta: CheckpointMeta, partitions: int | None) -> None:
     """Check every file this load may open, weights-only, before any process group or output exists: the tag,
     and the universal checkpoint beside it when a resume at another DP x CP degree (``partitions``; None for
@@ -217,26 +212,6 @@ def verify_load(load_dir: str, meta: CheckpointMeta, partitions: int | None) -> 
     universal = os.path.join(load_dir, universal_tag(meta.tag))
     if partitions is not None and needs_universal(meta, partitions) and os.path.isdir(universal):
         verify_checkpoint_dir(universal)
-
-
-def ensure_universal(load_dir: str, tag: str, rank: int) -> str:
-    """Convert ``tag`` to a universal checkpoint once (rank 0; atomic), return the universal tag."""
-    converted = universal_tag(tag)
-    target = os.path.join(load_dir, converted)
-    if rank == 0 and not os.path.isdir(target):
-        tmp = os.path.join(load_dir, TMP_PREFIX + converted)
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               os.path.join(load_dir, tag), "--output_folder", tmp, "--num_extract_workers", "1",
-               "--num_merge_workers", "1"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            tail = (result.stderr or result.stdout).strip().splitlines()[-1:]
-            raise CheckpointError(f"converting {load_dir}/{tag} to a universal checkpoint failed: {tail}")
-        shutil.copy(os.path.join(load_dir, tag, META_FILE), os.path.join(tmp, META_FILE))
-        os.replace(tmp, target)
-    barrier()
-    return converted
 
 
 RNG_FILE = "rng_state_rank{:05d}.pt"

@@ -81,6 +81,9 @@ class CheckpointConfig:
     finetune: bool = False
     overwrite: bool = False  # a run that does not continue checkpoint.save may replace the checkpoints there
     verify: str = "checksum"  # what a load checks against each tag's manifest: "checksum" or "size"
+    # worker processes of a universal-checkpoint conversion (a resume at another DP x CP degree); 0: twice the
+    # cores, at most 8, as many as the host memory for one optimizer file each allows
+    universal_workers: int = 0
 
 
 @dataclass
@@ -209,8 +212,8 @@ class TrainingConfig:
             raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
         if self.logging.interval < 1:
             raise ConfigError(f"logging.interval must be >= 1 (steps between log lines), got {self.logging.interval}")
-        if ckpt.keep_last < 0 or ckpt.interval < 0:
-            raise ConfigError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if ckpt.keep_last < 0 or ckpt.interval < 0 or ckpt.universal_workers < 0:
+            raise ConfigError("checkpoint.interval, checkpoint.keep_last and checkpoint.universal_workers must be >= 0")
         if ckpt.verify not in ("checksum", "size"):
             raise ConfigError(f"checkpoint.verify {ckpt.verify!r}: choose checksum or size")
         for key in ("tag", "load", "save"):

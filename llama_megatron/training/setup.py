@@ -30,6 +30,7 @@ from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import init_distributed, placement
 from llama_megatron.parallel.zero3 import is_partitioned
 from llama_megatron.training import checkpointing as ckpt
+from llama_megatron.training import universal_conversion as universal
 from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config, precision, zero_stage
 from llama_megatron.training.engine import TrainingEngine
@@ -292,7 +293,8 @@ def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") ->
     if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size):
         log.info(f"ZeRO partitions (data parallel x context) {meta.data_parallel} x {meta.context} -> "
                  f"{pctx.dp_size} x {pctx.cp_size}: loading through a universal checkpoint")
-        load_tag = ckpt.ensure_universal(pre.load_dir, meta.tag, pctx.rank)
+        load_tag = universal.ensure_universal(pre.load_dir, meta.tag, pctx.rank, log.info,
+                                              config.distributed.timeout_minutes, config.checkpoint.universal_workers)
         pre.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     model = load_model(pre, pctx)
     partitioned = sum(is_partitioned(p) for p in model.parameters())

@@ -5,8 +5,9 @@ collective; NCCL's and gloo's own timeouts then end the job with a C++ abort or 
 groups DeepSpeed makes, after their 30-minute default. Here each rank's main thread marks its progress (the step and
 what it is doing: :meth:`StallWatchdog.beat`, a few attribute writes) and a daemon thread checks it: with no
 progress for the timeout, the rank writes one line naming the step, what it was doing, its pipeline stage and the
-ranks that went silent, then exits 5 at once (its main thread is blocked inside the collective and cannot raise).
-The launcher then ends the ranks left, the stopped one included.
+ranks that went silent, then exits 5 (its main thread is blocked inside the collective and cannot raise). The
+first such rank marks the job as ending in the store, so every live rank writes its line before the first exits;
+the launcher then ends the ranks left, the stopped one included.
 
 To name the silent ranks, the thread publishes this rank's progress every few seconds to the job's rendezvous store
 (the TCPStore at MASTER_ADDR:MASTER_PORT every launcher sets up) under its own keys; a rank whose entry stopped
@@ -16,7 +17,6 @@ the deepspeed launcher) is then the stopped one, or its host is gone.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
@@ -25,8 +25,10 @@ import threading
 import time
 
 from llama_megatron.errors import Stalled, print_error
+from llama_megatron.parallel.launch import rendezvous_store
 
 KEY = "llama_megatron/progress/{rank}"
+ENDING_KEY = "llama_megatron/stalled"  # set by the first rank that reached the timeout
 
 
 class StallWatchdog:
@@ -59,31 +61,53 @@ class StallWatchdog:
         while not self._stop.wait(self._interval):
             self._publish()
             idle = time.monotonic() - self._last
-            if idle > self.timeout and not self._stop.is_set():
+            if self._stop.is_set():
+                break
+            if idle > self.timeout:
                 self._expire(idle)
+            elif (first := self._first_expired()) is not None:
+                self._expire(idle, first)
 
-    def _expire(self, idle: float) -> None:
+    def _expire(self, idle: float, first: int | None = None) -> None:
+        """This rank's line, then exit 5. The first rank to reach the timeout marks the job as ending in the store;
+        the others, whose own timeouts end a check or two later, see it and write theirs now. Each waits two
+        checks before it exits: the launcher ends every rank once one exits, and each rank's line is wanted."""
+        if first is None:
+            self._mark_ending()
         stage, stages = self.stage
         where = f", pipeline stage {stage + 1} of {stages}" if stages > 1 else ""
+        also = f" - ending with rank {first}, which reached the timeout first" if first is not None else ""
         message = (f"stalled at step {self.step} ({self.doing}{where}) on rank {self.rank} "
                    f"({self.host}): no progress for {idle:.0f} s (distributed.timeout_minutes "
-                   f"{self.timeout / 60:g}); {self._silent_ranks()}")
+                   f"{self.timeout / 60:g}); {self._silent_ranks()}{also}")
         sys.stdout.flush()
         print_error(message)
-        if self.rank == 0:
-            # under the deepspeed launcher rank 0 hosts the store: the others, stalled at about the same moment,
-            # read it for their own line before it goes
-            time.sleep(2 * self._interval)
+        # rank 0 also hosts the store under the deepspeed launcher: the others read it for their lines meanwhile
+        time.sleep(2 * self._interval)
         os._exit(Stalled.exit_code)
+
+    def _mark_ending(self) -> None:
+        try:
+            store = self._connect()
+            if store is not None:
+                store.set(ENDING_KEY, str(self.rank))
+        except Exception:  # noqa: BLE001 - the others then reach their own timeouts
+            pass
+
+    def _first_expired(self) -> int | None:
+        """The rank that reached the timeout first, once one has (read from the store)."""
+        try:
+            store = self._connect()
+            if store is not None and store.check([ENDING_KEY]):
+                return int(store.get(ENDING_KEY))
+        except Exception:  # noqa: BLE001 - a store that does not answer: this rank's own timeout decides
+            pass
+        return None
 
     # ---- the rendezvous store: who went silent ----
     def _connect(self):
         if self._store is None and self._address is not None and self.world_size > 1:
-            import torch.distributed as dist
-
-            host, port = self._address
-            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=max(2.0, self._interval)))
+            self._store = rendezvous_store(max(2.0, self._interval), self._address)
         return self._store
 
     def _publish(self) -> None:
@@ -92,7 +116,9 @@ class StallWatchdog:
             if store is not None:
                 store.set(KEY.format(rank=self.rank), json.dumps(
                     {"step": self.step, "doing": self.doing, "host": self.host, "at": time.time()}))
-        except Exception:  # noqa: BLE001 - a store that does not answer is reported when the timeout ends
+        except TimeoutError:  # it does not answer (its host stopped): reported when the timeout ends
+            pass
+        except Exception:  # noqa: BLE001 - not up yet, or gone: connect again next time
             self._store = None
 
     def _silent_ranks(self) -> str:

@@ -12,7 +12,10 @@ one. Faults, each at optimizer steps counted from 1:
 - ``"signal": {"step": STEP, "rank": R, "name": "SIGTERM"}``: the signal sent to rank R's own process as that step
   starts (it finishes the step: the run must stop after it);
 - ``"file_size": {"save": N, "rank": R, "bytes": B}``: while the N-th checkpoint is written, rank R may write
-  files of at most B bytes (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG as on a full disk).
+  files of at most B bytes (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG as on a full disk);
+- ``"universal": {"rank": R, "bytes": B}`` the same limit while rank R converts a checkpoint to the universal
+  format (its ``ds_to_universal`` process inherits it), or ``{"rank": R, "signal": "SIGSTOP"}`` sent to rank R
+  as its conversion starts; ``"progress_seconds"`` sets how often the conversion's progress is logged.
 """
 
 import json
@@ -22,12 +25,13 @@ import signal
 import sys
 
 from llama_megatron import train
-from llama_megatron.training import checkpointing
+from llama_megatron.training import checkpointing, universal_conversion
 from llama_megatron.training.engine import TrainingEngine
 
 RANK = int(os.environ.get("RANK", "0"))
 FAULTS: dict = {}
 _divisor, _train_step, _save = TrainingEngine._loss_divisor, TrainingEngine.train_step, checkpointing.save_checkpoint
+_convert, _progress_seconds = universal_conversion._convert, universal_conversion.PROGRESS_SECONDS
 _saves = [0]
 
 
@@ -50,23 +54,38 @@ def train_step(self, micro_batches):
     return _train_step(self, micro_batches)
 
 
+def _with_file_size_limit(limit: int, call, *args, **kwargs):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        return call(*args, **kwargs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def save_checkpoint(engine, save_dir, meta, keep_last, pctx):
     _saves[0] += 1
     fault = FAULTS.get("file_size")
     if not (fault and fault["save"] == _saves[0] and fault.get("rank", 0) == RANK):
         return _save(engine, save_dir, meta, keep_last, pctx)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fault["bytes"], hard))
-    try:
-        return _save(engine, save_dir, meta, keep_last, pctx)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return _with_file_size_limit(fault["bytes"], _save, engine, save_dir, meta, keep_last, pctx)
+
+
+def convert(*args, **kwargs):
+    fault = FAULTS.get("universal")
+    if not (fault and fault.get("rank", 0) == RANK):
+        return _convert(*args, **kwargs)
+    if "signal" in fault:
+        os.kill(os.getpid(), getattr(signal, fault["signal"]))
+        return _convert(*args, **kwargs)
+    return _with_file_size_limit(fault["bytes"], _convert, *args, **kwargs)
 
 
 TrainingEngine._loss_divisor = loss_divisor
 TrainingEngine.train_step = train_step
 checkpointing.save_checkpoint = save_checkpoint
+universal_conversion._convert = convert
 
 
 def main(path: str) -> int:
@@ -75,6 +94,7 @@ def main(path: str) -> int:
     for run in runs:
         FAULTS.clear()
         FAULTS.update(run.get("faults", {}))
+        universal_conversion.PROGRESS_SECONDS = FAULTS.get("progress_seconds", _progress_seconds)
         _saves[0] = 0
         rc = train.main(run["argv"])
         if rc != run.get("expect", 0):

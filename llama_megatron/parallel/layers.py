@@ -27,6 +27,7 @@ from llama_megatron.parallel.collectives import (
     reduce_scatter_to_sequence_region,
 )
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.weight_grad import WeightGradStore, linear
 
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, split: str) -> nn.Parameter:
@@ -101,6 +102,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_tensor_parallel(nn.Parameter(torch.zeros(self.out_features_per_rank)), 0, split)
                      if bias else None)
         self.lora: nn.Module | None = None
+        self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
 
     def forward(self, x: torch.Tensor, return_operands: bool = False):
         """Local output slice (gathered if ``gather_output``); see :func:`column_parallel_matmul` for
@@ -108,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
         if return_operands:
             return column_parallel_matmul(x, self.weight, self.bias, self.pctx, return_operands=True)
         x = column_parallel_input(x, self.pctx)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.weight_grad_store)
         if self.lora is not None:
             y = y + self.lora(x)
         return gather_from_tp_region(y, self.pctx) if self.gather_output else y
@@ -126,9 +128,10 @@ class RowParallelLinear(nn.Module):
                                            "row")
         self.bias = mark_replicated(nn.Parameter(torch.zeros(out_features))) if bias else None
         self.lora: nn.Module | None = None
+        self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.weight_grad_store)
         if self.lora is not None:
             y = y + self.lora(x)  # a partial product too: summed over TP with the weight's
         if self.pctx.sequence_parallel:

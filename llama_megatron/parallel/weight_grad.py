@@ -1,0 +1,110 @@
+"""Weight gradients split from input gradients, the split zero-bubble pipeline schedules are built on (Qi et al.,
+"Zero Bubble Pipeline Parallelism"): B computes only what the previous stage waits for, the gradient of the
+stage's input; W computes the weight gradients later, where the pipeline would otherwise idle.
+
+A :class:`WeightGradStore` is attached to the tensor-parallel linears of a model in one place
+(:func:`attach_weight_grad_store`). Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each
+linear's weight-gradient work (its input and the gradient of its output) as one group instead of computing it;
+:meth:`WeightGradStore.run_oldest` computes the oldest group and accumulates it through each parameter's own
+autograd accumulation, so gradient hooks (DeepSpeed's ZeRO and bf16 bookkeeping) see it as they see any backward.
+Groups run in the order their backward passes ran, so each parameter's gradient sums its micro batches in the same
+order as without the split.
+
+Outside that context the linears' backward computes everything at once, with the same matrix products autograd
+uses for ``F.linear`` (``grad @ W`` for the input, ``grad^T @ x`` for the weight, the sum over rows for the bias):
+the gradients are bit for bit those of the unsplit model, and a split backward's (B then W) are too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightGradStore:
+    """The queued weight-gradient work of the backward passes run with :meth:`input_gradients_only`."""
+
+    def __init__(self) -> None:
+        self._groups: deque[list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = deque()
+        self._open: list[tuple[nn.Parameter, Callable[[], torch.Tensor]]] | None = None
+
+    @contextlib.contextmanager
+    def input_gradients_only(self) -> Iterator[None]:
+        """B: backward passes inside compute input gradients; their weight-gradient work becomes one group."""
+        if self._open is not None:
+            raise RuntimeError("input_gradients_only is not reentrant")
+        self._open = []
+        try:
+            yield
+        finally:
+            self._groups.append(self._open)
+            self._open = None
+
+    def defer(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor]) -> bool:
+        """Queue ``compute`` (the weight's gradient) in the open group; False outside :meth:`input_gradients_only`."""
+        if self._open is None:
+            return False
+        self._open.append((weight, compute))
+        return True
+
+    @property
+    def pending(self) -> int:
+        return len(self._groups)
+
+    def run_oldest(self) -> None:
+        """W: the oldest group's weight gradients, accumulated into ``.grad`` through autograd."""
+        group = self._groups.popleft()
+        if not group:
+            return
+        aliases = [weight.view_as(weight) for weight, _ in group]  # each alias backpropagates to its leaf
+        torch.autograd.backward(aliases, [compute() for _, compute in group])
+
+
+class _SplitLinear(torch.autograd.Function):
+    """``F.linear`` whose weight gradient a :class:`WeightGradStore` may defer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.has_bias = store, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
+        # the products autograd's mm backward forms for F.linear's folded matmul, in the same orientation
+        grad_x = grad_2d.mm(weight).view(*x.shape) if ctx.needs_input_grad[0] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            def compute() -> torch.Tensor:
+                return grad_2d.t().mm(x_2d)
+
+            if not ctx.store.defer(weight, compute):
+                grad_weight = compute()
+        return grad_x, grad_weight, grad_bias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           store: WeightGradStore | None) -> torch.Tensor:
+    """``F.linear``; with a store, through the split backward (the weight gradient deferrable)."""
+    if store is None:
+        return F.linear(x, weight, bias)
+    return _SplitLinear.apply(x, weight, bias, store)
+
+
+def attach_weight_grad_store(model: nn.Module, store: WeightGradStore | None) -> int:
+    """Give ``store`` to every module that takes one (the tensor-parallel linears); returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "weight_grad_store"):
+            module.weight_grad_store = store
+            count += 1
+    return count

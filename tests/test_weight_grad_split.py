@@ -1,0 +1,94 @@
+"""The weight-gradient split of the tensor-parallel linears (parallel/weight_grad.py), the ground zero-bubble
+pipeline schedules stand on: with a store attached, a backward computes every gradient bit for bit as the plain
+model does; inside ``input_gradients_only`` it computes the input gradients only, and the queued W groups, run
+later in order, complete the parameter gradients bit for bit, also summed over several micro batches whose B and W
+interleave as a pipeline schedule runs them (B1 B2 W1 B3 W2 W3). TP1 (with recomputation and biases) in one process,
+TP2 with and without sequence parallelism in two gloo processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from model_utils import tiny_config
+
+from llama_megatron.config import ParallelConfig
+from llama_megatron.model.build import build_model
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+
+MICRO_BATCHES = 3
+
+
+def _model(pctx: ParallelContext, recompute: int = 0, **overrides):
+    config = tiny_config(**overrides)
+    parallel = ParallelConfig(tensor=pctx.tp_size, sequence_parallel=pctx.sequence_parallel,
+                              make_vocab_size_divisible_by=8)
+    return build_model(config, parallel, pctx, seed=7, activation_checkpoint_interval=recompute), config
+
+
+def _batches(config, pctx: ParallelContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(MICRO_BATCHES):
+        ids = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+        out.append((ids, ids.roll(-1, dims=1)))
+    return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check(pctx: ParallelContext, recompute: int = 0, **overrides) -> None:
+    model, config = _model(pctx, recompute, **overrides)
+    batches = _batches(config, pctx)
+    for ids, labels in batches:  # the plain model: every gradient at once
+        model(ids, labels=labels).backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    store = WeightGradStore()
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert attach_weight_grad_store(model, store) == len(linears) >= 4 * config.num_hidden_layers
+    for ids, labels in batches:  # attached but not deferring: the same gradients, bit for bit
+        model(ids, labels=labels).backward()
+    assert _grads(model).keys() == want.keys()
+    for name, grad in _grads(model).items():
+        assert torch.equal(grad, want[name]), name
+    model.zero_grad(set_to_none=True)
+
+    linear_weights = {n for n, m in model.named_modules() if hasattr(m, "weight_grad_store")}
+    order = ["B0", "B1", "W", "B2", "W", "W"]  # a pipeline's interleaving: W runs oldest first
+    losses = iter([model(ids, labels=labels) for ids, labels in batches])
+    for step in order:
+        if step == "W":
+            store.run_oldest()
+            continue
+        with store.input_gradients_only():
+            next(losses).backward()
+        if step == "B0":  # B alone leaves the linears' weights without gradient and the rest with theirs
+            grads = _grads(model)
+            assert not [n for n in grads if n.rsplit(".", 1)[0] in linear_weights and n.endswith(".weight")]
+            assert any(n.endswith("norm.weight") for n in grads)
+    assert store.pending == 0
+    got = _grads(model)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        assert torch.equal(grad, want[name]), name
+
+
+@pytest.mark.parametrize("recompute, bias", [(0, False), (1, True)])
+def test_split_backward_is_bit_exact_in_one_process(recompute, bias) -> None:
+    _check(ParallelContext.single(), recompute, attention_bias=bias, mlp_bias=bias)
+
+
+def _worker(rank: int, world_size: int) -> None:
+    for sp in (False, True):
+        _check(ParallelContext.build(tensor=world_size, sequence_parallel=sp))
+
+
+def test_split_backward_is_bit_exact_at_tp2() -> None:
+    run_distributed(_worker, 2)

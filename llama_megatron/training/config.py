@@ -102,6 +102,11 @@ class ActivationCheckpointConfig:
 @dataclass
 class PipelineConfig:
     partition_method: str = "type:DecoderLayerPipe"
+    # "1f1b" (DeepSpeed's) or "zb-h1" (zero bubble, training/pipeline_schedules.py)
+    schedule: str = "1f1b"
+
+
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1")
 
 
 @dataclass
@@ -222,6 +227,12 @@ class TrainingConfig:
                 raise ConfigError(f"checkpoint.{key} is empty")
         if ckpt.tag is not None:
             check_tag_name(ckpt.tag, "checkpoint.tag")
+        if self.pipeline.schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"pipeline.schedule {self.pipeline.schedule!r} is not one of "
+                              f"{', '.join(PIPELINE_SCHEDULES)}")
+        if self.pipeline.schedule != "1f1b" and self.parallel.pipeline == 1:
+            raise ConfigError(f"pipeline.schedule {self.pipeline.schedule!r} schedules pipeline stages: it needs "
+                              "parallel.pipeline > 1")
         if not self.distributed.timeout_minutes > 0:
             raise ConfigError(f"distributed.timeout_minutes must be > 0, got {self.distributed.timeout_minutes}")
 

@@ -75,7 +75,8 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
     if precision(ds) == "bf16" and pp > 1:
         # bf16 gradients accumulated over micro batches drift; keep the accumulation in fp32 under PP.
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-    if pp > 1 and config.parallel.sequence_parallel:
+    if pp > 1 and (config.parallel.sequence_parallel or config.pipeline.schedule != "1f1b"):
+        # ZB-H1's asynchronous sends (training/pipeline_engine.py) send each rank's payload whole too
         _unpartitioned_pipe_payloads(ds)
     return ds
 
@@ -95,6 +96,7 @@ def _unpartitioned_pipe_payloads(ds: dict[str, Any]) -> None:
         if pipeline.get(key, False) is not False:
             raise ConfigError(
                 f"DeepSpeed config pipeline.{key}={pipeline[key]!r} cannot be combined with sequence_parallel "
-                "under pipeline parallelism (each TP rank holds a different sequence shard): remove the key"
+                "(each TP rank holds a different sequence shard) or pipeline.schedule zb-h1 (asynchronous sends) "
+                "under pipeline parallelism: remove the key"
             )
         pipeline[key] = False

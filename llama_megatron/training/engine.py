@@ -27,6 +27,7 @@ from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.optimizer import build_optimizer
+from llama_megatron.training.pipeline_engine import initialize_pipeline_engine
 from llama_megatron.training.schedule import build_scheduler
 
 
@@ -48,13 +49,14 @@ class TrainingEngine:
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
         optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload)
         total_steps = config.train.steps
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=lambda opt: build_scheduler(opt, config.optimizer, total_steps),
-            config=ds_config,
-            mpu=None if self.pipelined else pctx,
-        )
+        lr_scheduler = lambda opt: build_scheduler(opt, config.optimizer, total_steps)  # noqa: E731
+        if self.pipelined and config.pipeline.schedule == "zb-h1":
+            self.engine, self.optimizer, _, self.scheduler = initialize_pipeline_engine(
+                model, optimizer, lr_scheduler, ds_config)
+        else:
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
+                mpu=None if self.pipelined else pctx)
         self.model = model
         self._grad_norm: torch.Tensor | None = None
 

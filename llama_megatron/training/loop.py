@@ -68,7 +68,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     peak = device_peak_tflops(config.logging.peak_tflops)
     log.info(
         f"training {config.model.num_parameters() / 1e6:.1f}M parameters | tensor {pctx.tp_size} pipeline "
-        f"{pctx.pp_size} context {pctx.cp_size} data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
+        f"{pctx.pp_size}{f' ({config.pipeline.schedule})' if pctx.pp_size > 1 else ''} context {pctx.cp_size} "
+        f"data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
         f"{config.batch.global_batch_size} x {config.seq_length} tokens | steps {step + 1}..{config.train.steps}"
     )
     train = config.train

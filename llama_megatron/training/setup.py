@@ -212,6 +212,7 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
     if pctx.rank == 0:
         info = {"world_size": pctx.world_size, "tensor": pctx.tp_size, "pipeline": pctx.pp_size,
                 "context": pctx.cp_size, "data_parallel": pctx.dp_size, "sequence_parallel": pctx.sequence_parallel,
+                "pipeline_schedule": config.pipeline.schedule if pctx.pp_size > 1 else None,
                 "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,

@@ -1,0 +1,112 @@
+"""DeepSpeed's pipeline engine running a schedule of ours (``pipeline.schedule``, training/pipeline_schedules.py).
+
+:class:`ScheduledPipelineEngine` is a ``PipelineEngine`` subclass: its ``_train_schedule`` returns our schedule, its
+instruction map adds B (:class:`BackwardInputPass`: DeepSpeed's backward pass with the linears' weight gradients
+queued, parallel/weight_grad.py) and W (:class:`WeightPass`), and its sends are asynchronous (ZB-H1 sends while
+the neighbouring stage works on another micro batch; a blocking send would wait for it, or deadlock), completed
+before the gradient reduction. Nothing of DeepSpeed's module state is replaced: :func:`initialize_pipeline_engine`
+builds the engine as ``deepspeed.initialize`` builds a ``PipelineEngine``, with our class.
+
+With the bf16 optimizer each W is bracketed as DeepSpeed brackets a backward pass on a stage (clear the bf16
+gradients, accumulate them into the fp32 ones after): a parameter's fp32 gradient receives its micro batches in
+the same order, with zeros added where B left it nothing, so the sums are those of 1F1B.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from llama_megatron.training.pipeline_schedules import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
+
+
+class ScheduledPipelineEngine(PipelineEngine):
+    """``PipelineEngine`` with the ZB-H1 schedule, its B and W passes and asynchronous sends."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.weight_grads = WeightGradStore()
+        attach_weight_grad_store(self.module, self.weight_grads)
+        self._sends: list[tuple[object, torch.Tensor]] = []
+
+    def _train_schedule(self):
+        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _exec_backward_input_pass(self, buffer_id: int) -> None:
+        # DeepSpeed receives every output gradient into one reused buffer; the deferred weight gradient of the
+        # stage's last linear may hold that very tensor (a residual add passes it through), so B gets a copy
+        received = self.grad_layer
+        if received is not None and not self.is_last_stage():
+            self.grad_layer = (received.clone() if isinstance(received, torch.Tensor)
+                               else [t.clone() for t in received])
+        try:
+            with self.weight_grads.input_gradients_only():
+                self._exec_backward_pass(buffer_id)
+        finally:
+            self.grad_layer = received
+
+    def _exec_weight_pass(self) -> None:
+        bf16 = self.using_bf16_optimizer
+        if bf16:
+            self.optimizer.clear_lp_grads()
+        self.weight_grads.run_oldest()
+        if bf16 and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    # ---- asynchronous sends: DeepSpeed's p2p.send blocks ----
+    def _isend(self, tensor: torch.Tensor, stage: int) -> None:
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=stage)), tensor))
+
+    def _complete_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    def _exec_send_activations(self, buffer_id: int) -> None:
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if self.dynamic_shape or self.first_output_send:
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+        for tensor in outputs if isinstance(outputs, tuple) else (outputs,):
+            self._isend(tensor, self.next_stage)
+
+    def _exec_send_grads(self, buffer_id: int) -> None:
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        for tensor in inputs if isinstance(inputs, tuple) else (inputs,):
+            if tensor.is_floating_point():
+                assert tensor.grad is not None
+                self._isend(tensor.grad, self.prev_stage)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_reduce_tied_grads(self) -> None:
+        self._complete_sends()  # every gradient and activation has left before the reductions
+        assert self.weight_grads.pending == 0, "a W pass is missing from the schedule"
+        super()._exec_reduce_tied_grads()
+
+    # DeepSpeed's map holds its functions, not methods looked up on the instance: ours are named here
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, BackwardInputPass: _exec_backward_input_pass,
+                        WeightPass: _exec_weight_pass, ds_schedule.SendActivation: _exec_send_activations,
+                        ds_schedule.SendGrad: _exec_send_grads, ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads}
+
+
+def initialize_pipeline_engine(model, optimizer, lr_scheduler, config: dict):
+    """``deepspeed.initialize`` for a ``PipelineModule`` with :class:`ScheduledPipelineEngine`: the same steps
+    (DeepSpeed's config object from the module's topology, optimizer flags, the engine) with our class."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    deepspeed.zero.partition_parameters.shutdown_init_context()
+    mpu = model.mpu()
+    config_class = DeepSpeedConfig(config, mpu)
+    deepspeed.set_optimizer_flags(config_class, model)
+    engine = ScheduledPipelineEngine(args=None, model=model, optimizer=optimizer, model_parameters=None,
+                                     training_data=None, lr_scheduler=lr_scheduler, mpu=mpu,
+                                     dist_init_required=False, collate_fn=None, config=config,
+                                     config_class=config_class)
+    deepspeed.zero.partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,112 @@
+"""The ZB-H1 pipeline schedule (training/pipeline_schedules.py, training/pipeline_engine.py).
+
+The order: every stage runs each micro batch's F, B and W once, in micro-batch order, B after F and W after B; with
+equal costs the replayed bubble is 1F1B's analytic (p - 1) / (m + p - 1) for 1F1B and (p - 1) / (3m + p - 1) for
+ZB-H1, at most half of 1F1B's at PP4 with 8 micro batches; no stage holds more than p micro batches.
+
+Whole runs under the deepspeed launcher (a 2-process and a 4-process launch, 8 micro batches per step) with
+``pipeline.schedule: zb-h1`` against the same runs with 1F1B: PP2 fp32 ZeRO-1 with gradient clipping, with
+recomputation, bf16, tied embeddings with per-document attention; PP4; TP2 x PP2 with SP off and on; CP2 x PP2. Bit for bit, losses and gradient norms (each parameter's
+gradient sums its micro batches in 1F1B's order; the bf16 optimizer's fp32 sums get zeros where B left nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from launch_utils import ROOT, launch_many, train_args
+
+from llama_megatron.errors import ConfigError
+from llama_megatron.training import pipeline_schedules as schedules
+from llama_megatron.training.config import TrainingConfig
+
+CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+STEPS = 6
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 4), (4, 8), (4, 3), (3, 7)])
+def test_every_stage_runs_each_pass_once_in_order(stages, micro_batches) -> None:
+    for stage in range(stages):
+        order = schedules.op_order(stages, stage, micro_batches)
+        for op in "FBW":
+            assert [k for o, k in order if o == op] == list(range(micro_batches)), (stage, op)
+        position = {(o, k): i for i, (o, k) in enumerate(order)}
+        for k in range(micro_batches):
+            assert position[("F", k)] < position[("B", k)] < position[("W", k)]
+        steps = list(schedules.ZeroBubbleH1Schedule(micro_batches, stages, stage))
+        flat = [c for step in steps for c in step]
+        assert sum(isinstance(c, schedules.BackwardInputPass) for c in flat) == micro_batches
+        assert sum(isinstance(c, schedules.WeightPass) for c in flat) == micro_batches
+        assert type(flat[-1]).__name__ == "OptimizerStep"
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8), (4, 16), (8, 8)])
+def test_replayed_bubble(stages, micro_batches) -> None:
+    one = schedules.simulate(stages, micro_batches, "1f1b")
+    zero = schedules.simulate(stages, micro_batches, "zb-h1")
+    assert one["idle_share"] == pytest.approx((stages - 1) / (micro_batches + stages - 1))
+    assert zero["idle_share"] == pytest.approx((stages - 1) / (3 * micro_batches + stages - 1))
+    assert max(zero["peak_held"]) == max(one["peak_held"]) == min(stages, micro_batches)
+    if (stages, micro_batches) == (4, 8):
+        assert zero["idle_share"] <= one["idle_share"] / 2
+
+
+def test_the_schedule_is_checked_in_the_config() -> None:
+    base = {"model": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                      "num_attention_heads": 4}, "data": {"type": "synthetic"}}
+    with pytest.raises(ConfigError, match="pipeline.schedule 'zb-h2' is not one of 1f1b, zb-h1"):
+        TrainingConfig.from_dict({**base, "pipeline": {"schedule": "zb-h2"}})
+    with pytest.raises(ConfigError, match="it needs parallel.pipeline > 1"):
+        TrainingConfig.from_dict({**base, "pipeline": {"schedule": "zb-h1"}})
+
+
+RUNS = {
+    "fp32": ["deepspeed_config=ds_configs/zero1_fp32.json"],
+    "recompute": ["deepspeed_config=ds_configs/zero1_fp32.json", "activation_checkpointing.interval=1"],
+    "bf16": ["deepspeed_config=ds_configs/zero1_bf16.json"],
+    "tied-per-document": ["deepspeed_config=ds_configs/zero1_fp32.json", "model.tie_word_embeddings=true",
+                          "data.per_document_attention=true"],
+}
+
+
+def _curve(out) -> dict[int, tuple[float, float]]:
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+        return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, fh) if "loss" in r}
+
+
+FOUR_RANK_RUNS = {  # 4 processes
+    "pp4": ["deepspeed_config=ds_configs/zero1_fp32.json", "parallel.pipeline=4"],
+    "tp2-pp2": ["deepspeed_config=ds_configs/zero1_fp32.json", "parallel.tensor=2"],
+    "tp2-pp2-sp": ["deepspeed_config=ds_configs/zero1_fp32.json", "parallel.tensor=2",
+                   "parallel.sequence_parallel=true"],
+    "cp2-pp2": ["deepspeed_config=ds_configs/zero1_fp32.json", "parallel.context=2"],
+}
+
+
+def _launch(prefix: str, work, runs: dict[str, list[str]], nprocs: int) -> None:
+    argv = []
+    for name, extra in runs.items():
+        for schedule in ("1f1b", "zb-h1"):
+            argv.append(train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={work}/{name}-{schedule}",
+                                            "parallel.pipeline=2", "batch.micro_batch_size=1", f"train.steps={STEPS}",
+                                            f"pipeline.schedule={schedule}", *extra]))
+    launch_many(nprocs, argv, str(work / f"runs-{nprocs}.json"))
+
+
+@pytest.fixture(scope="module")
+def runs(shakespeare_prefix, tmp_path_factory):
+    work = tmp_path_factory.mktemp("schedules")
+    _launch(shakespeare_prefix, work, RUNS, 2)
+    _launch(shakespeare_prefix, work, FOUR_RANK_RUNS, 4)
+    return work
+
+
+@pytest.mark.parametrize("name", [*RUNS, *FOUR_RANK_RUNS])
+def test_zb_h1_trains_bit_for_bit_like_1f1b(runs, name) -> None:
+    one, zero = _curve(runs / f"{name}-1f1b"), _curve(runs / f"{name}-zb-h1")
+    assert sorted(one) == list(range(1, STEPS + 1))
+    assert zero == one
+    with open(runs / f"{name}-zb-h1" / "run.json", encoding="utf-8") as fh:
+        assert json.load(fh)["pipeline_schedule"] == "zb-h1"

@@ -85,20 +85,33 @@ FOUR_RANK_RUNS = {  # 4 processes
 }
 
 
-def _launch(prefix: str, work, runs: dict[str, list[str]], nprocs: int) -> None:
+def _resumes(prefix: str, work) -> list[list[str]]:
+    """Saved at step 3 under one schedule, resumed under the other (the fp32 PP2 runs' settings)."""
+    argv = []
+    for first, then in (("zb-h1", "1f1b"), ("1f1b", "zb-h1")):
+        out = work / f"resume-{first}-then-{then}"
+        common = [f"data.prefix={prefix}", f"output_dir={out}", "parallel.pipeline=2", "batch.micro_batch_size=1",
+                  *RUNS["fp32"], f"checkpoint.save={out}/ckpt", "checkpoint.interval=3"]
+        argv += [train_args(CONFIG, [*common, "train.steps=3", f"pipeline.schedule={first}"]),
+                 train_args(CONFIG, [*common, f"train.steps={STEPS}", f"pipeline.schedule={then}",
+                                     "checkpoint.load=auto"])]
+    return argv
+
+
+def _launch(prefix: str, work, runs: dict[str, list[str]], nprocs: int, more: tuple[list[str], ...] = ()) -> None:
     argv = []
     for name, extra in runs.items():
         for schedule in ("1f1b", "zb-h1"):
             argv.append(train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={work}/{name}-{schedule}",
                                             "parallel.pipeline=2", "batch.micro_batch_size=1", f"train.steps={STEPS}",
                                             f"pipeline.schedule={schedule}", *extra]))
-    launch_many(nprocs, argv, str(work / f"runs-{nprocs}.json"))
+    launch_many(nprocs, [*argv, *more], str(work / f"runs-{nprocs}.json"))
 
 
 @pytest.fixture(scope="module")
 def runs(shakespeare_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("schedules")
-    _launch(shakespeare_prefix, work, RUNS, 2)
+    _launch(shakespeare_prefix, work, RUNS, 2, tuple(_resumes(shakespeare_prefix, work)))
     _launch(shakespeare_prefix, work, FOUR_RANK_RUNS, 4)
     return work
 
@@ -110,3 +123,9 @@ def test_zb_h1_trains_bit_for_bit_like_1f1b(runs, name) -> None:
     assert zero == one
     with open(runs / f"{name}-zb-h1" / "run.json", encoding="utf-8") as fh:
         assert json.load(fh)["pipeline_schedule"] == "zb-h1"
+
+
+@pytest.mark.parametrize("first, then", [("zb-h1", "1f1b"), ("1f1b", "zb-h1")])
+def test_a_checkpoint_resumes_under_the_other_schedule(runs, first, then) -> None:
+    """Saved at step 3 under one schedule, resumed under the other: the 6-step run, bit for bit."""
+    assert _curve(runs / f"resume-{first}-then-{then}") == _curve(runs / "fp32-1f1b")

@@ -4,7 +4,7 @@
 instruction map adds B (:class:`BackwardInputPass`: DeepSpeed's backward pass with the linears' weight gradients
 queued, parallel/weight_grad.py) and W (:class:`WeightPass`), and its sends are asynchronous (ZB-H1 sends while
 the neighbouring stage works on another micro batch; a blocking send would wait for it, or deadlock), completed
-before the gradient reduction. Nothing of DeepSpeed's module state is replaced: :func:`initialize_pipeline_engine`
+when each batch's schedule ends. Nothing of DeepSpeed's module state is replaced: :func:`initialize_pipeline_engine`
 builds the engine as ``deepspeed.initialize`` builds a ``PipelineEngine``, with our class.
 
 With the bf16 optimizer each W is bracketed as DeepSpeed brackets a backward pass on a stage (clear the bf16
@@ -82,15 +82,15 @@ class ScheduledPipelineEngine(PipelineEngine):
                 self._isend(tensor.grad, self.prev_stage)
         self.pipe_buffers["inputs"][buffer_id] = None
 
-    def _exec_reduce_tied_grads(self) -> None:
-        self._complete_sends()  # every gradient and activation has left before the reductions
+    def _exec_schedule(self, pipe_schedule) -> None:
+        super()._exec_schedule(pipe_schedule)
+        self._complete_sends()  # training and evaluation batches alike end with every send completed
         assert self.weight_grads.pending == 0, "a W pass is missing from the schedule"
-        super()._exec_reduce_tied_grads()
 
     # DeepSpeed's map holds its functions, not methods looked up on the instance: ours are named here
     _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, BackwardInputPass: _exec_backward_input_pass,
                         WeightPass: _exec_weight_pass, ds_schedule.SendActivation: _exec_send_activations,
-                        ds_schedule.SendGrad: _exec_send_grads, ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads}
+                        ds_schedule.SendGrad: _exec_send_grads}
 
 
 def initialize_pipeline_engine(model, optimizer, lr_scheduler, config: dict):

@@ -7,7 +7,8 @@ ZB-H1, at most half of 1F1B's at PP4 with 8 micro batches; no stage holds more t
 Whole runs under the deepspeed launcher (a 2-process and a 4-process launch, 8 micro batches per step) with
 ``pipeline.schedule: zb-h1`` against the same runs with 1F1B: PP2 fp32 ZeRO-1 with gradient clipping, with
 recomputation, bf16, tied embeddings with per-document attention; PP4; TP2 x PP2 with SP off and on; CP2 x PP2. Bit for bit, losses and gradient norms (each parameter's
-gradient sums its micro batches in 1F1B's order; the bf16 optimizer's fp32 sums get zeros where B left nothing).
+gradient sums its micro batches in 1F1B's order; the bf16 optimizer's fp32 sums get zeros where B left nothing),
+one of them with an evaluation; and the fp32 ones against the one-process TP1-PP1 run (1e-4 rel per step).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 
 import pytest
-from launch_utils import ROOT, launch_many, train_args
+from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.training import pipeline_schedules as schedules
@@ -66,6 +67,8 @@ RUNS = {
     "fp32": ["deepspeed_config=ds_configs/zero1_fp32.json"],
     "recompute": ["deepspeed_config=ds_configs/zero1_fp32.json", "activation_checkpointing.interval=1"],
     "bf16": ["deepspeed_config=ds_configs/zero1_bf16.json"],
+    # with an evaluation at step 3: the inference schedule's sends go through the same asynchronous path
+    "fp32-eval": ["deepspeed_config=ds_configs/zero1_fp32.json", "eval.interval=3"],
     "tied-per-document": ["deepspeed_config=ds_configs/zero1_fp32.json", "model.tie_word_embeddings=true",
                           "data.per_document_attention=true"],
 }
@@ -111,6 +114,9 @@ def _launch(prefix: str, work, runs: dict[str, list[str]], nprocs: int, more: tu
 @pytest.fixture(scope="module")
 def runs(shakespeare_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("schedules")
+    # TP1-PP1, one process: the run every layout is compared with
+    launch(1, CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={work}/tp1-pp1", *RUNS["fp32"],
+                       "batch.micro_batch_size=1", f"train.steps={STEPS}"])
     _launch(shakespeare_prefix, work, RUNS, 2, tuple(_resumes(shakespeare_prefix, work)))
     _launch(shakespeare_prefix, work, FOUR_RANK_RUNS, 4)
     return work
@@ -129,3 +135,9 @@ def test_zb_h1_trains_bit_for_bit_like_1f1b(runs, name) -> None:
 def test_a_checkpoint_resumes_under_the_other_schedule(runs, first, then) -> None:
     """Saved at step 3 under one schedule, resumed under the other: the 6-step run, bit for bit."""
     assert _curve(runs / f"resume-{first}-then-{then}") == _curve(runs / "fp32-1f1b")
+
+
+@pytest.mark.parametrize("name", ["fp32", "pp4", "tp2-pp2", "tp2-pp2-sp", "cp2-pp2"])
+def test_zb_h1_trains_like_tp1_pp1(runs, name) -> None:
+    """The fp32 ZB-H1 runs against the one-process run (the parallel layers sum in other orders)."""
+    assert_losses_close(losses(runs / f"{name}-zb-h1"), losses(runs / "tp1-pp1"), 1e-4, range(1, STEPS + 1))

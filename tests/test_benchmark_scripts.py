@@ -73,14 +73,19 @@ def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
 
 def test_zero3_init_memory_smoke() -> None:
     """A 0.12B shape at ZeRO-3 DP2, seeded and loaded from a converted checkpoint: built partitioned, a rank's peak
-    is below the whole model's, and each peak is within 20% of `estimate`'s construction figure."""
+    is below the whole model's, and each peak is within 10% of `estimate`'s construction figure.
+
+    glibc's mmap threshold is fixed at 1 MiB here: this shape's tensors (4-12 MiB) otherwise fall under glibc's
+    dynamic threshold (up to 32 MiB), and the heap holes left by each full tensor freed after partitioning add up to
+    a fifth of the peak, by an amount that differs between machines (the CI's AMD EPYC: 22% above the estimate).
+    A real model's tensors are above 32 MiB and are always mapped, which the fixed threshold reproduces."""
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "zero3_init_memory.py"), "--layers", "4", "--hidden", "1024",
          "--ranks", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+        env=dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20)))
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     for phase in ("init", "load"):  # built with seeded weights, and filled from a converted checkpoint
         assert line[f"partitioned_{phase}_peak_mib"] < line[f"whole_{phase}_peak_mib"]
         for key in ("whole", "partitioned"):
-            assert abs(line[f"{key}_{phase}_peak_mib"] / line[f"{key}_estimate_mib"] - 1) < 0.2, line
+            assert abs(line[f"{key}_{phase}_peak_mib"] / line[f"{key}_estimate_mib"] - 1) < 0.1, line

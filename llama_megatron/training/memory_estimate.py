@@ -316,8 +316,10 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
 def construction_bytes(config: TrainingConfig, ds: dict, world_size: int) -> int:
     """Host (or device) bytes one rank holds while its model is built and filled, before the engine: whole, every
     parameter of its stage in fp32; under ZeRO-3 with ``distributed.zero3_init``, its 1/(DP x CP) slice of each in
-    the run's precision (``zero.Init`` converts as it partitions). Either way plus the largest full HF tensor drawn
-    or read (fp32) and its TP shard: filling goes one tensor at a time."""
+    the run's precision (``zero.Init`` converts as it partitions). Filling goes one tensor at a time: plus the
+    largest full HF tensor drawn or read (fp32), and under ``zero.Init`` its TP shard as well. A whole model's
+    parameters are allocated untouched and their pages first written by the fill, so there the shard is the
+    parameter's own memory (measured: ``benchmarks/zero3_init_memory.py``)."""
     par = config.parallel
     padded = par.padded_vocab_size(config.model.vocab_size)
     layers = _layers(config.model, padded, par.tensor)
@@ -326,16 +328,18 @@ def construction_bytes(config: TrainingConfig, ds: dict, world_size: int) -> int
     largest_full = max(math.prod(shape) for spec in ParamLayout(config.model) for shape in spec.hf_shapes)
     largest_shard = max(n for layer in layers for n, _ in layer.params)
     partitions = config.data_parallel_size(world_size) * par.context
+    partitioned = zero_stage(ds) == 3 and config.distributed.zero3_init
+    transient = 4 * (largest_full + (largest_shard if partitioned else 0))
     worst = 0
     for stage in range(par.pipeline):
         numels = [n for layer in layers[bounds[stage]:bounds[stage + 1]] for n, _ in layer.params]
         if par.pipeline == 1 and config.model.tie_word_embeddings:
             numels = [n for layer in layers[:-1] for n, _ in layer.params]
-        if zero_stage(ds) == 3 and config.distributed.zero3_init:
+        if partitioned:
             held = sum(math.ceil(n / partitions) for n in numels) * _ELEMENT[precision(ds)]
         else:
             held = sum(numels) * 4
-        worst = max(worst, held + 4 * (largest_full + largest_shard))
+        worst = max(worst, held + transient)
     return worst
 
 

@@ -41,6 +41,10 @@ from llama_megatron.parallel.launch import launcher_command  # noqa: E402
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 1024}
 SEQ = 256
+# --schedules: 2 decoder layers per stage at PP4 and a small vocabulary, so the head and loss of the last stage cost
+# about what the embedding stage's first layers do (unequal stages idle under any schedule); hidden 512, where
+# matrix products dominate the backward pass, so W costs about what B does (3/4 of it here; at hidden 256, 1/2)
+SCHEDULE_MODEL = {**MODEL, "hidden_size": 512, "intermediate_size": 1376, "vocab_size": 512, "num_hidden_layers": 8}
 CONFIGS = [
     {"tp": 1, "pp": 1, "sp": False, "micro_batches": 1},
     {"tp": 2, "pp": 1, "sp": False, "micro_batches": 1},
@@ -95,22 +99,12 @@ def _model(args: argparse.Namespace) -> dict:
     return {**MODEL, "num_key_value_heads": args.kv_heads or MODEL["num_key_value_heads"]}
 
 
-def worker(args: argparse.Namespace) -> None:
-    counter: dict = defaultdict(float)
-    _count_bytes(counter)
-    import torch
-
+def _training_config(args: argparse.Namespace, world: int):
+    """The worker's training config and DeepSpeed config (ZeRO-0; fp32 unless ``--bf16``)."""
     from llama_megatron.config import ModelConfig, ParallelConfig
-    from llama_megatron.model.build import build_model
-    from llama_megatron.model.kernels import resolve_kernels
-    from llama_megatron.parallel.context import ParallelContext
-    from llama_megatron.parallel.launch import init_distributed
-    from llama_megatron.training.batches import build_datasets, step_batches
     from llama_megatron.training.config import BatchConfig, TrainingConfig
     from llama_megatron.training.deepspeed_config import build_deepspeed_config
-    from llama_megatron.training.engine import TrainingEngine
 
-    init_distributed()
     config = TrainingConfig(
         model=ModelConfig.from_dict(_model(args)),
         parallel=ParallelConfig(tensor=args.tp, pipeline=args.pp, context=args.cp, sequence_parallel=args.sp),
@@ -118,8 +112,25 @@ def worker(args: argparse.Namespace) -> None:
     )
     config.train.steps = args.steps + 1
     config.activation_checkpointing.interval = int(args.recompute)
-    world = int(os.environ["WORLD_SIZE"])
+    config.pipeline.schedule = args.schedule
     ds = build_deepspeed_config(config, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": args.bf16}}, world)
+    return config, ds
+
+
+def worker(args: argparse.Namespace) -> None:
+    counter: dict = defaultdict(float)
+    _count_bytes(counter)
+    import torch
+
+    from llama_megatron.model.build import build_model
+    from llama_megatron.model.kernels import resolve_kernels
+    from llama_megatron.parallel.context import ParallelContext
+    from llama_megatron.parallel.launch import init_distributed
+    from llama_megatron.training.batches import build_datasets, step_batches
+    from llama_megatron.training.engine import TrainingEngine
+
+    init_distributed()
+    config, ds = _training_config(args, int(os.environ["WORLD_SIZE"]))
     pctx = ParallelContext.build(args.tp, args.pp, args.sp, args.cp)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(config.model, config.parallel, pctx, activation_checkpoint_interval=int(args.recompute),
@@ -129,6 +140,9 @@ def worker(args: argparse.Namespace) -> None:
     batches = list(step_batches(train, config, pctx, 0, args.steps + 1))
     engine.train_step(batches[0])  # warm-up, not counted
     counter.clear()
+    if args.timeline:
+        _timed_steps(args, engine, batches[1:], pctx)
+        return
     start = time.perf_counter()
     for step in batches[1:]:
         engine.train_step(step)
@@ -156,6 +170,87 @@ def worker(args: argparse.Namespace) -> None:
                        "peak_memory_bytes": memory}, fh)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx) -> None:
+    """``--timeline``: every instruction of every stage timed and each stage's activation bytes after it; rank 0
+    writes per stage busy/idle (the mean over the steps), the mean pass times and the activation peaks."""
+    import torch
+
+    from llama_megatron.training.pipeline_timeline import ActivationMeter, InstructionTimeline, bubble
+
+    ds_engine = engine.engine
+    meter = ActivationMeter(ds_engine.module, getattr(ds_engine, "weight_grads", None))
+    timeline = InstructionTimeline(ds_engine, meter)
+    steps, elapsed = [], 0.0
+    for step in batches:
+        timeline.clear()
+        start = time.perf_counter()
+        with meter.recording():
+            engine.train_step(step)
+        elapsed += time.perf_counter() - start
+        stages: list = [None] * pctx.world_size
+        torch.distributed.all_gather_object(stages, (pctx.pp_rank, list(timeline.records), meter.peak))
+        steps.append(stages)
+    if pctx.rank == 0:  # with TP1 x PP only, rank i is stage i
+        ordered = [sorted(stages, key=lambda r: r[0]) for stages in steps]
+        summaries = [bubble([records for _, records, _ in stages]) for stages in ordered]
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        result = {"step_s": elapsed / len(batches),
+                  "span_s": mean([s["span_s"] for s in summaries]),
+                  "busy_s": [mean([s["busy_s"][i] for s in summaries]) for i in range(args.pp)],
+                  "idle_s": [mean([s["idle_s"][i] for s in summaries]) for i in range(args.pp)],
+                  "idle_share": mean([s["idle_share"] for s in summaries]),
+                  "pass_s": {k: mean([s["pass_s"][k] for s in summaries]) for k in summaries[0]["pass_s"]},
+                  "activation_peak_bytes": [max(stages[i][2] for stages in ordered) for i in range(args.pp)]}
+        with open(args.result, "w") as fh:
+            json.dump(result, fh)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def schedules(args: argparse.Namespace) -> None:
+    """``--schedules``: 1F1B and ZB-H1 at PP2 and PP4 with 1..16 micro batches, each stage's instructions timed:
+    measured busy and idle per stage, tokens/s, activation peaks per stage, next to the analytic bubbles and a replay
+    of both orders with the measured pass times (training/pipeline_schedules.simulate)."""
+    from llama_megatron.training.memory_estimate import estimate
+    from llama_megatron.training.pipeline_schedules import analytic_bubble, simulate
+
+    if not args.model:
+        args.model = os.path.join(tempfile.mkdtemp(), "model.json")
+        with open(args.model, "w", encoding="utf-8") as fh:
+            json.dump(SCHEDULE_MODEL, fh)
+    model = _model(args)
+    for pp in args.schedule_stages:
+        for m in args.schedule_micro_batches:
+            cfg = {"tp": 1, "pp": pp, "sp": False, "micro_batches": m}
+            measured = {name: _launch(cfg, args, schedule=name, timeline=True) for name in ("1f1b", "zb-h1")}
+            costs = measured["zb-h1"]["pass_s"]
+            forward, b, w = costs["ForwardPass"], costs["BackwardInputPass"], costs["WeightPass"]
+            line = {"benchmark": "pipeline_schedules", "pp": pp, "micro_batches": m, "seq": args.seq,
+                    "hidden": model["hidden_size"], "layers": model["num_hidden_layers"],
+                    "analytic_idle_share": {name: round(analytic_bubble(name, pp, m), 3) for name in ("1f1b", "zb-h1")},
+                    "replayed_idle_share_with_measured_passes": {
+                        name: round(simulate(pp, m, name, forward, b, w)["idle_share"], 3)
+                        for name in ("1f1b", "zb-h1")}}
+            for name, result in measured.items():
+                config, ds = _training_config(argparse.Namespace(**{**vars(args), "tp": 1, "pp": pp, "cp": 1,
+                                                                    "sp": False, "micro_batches": m,
+                                                                    "schedule": name}), pp)
+                config.kernels = "reference"  # what ran here (the estimate's default is a GPU's kernels)
+                stages = estimate(config, ds, pp).stages
+                line[name] = {"idle_share": round(result["idle_share"], 3),
+                              "tokens_per_s": round(m * args.seq / result["step_s"], 1),
+                              "step_s": round(result["step_s"], 4), "span_s": round(result["span_s"], 4),
+                              "busy_s": [round(x, 4) for x in result["busy_s"]],
+                              "idle_s": [round(x, 4) for x in result["idle_s"]],
+                              "pass_s": {k: round(v, 5) for k, v in result["pass_s"].items()},
+                              "activation_peak_mib": [round(x / 2**20, 2) for x in result["activation_peak_bytes"]],
+                              "estimate_activation_mib": [round(st.activations / 2**20, 2) for st in stages]}
+            line["idle_share_zb_h1_over_1f1b"] = round(line["zb-h1"]["idle_share"] / line["1f1b"]["idle_share"], 3)
+            line["tokens_per_s_zb_h1_over_1f1b"] = round(
+                line["zb-h1"]["tokens_per_s"] / line["1f1b"]["tokens_per_s"], 3)
+            print(json.dumps(line), flush=True)
 
 
 def analytic(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> dict:
@@ -188,14 +283,16 @@ def ulysses_bytes_per_layer(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> f
     return 2 * (c - 1) / c * per_pass  # forward and backward, each rank keeping 1/c
 
 
-def _launch(cfg: dict, args: argparse.Namespace) -> dict:
+def _launch(cfg: dict, args: argparse.Namespace, schedule: str = "1f1b", timeline: bool = False) -> dict:
     """Run the worker for ``cfg`` under the deepspeed launcher; its measurements."""
     ranks = cfg["tp"] * cfg["pp"] * cfg.get("cp", 1)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         cmd = [*launcher_command(ranks), os.path.abspath(__file__), "--worker", "--tp", str(cfg["tp"]), "--pp",
                str(cfg["pp"]), "--cp", str(cfg.get("cp", 1)), "--micro-batches", str(cfg["micro_batches"]), "--steps",
-               str(args.steps), "--seq", str(args.seq), "--result", result_path]
+               str(args.steps), "--seq", str(args.seq), "--result", result_path, "--schedule", schedule]
+        if timeline:
+            cmd.append("--timeline")
         if cfg.get("kv_heads"):
             cmd += ["--kv-heads", str(cfg["kv_heads"])]
         for flag in ("sp", "bf16", "recompute"):
@@ -246,6 +343,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model config JSON (default: the built-in benchmark model)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--recompute", action="store_true", help="activation checkpointing of every layer")
+    parser.add_argument("--schedules", action="store_true",
+                        help="1F1B vs ZB-H1: per-stage busy/idle time, tokens/s and activation peaks")
+    parser.add_argument("--schedule-stages", type=int, nargs="+", default=[2, 4], help="with --schedules")
+    parser.add_argument("--schedule-micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                        help="with --schedules")
+    parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    parser.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -254,6 +358,9 @@ def main() -> None:
         return
     if args.context_scaling:
         context_scaling(args)
+        return
+    if args.schedules:
+        schedules(args)
         return
     baseline: dict[int, float] = {}
     for cfg in CONFIGS:

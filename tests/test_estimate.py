@@ -19,6 +19,7 @@ from llama_megatron.data.batch import MicroBatch
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config
 from llama_megatron.training.memory_estimate import estimate
@@ -123,6 +124,29 @@ def _micro_batch(config: TrainingConfig, pctx: ParallelContext) -> MicroBatch:
     return MicroBatch(ids, pos, ids.clone()).context_shard(pctx.cp_rank, pctx.cp_size)
 
 
+def _measure_deferred(config: TrainingConfig, pctx: ParallelContext, bf16: bool) -> int:
+    """Bytes a zero-bubble schedule's W pass keeps from one micro batch's B: the unique storages of the tensors
+    queued in the weight-gradient store."""
+    model = build_model(config.model, config.parallel, pctx, seed=1, lora=config.lora,
+                        activation_checkpoint_interval=config.activation_checkpointing.interval,
+                        kernels=resolve_kernels(config.kernels, "cpu"))
+    model.train()
+    if bf16:
+        model.to(torch.bfloat16)
+    store = WeightGradStore()
+    attach_weight_grad_store(model, store)
+    mb = _micro_batch(config, pctx)
+    loss = model(mb.input_ids, mb.position_ids, None, mb.labels)
+    with store.input_gradients_only():
+        loss.backward()
+    return _storage_bytes(store.pending_tensors())
+
+
+def _deferred_estimate(config: TrainingConfig, bf16: bool, world_size: int = 1) -> int:
+    ds = build_deepspeed_config(config, _ds(0, bf16), world_size)
+    return estimate(config, ds, world_size).stages[0].deferred_per_micro_batch
+
+
 def _activation_estimate(config: TrainingConfig, bf16: bool, world_size: int) -> int:
     stage = estimate(config, build_deepspeed_config(config, _ds(0, bf16), world_size), world_size).stages[0]
     return stage.activations_per_micro_batch + stage.recompute
@@ -147,7 +171,8 @@ def _states_worker(rank: int, world_size: int, cases: list, activation_cases: li
         config = _config(overrides)
         pctx = ParallelContext.build(config.parallel.tensor, 1, config.parallel.sequence_parallel,
                                      config.parallel.context)
-        results.append({"activations": _measure_activations(config, pctx, bf16)})
+        results.append({"activations": _measure_activations(config, pctx, bf16),
+                        "deferred": _measure_deferred(config, pctx, bf16)})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
         json.dump(results, fh)
 
@@ -212,6 +237,8 @@ def test_states_match_deepspeed_dp2_and_tp2_activations(tmp_path):
         for got in (r["activations"] for r in ranks):
             report.append(f"{overrides} bf16={bf16}: activations measured {got} estimate {want}")
             assert abs(want - got) <= 0.15 * got, report[-1]
+        deferred = [r["deferred"] for r in ranks]  # what a W pass keeps (zb-h1): exact
+        assert deferred == [_deferred_estimate(_config(overrides), bf16, 2)] * 2, (overrides, deferred)
     print("\n".join(report))
 
 
@@ -241,6 +268,20 @@ def test_activations_single_process(overrides, bf16):
     want = _activation_estimate(config, bf16, 1)
     print(f"\n{overrides} bf16={bf16}: measured {got} estimate {want} ({want / got - 1:+.1%})")
     assert abs(want - got) <= 0.15 * got
+
+
+@pytest.mark.parametrize("overrides,bf16", [
+    ([], False), ([], True), (["activation_checkpointing.interval=1"], False), (ODD, False),
+    (["model.tie_word_embeddings=true"], False),  # the head's product with the table: deferred too
+    (["kernels=compiled"], False),  # the fused loss computes the head's weight gradient in its forward
+    (['lora={"rank": 4, "alpha": 8}'], False),  # every linear adapted: their inputs and output gradients
+    (['lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}'], False),
+    (['lora={"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["k_proj", "up_proj", "o_proj"]}'], False)])
+def test_what_a_weight_pass_keeps(overrides, bf16):
+    """ZB-H1's W passes keep each linear's input and output gradient from the B: the estimate's bytes per
+    micro batch are those the store holds after one B."""
+    config = _config(overrides)
+    assert _measure_deferred(config, ParallelContext.single(), bf16) == _deferred_estimate(config, bf16) > 0
 
 
 def _command(argv: list[str]) -> int:

@@ -6,7 +6,8 @@ ZB-H1, at most half of 1F1B's at PP4 with 8 micro batches; no stage holds more t
 
 Whole runs under the deepspeed launcher (a 2-process and a 4-process launch, 8 micro batches per step) with
 ``pipeline.schedule: zb-h1`` against the same runs with 1F1B: PP2 fp32 ZeRO-1 with gradient clipping, with
-recomputation, bf16, tied embeddings with per-document attention; PP4; TP2 x PP2 with SP off and on; CP2 x PP2. Bit for bit, losses and gradient norms (each parameter's
+recomputation, bf16, tied embeddings with per-document attention; PP4; TP2 x PP2 with SP off and on; CP2 x PP2;
+LoRA adapters with dropout on a frozen base, at PP2 and at TP2 x PP2 with SP. Bit for bit, losses and gradient norms (each parameter's
 gradient sums its micro batches in 1F1B's order; the bf16 optimizer's fp32 sums get zeros where B left nothing),
 one of them with an evaluation; and the fp32 ones against the one-process TP1-PP1 run (1e-4 rel per step).
 """
@@ -101,6 +102,18 @@ def _resumes(prefix: str, work) -> list[list[str]]:
     return argv
 
 
+LORA = '{"rank": 4, "alpha": 8, "dropout": 0.1}'
+
+
+def _lora_runs(prefix: str, work, name: str, base: str, extra: list[str]) -> list[list[str]]:
+    """LoRA fine-tunes of ``base`` (a step-3 save of the same TP degree) under both schedules."""
+    return [train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={work}/{name}-{schedule}", f"lora={LORA}",
+                                f"checkpoint.load={base}", "checkpoint.tag=global_step3", "checkpoint.finetune=true",
+                                "parallel.pipeline=2", "batch.micro_batch_size=1", f"train.steps={STEPS}",
+                                f"pipeline.schedule={schedule}", *RUNS["fp32"], *extra])
+            for schedule in ("1f1b", "zb-h1")]
+
+
 def _launch(prefix: str, work, runs: dict[str, list[str]], nprocs: int, more: tuple[list[str], ...] = ()) -> None:
     argv = []
     for name, extra in runs.items():
@@ -117,12 +130,20 @@ def runs(shakespeare_prefix, tmp_path_factory):
     # TP1-PP1, one process: the run every layout is compared with
     launch(1, CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={work}/tp1-pp1", *RUNS["fp32"],
                        "batch.micro_batch_size=1", f"train.steps={STEPS}"])
-    _launch(shakespeare_prefix, work, RUNS, 2, tuple(_resumes(shakespeare_prefix, work)))
-    _launch(shakespeare_prefix, work, FOUR_RANK_RUNS, 4)
+    _launch(shakespeare_prefix, work, RUNS, 2, (
+        *_resumes(shakespeare_prefix, work),
+        *_lora_runs(shakespeare_prefix, work, "lora", f"{work}/resume-1f1b-then-zb-h1/ckpt", [])))
+    tp2_base = work / "tp2-base"  # a TP2 checkpoint for the TP2 LoRA runs
+    _launch(shakespeare_prefix, work, FOUR_RANK_RUNS, 4, (
+        train_args(CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={tp2_base}", *RUNS["fp32"],
+                            "parallel.tensor=2", "parallel.pipeline=2", "train.steps=3",
+                            f"checkpoint.save={tp2_base}/ckpt", "checkpoint.interval=3"]),
+        *_lora_runs(shakespeare_prefix, work, "lora-tp2-pp2-sp", f"{tp2_base}/ckpt",
+                    ["parallel.tensor=2", "parallel.sequence_parallel=true"])))
     return work
 
 
-@pytest.mark.parametrize("name", [*RUNS, *FOUR_RANK_RUNS])
+@pytest.mark.parametrize("name", [*RUNS, *FOUR_RANK_RUNS, "lora", "lora-tp2-pp2-sp"])
 def test_zb_h1_trains_bit_for_bit_like_1f1b(runs, name) -> None:
     one, zero = _curve(runs / f"{name}-1f1b"), _curve(runs / f"{name}-zb-h1")
     assert sorted(one) == list(range(1, STEPS + 1))

@@ -34,7 +34,7 @@ def format_table(est: Estimate) -> str:
     lines = [f"world size {est.world_size} | data parallel {est.data_parallel} | context {est.context} | "
              f"ZeRO {est.zero} | "
              f"{est.precision} | optimizer {est.optimizer_wrapper} | micro batch {est.micro_batch_size} x "
-             f"{est.micro_batches} per step | kernels {est.kernels}",
+             f"{est.micro_batches} per step | kernels {est.kernels} | schedule {est.schedule}",
              f"{_unit(est)[0]} per rank (GPU; CPU where offloaded)"]
     scale = _unit(est)[1]
     header = f"{'':18}" + "".join(f"{f'stage {s.stage} ({s.decoder_layers} layers)':>24}" for s in est.stages)
@@ -47,6 +47,9 @@ def format_table(est: Estimate) -> str:
             cells.append(f"{f'{getattr(s, attr) / scale:.3f}{cpu_cell}':>24}")
         lines.append(f"{label:18}" + "".join(cells))
     lines.append(f"{'  micro batches':18}" + "".join(f"{s.in_flight:>24}" for s in est.stages))
+    if any(s.deferred_micro_batches for s in est.stages):  # zb-h1: micro batches whose W has not run, included
+        lines.append(f"{'  + W pending':18}" + "".join(
+            f"{f'{s.deferred_micro_batches} x {s.deferred_per_micro_batch / scale:.3f}':>24}" for s in est.stages))
     lines.append(f"{'total GPU':18}" + "".join(f"{s.gpu_total / scale:>24.3f}" for s in est.stages))
     if any(s.cpu_total for s in est.stages):
         lines.append(f"{'total CPU':18}" + "".join(f"{s.cpu_total / scale:>24.3f}" for s in est.stages))

@@ -23,7 +23,6 @@ the masks PEFT draws, target by target in HF's order.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
@@ -41,6 +40,7 @@ from llama_megatron.model.lora_layout import (
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.layers import mark_replicated, mark_tensor_parallel
+from llama_megatron.parallel.weight_grad import WeightGradStore, linear
 
 
 def lora_dropout(x: torch.Tensor, p: float, training: bool, pctx: ParallelContext,
@@ -68,6 +68,7 @@ class ColumnLoRA(nn.Module):
         self.pctx, self.slots, self.groups = pctx, slots, groups
         self.rank, self.scaling, self.dropout = lora.rank, lora.scaling, lora.dropout
         self.targets = [name for name, _ in slots if name in lora.targets]
+        self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
         for name, rows in slots:
             if name in self.targets:
                 self.register_parameter(adapter_param_name(name, "A"),
@@ -80,9 +81,9 @@ class ColumnLoRA(nn.Module):
         a = [getattr(self, adapter_param_name(name, "A")) for name in self.targets]
         if not self.training or self.dropout == 0:
             stacked = all_reduce_grad_in_tp(a[0] if len(a) == 1 else torch.cat(a), self.pctx)
-            return list(F.linear(x, stacked).split(self.rank, dim=-1))
-        return [F.linear(lora_dropout(x, self.dropout, True, self.pctx), all_reduce_grad_in_tp(w, self.pctx))
-                for w in a]
+            return list(linear(x, stacked, None, self.weight_grad_store).split(self.rank, dim=-1))
+        return [linear(lora_dropout(x, self.dropout, True, self.pctx), all_reduce_grad_in_tp(w, self.pctx), None,
+                       self.weight_grad_store) for w in a]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low_rank = dict(zip(self.targets, self._low_rank(x)))
@@ -90,7 +91,8 @@ class ColumnLoRA(nn.Module):
         parts = []
         for name, rows in self.slots:
             if name in low_rank:
-                delta = F.linear(low_rank[name], getattr(self, adapter_param_name(name, "B"))) * self.scaling
+                delta = linear(low_rank[name], getattr(self, adapter_param_name(name, "B")), None,
+                               self.weight_grad_store) * self.scaling
                 parts.append(delta.view(*lead, self.groups, rows))
             else:
                 parts.append(x.new_zeros(*lead, self.groups, rows))
@@ -105,6 +107,7 @@ class RowLoRA(nn.Module):
         super().__init__()
         self.pctx, self.target = pctx, target
         self.scaling, self.dropout = lora.scaling, lora.dropout
+        self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
         self.register_parameter(adapter_param_name(target, "A"), mark_tensor_parallel(
             nn.Parameter(torch.empty(lora.rank, in_features // pctx.tp_size)), 1, "row"))
         self.register_parameter(adapter_param_name(target, "B"),
@@ -114,7 +117,7 @@ class RowLoRA(nn.Module):
         a = getattr(self, adapter_param_name(self.target, "A"))
         b = all_reduce_grad_in_tp(getattr(self, adapter_param_name(self.target, "B")), self.pctx)
         x = lora_dropout(x, self.dropout, self.training, self.pctx, sharded=True)
-        return F.linear(F.linear(x, a), b) * self.scaling
+        return linear(linear(x, a, None, self.weight_grad_store), b, None, self.weight_grad_store) * self.scaling
 
 
 def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext) -> None:
@@ -129,10 +132,10 @@ def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig
         rows = config.intermediate_size // tp
         setattr(mlp.gate_up_proj, ADAPTER_MODULE,
                 ColumnLoRA(config.hidden_size, [("gate_proj", rows), ("up_proj", rows)], 1, lora, pctx))
-    for target, linear in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
+    for target, base in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
         if target in wanted:
             out_features, in_features = target_shapes(config, target)
-            setattr(linear, ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
+            setattr(base, ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
 
 
 def _embedding_output_requires_grad(module: nn.Module, args, kwargs, output):

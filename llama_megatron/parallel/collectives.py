@@ -67,10 +67,14 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pctx):
         ctx.pctx = pctx
+        # no gradient arrives when a weight's gradient is deferred to a W pass (weight_grad.py): nothing to reduce
+        ctx.set_materialize_grads(False)
         return x
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return _all_reduce(grad, ctx.pctx.tp_group), None
 
 

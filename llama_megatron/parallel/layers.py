@@ -52,14 +52,14 @@ def column_parallel_input(x: torch.Tensor, pctx: ParallelContext) -> torch.Tenso
 
 
 def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pctx: ParallelContext,
-                           return_operands: bool = False):
-    """``x A^T + b`` for a column-parallel ``A``; with ``return_operands`` the pair (input, weight) instead, for a
-    caller that fuses the matmul with what follows it (the chunked loss). Called inside the owning module's
-    forward so ZeRO-3 gathers the weight for it."""
+                           return_operands: bool = False, store: WeightGradStore | None = None):
+    """``x A^T + b`` for a column-parallel ``A`` (its weight gradient deferrable to ``store``); with
+    ``return_operands`` the pair (input, weight) instead, for a caller that fuses the matmul with what follows it
+    (the chunked loss). Called inside the owning module's forward so ZeRO-3 gathers the weight for it."""
     x = column_parallel_input(x, pctx)
     if return_operands:
         return x, _as_module_output(weight)
-    return F.linear(x, weight, bias)
+    return linear(x, weight, bias, store)
 
 
 def _as_module_output(param: nn.Parameter) -> torch.Tensor:
@@ -152,12 +152,16 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = _divide(padded_vocab_size, pctx.tp_size, "padded vocab size")
         self.vocab_start = pctx.tp_rank * self.rows_per_rank
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), 0, "vocab")
+        # the tied LM head's product may defer its weight gradient (a zero-bubble schedule, weight_grad.py); the
+        # lookup's gradient is computed in B: the first stage's B sends nothing back, so deferring it gains nothing
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(self, input_ids: torch.Tensor, as_lm_head: bool = False, return_operands: bool = False):
         """Look up ``input_ids``; with ``as_lm_head`` multiply hidden states by the table instead (tied
         embeddings; see :func:`column_parallel_matmul`)."""
         if as_lm_head:
-            return column_parallel_matmul(input_ids, self.weight, None, self.pctx, return_operands)
+            return column_parallel_matmul(input_ids, self.weight, None, self.pctx, return_operands,
+                                          self.weight_grad_store)
         if self.pctx.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.vocab_start

@@ -2,8 +2,12 @@
 "Zero Bubble Pipeline Parallelism"): B computes only what the previous stage waits for, the gradient of the
 stage's input; W computes the weight gradients later, where the pipeline would otherwise idle.
 
-A :class:`WeightGradStore` is attached to the tensor-parallel linears of a model in one place
-(:func:`attach_weight_grad_store`). Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each
+A :class:`WeightGradStore` is attached in one place (:func:`attach_weight_grad_store`) to every module with a
+``weight_grad_store`` attribute: the tensor-parallel linears (the LM head among them), LoRA adapters, and the
+vocab-parallel embedding for the tied head's product. Left in B: the embedding lookup's gradient (the first stage
+sends nothing back, so nothing waits on its B), the norms' weights (one elementwise product and a sum per token,
+small beside the matrix products) and the fused loss's head weight, whose gradient that loss computes in its
+forward pass so as never to hold the logits. Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each
 linear's weight-gradient work (its input and the gradient of its output) as one group instead of computing it;
 :meth:`WeightGradStore.run_oldest` computes the oldest group and accumulates it through each parameter's own
 autograd accumulation, so gradient hooks (DeepSpeed's ZeRO and bf16 bookkeeping) see it as they see any backward.
@@ -30,8 +34,9 @@ class WeightGradStore:
     """The queued weight-gradient work of the backward passes run with :meth:`input_gradients_only`."""
 
     def __init__(self) -> None:
-        self._groups: deque[list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = deque()
-        self._open: list[tuple[nn.Parameter, Callable[[], torch.Tensor]]] | None = None
+        # a group: (weight, the computation of its gradient, the tensors that computation keeps alive)
+        self._groups: deque[list[tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]]] = deque()
+        self._open: list[tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]] | None = None
 
     @contextlib.contextmanager
     def input_gradients_only(self) -> Iterator[None]:
@@ -45,12 +50,18 @@ class WeightGradStore:
             self._groups.append(self._open)
             self._open = None
 
-    def defer(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor]) -> bool:
-        """Queue ``compute`` (the weight's gradient) in the open group; False outside :meth:`input_gradients_only`."""
+    def defer(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor],
+              keeps: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Queue ``compute`` (the weight's gradient; it holds the tensors ``keeps``) in the open group; False
+        outside :meth:`input_gradients_only`."""
         if self._open is None:
             return False
-        self._open.append((weight, compute))
+        self._open.append((weight, compute, keeps))
         return True
+
+    def pending_tensors(self) -> list[torch.Tensor]:
+        """The tensors the queued work keeps alive (its memory: ``ActivationMeter``)."""
+        return [t for group in self._groups for _, _, keeps in group for t in keeps]
 
     @property
     def pending(self) -> int:
@@ -61,8 +72,10 @@ class WeightGradStore:
         group = self._groups.popleft()
         if not group:
             return
-        aliases = [weight.view_as(weight) for weight, _ in group]  # each alias backpropagates to its leaf
-        torch.autograd.backward(aliases, [compute() for _, compute in group])
+        # one backward call, as the unsplit backward: a weight used twice in a micro batch gets the sum of its
+        # two gradients accumulated once (accumulating them one by one would round differently)
+        aliases = [weight.view_as(weight) for weight, _, _ in group]  # each alias backpropagates to its leaf
+        torch.autograd.backward(aliases, [compute() for _, compute, _ in group])
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -87,7 +100,7 @@ class _SplitLinear(torch.autograd.Function):
             def compute() -> torch.Tensor:
                 return grad_2d.t().mm(x_2d)
 
-            if not ctx.store.defer(weight, compute):
+            if not ctx.store.defer(weight, compute, (grad_2d, x_2d)):
                 grad_weight = compute()
         return grad_x, grad_weight, grad_bias, None
 

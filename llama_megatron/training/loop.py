@@ -15,6 +15,7 @@ from llama_megatron.training.deepspeed_config import zero_stage
 from llama_megatron.training.flops import training_flops_per_token
 from llama_megatron.training.guard import StepGuard
 from llama_megatron.training.metrics import device_peak_tflops, format_eta
+from llama_megatron.training.pipeline_schedules import analytic_bubble
 from llama_megatron.training.preemption import StopRequests
 from llama_megatron.training.setup import Session, open_session
 from llama_megatron.training.watchdog import StallWatchdog
@@ -66,9 +67,13 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     # step's FLOPs are those of the unsharded model, shared by all world_size ranks (per device: / world size)
     flops_per_step = training_flops_per_token(config.model, config.seq_length) * tokens_per_step
     peak = device_peak_tflops(config.logging.peak_tflops)
+    micro_batches = config.gradient_accumulation_steps(pctx.world_size)
+    schedule = (f" ({config.pipeline.schedule}, {micro_batches} micro batches: bubble "
+                f"{100 * analytic_bubble(config.pipeline.schedule, pctx.pp_size, micro_batches):.1f}% at equal pass "
+                "costs)" if pctx.pp_size > 1 else "")
     log.info(
         f"training {config.model.num_parameters() / 1e6:.1f}M parameters | tensor {pctx.tp_size} pipeline "
-        f"{pctx.pp_size}{f' ({config.pipeline.schedule})' if pctx.pp_size > 1 else ''} context {pctx.cp_size} "
+        f"{pctx.pp_size}{schedule} context {pctx.cp_size} "
         f"data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
         f"{config.batch.global_batch_size} x {config.seq_length} tokens | steps {step + 1}..{config.train.steps}"
     )

@@ -35,6 +35,7 @@ from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
 from llama_megatron.training.config import BatchConfig, TrainingConfig
 from llama_megatron.training.deepspeed_config import precision, zero_stage
+from llama_megatron.training.pipeline_schedules import op_order
 
 GiB = 1024**3
 _ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -53,13 +54,19 @@ class StageEstimate:
     in_flight: int
     recompute: int  # one recomputed span's activations, alive during its backward (once per stage)
     logits: int
+    # a split schedule's (zb-h1) weight-gradient work queued between a micro batch's B and W (the linears' inputs
+    # and output gradients), and how many micro batches' worth the stage holds at its peak next to ``in_flight``
+    # (0 under 1F1B)
+    deferred_per_micro_batch: int = 0
+    deferred_micro_batches: int = 0
     cpu_parameters: int = 0
     cpu_gradients: int = 0
     cpu_optimizer: int = 0
 
     @property
     def activations(self) -> int:
-        return self.activations_per_micro_batch * self.in_flight + self.recompute
+        return (self.activations_per_micro_batch * self.in_flight + self.recompute
+                + self.deferred_per_micro_batch * self.deferred_micro_batches)
 
     @property
     def gpu_total(self) -> int:
@@ -81,6 +88,7 @@ class Estimate:
     micro_batch_size: int
     micro_batches: int
     kernels: str = "reference"
+    schedule: str = "1f1b"  # pipeline.schedule
     stages: list[StageEstimate] = field(default_factory=list)
 
     @property
@@ -212,6 +220,51 @@ def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> 
     return norms + attention + rotary + mlp
 
 
+def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int, e: int, fast: bool) -> int:
+    """What a stage's W pass keeps from its B for one micro batch, per TP and CP rank (parallel/weight_grad.py):
+    the input and the output gradient of each linear whose weight trains. Per decoder layer qkv, o, gate_up and
+    down (under SP the inputs are the all-gathered sequences, the row-parallel outputs' gradients the full sequence
+    before the reduce-scatter); the LM head of the reference path, its own or the tied table (the fused loss
+    computes the weight's gradient in its forward). The inputs share their storage with
+    the forward's saved tensors, which the B frees otherwise. LoRA (the base frozen): the adapters' inputs, their
+    rank-wide intermediates and gradients, and the gradients of the adapted outputs."""
+    m, t = config.model, config.parallel.tensor
+    tokens = b * config.seq_length // config.parallel.context
+    head = 0
+    if "FinalNormPipe" in kinds and not fast and config.lora is None:
+        head = e * tokens * (m.hidden_size + config.parallel.padded_vocab_size(m.vocab_size) // t)
+    h, q, kv, f = m.hidden_size, m.num_attention_heads * m.head_dim // t, m.num_key_value_heads * m.head_dim // t, \
+        m.intermediate_size // t
+    # each fused linear: its input width and its targets' output widths
+    linears = {"qkv": (h, {"q_proj": q, "k_proj": kv, "v_proj": kv}), "o": (q, {"o_proj": h}),
+               "gate_up": (h, {"gate_proj": f, "up_proj": f}), "down": (f, {"down_proj": h})}
+    widths = 0
+    for name, (width, outputs) in linears.items():
+        if config.lora is None:
+            widths += width + sum(outputs.values())
+            continue
+        adapted = [target for target in outputs if target in config.lora.targets]
+        if adapted:  # A: the input (one dropped-out copy per target of a column linear) and its rank-wide output
+            # and gradient; B: the gradient of each adapted target's output
+            copies = len(adapted) if config.lora.dropout and name in ("qkv", "gate_up") else 1
+            widths += copies * width + 2 * config.lora.rank * len(adapted) + sum(outputs[a] for a in adapted)
+    return kinds.count("DecoderLayerPipe") * e * tokens * widths + head
+
+
+def _pending_peak(schedule: str, stages: int, stage: int, micro_batches: int, per_micro_batch: int,
+                  deferred: int) -> tuple[int, int]:
+    """(micro batches in flight, micro batches with W pending) at the stage's peak under ``schedule``."""
+    if schedule != "zb-h1":
+        return min(stages - stage, micro_batches), 0
+    in_flight = pending = 0
+    peak = (0, 0, 0)
+    for op, _ in op_order(stages, stage, micro_batches):
+        in_flight += {"F": 1, "B": -1, "W": 0}[op]
+        pending += {"F": 0, "B": 1, "W": -1}[op]
+        peak = max(peak, (in_flight * per_micro_batch + pending * deferred, in_flight, pending))
+    return peak[1], peak[2]
+
+
 def _norm_bytes(tokens: int, h: int, shard: int, e: int, fast: bool, feeds_linear: bool = True) -> int:
     """An RMSNorm on its tokens (``shard`` = TP under SP, else 1) and, when ``feeds_linear``, the input of the
     column-parallel linear after it (the norm's output, or under SP the all-gathered full sequence). Reference:
@@ -297,7 +350,8 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     kernels = kernel_choice(config.kernels, "cuda")  # a GPU's kernels: what the estimate is for
     fast = kernels != "reference"
     bounds = [0, len(layers)] if pp == 1 else _stage_bounds(layers, pp, config.pipeline.partition_method)
-    result = Estimate(world_size, dp, par.context, zero_stage(ds), prec, wrapper, b, micro_batches, kernels)
+    result = Estimate(world_size, dp, par.context, zero_stage(ds), prec, wrapper, b, micro_batches, kernels,
+                      config.pipeline.schedule)
     for stage in range(pp):
         mine = layers[bounds[stage]:bounds[stage + 1]]
         if pp == 1 and config.model.tie_word_embeddings:
@@ -305,10 +359,12 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
         params = [p for layer in mine for p in layer.params]
         kinds = [layer.kind for layer in mine]
         saved, recompute, logits = _activations(config, kinds, b, e, pp > 1, fast)
+        deferred = deferred_weight_grad_bytes(config, kinds, b, e, fast)
+        in_flight, pending = _pending_peak(config.pipeline.schedule, pp, stage, micro_batches, saved, deferred)
         result.stages.append(StageEstimate(
             stage=stage, decoder_layers=kinds.count("DecoderLayerPipe"),
-            activations_per_micro_batch=saved, in_flight=min(pp - stage, micro_batches), recompute=recompute,
-            logits=logits,
+            activations_per_micro_batch=saved, in_flight=in_flight, recompute=recompute, logits=logits,
+            deferred_per_micro_batch=deferred, deferred_micro_batches=pending,
             **_states(params, ds, wrapper, partitions, e)))
     return result
 

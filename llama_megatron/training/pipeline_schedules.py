@@ -75,6 +75,13 @@ class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
         return max(2, min(self.stages - self.stage_id, self.micro_batches))
 
 
+def analytic_bubble(schedule: str, stages: int, micro_batches: int) -> float:
+    """The idle share of every stage with equal F, B and W costs and free communication: (p - 1) / (m + p - 1) for
+    1F1B, (p - 1) / (3m + p - 1) for ZB-H1 (what :func:`simulate` replays)."""
+    passes = 3 * micro_batches if schedule == "zb-h1" else micro_batches
+    return (stages - 1) / (passes + stages - 1)
+
+
 def simulate(stages: int, micro_batches: int, schedule: str, forward: float = 1.0, backward_input: float = 1.0,
              weight: float = 1.0) -> dict:
     """Replay a schedule with these costs (1F1B's backward pass costs B + W and sends its gradient after both),

@@ -35,6 +35,7 @@ from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
 from llama_megatron.training.deepspeed_config import build_deepspeed_config, precision, zero_stage
 from llama_megatron.training.engine import TrainingEngine
 from llama_megatron.training.metrics import RunLogger
+from llama_megatron.training.pipeline_schedules import analytic_bubble
 
 RUN_INFO_FILE = "run.json"
 
@@ -213,6 +214,9 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
         info = {"world_size": pctx.world_size, "tensor": pctx.tp_size, "pipeline": pctx.pp_size,
                 "context": pctx.cp_size, "data_parallel": pctx.dp_size, "sequence_parallel": pctx.sequence_parallel,
                 "pipeline_schedule": config.pipeline.schedule if pctx.pp_size > 1 else None,
+                # the schedule's idle share at equal pass costs: MFU counts it as lost time
+                "pipeline_bubble": analytic_bubble(config.pipeline.schedule, pctx.pp_size,
+                                                   config.gradient_accumulation_steps(pctx.world_size)),
                 "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,

@@ -3,7 +3,8 @@ pipeline schedules stand on: with a store attached, a backward computes every gr
 model does; inside ``input_gradients_only`` it computes the input gradients only, and the queued W groups, run
 later in order, complete the parameter gradients bit for bit, also summed over several micro batches whose B and W
 interleave as a pipeline schedule runs them (B1 B2 W1 B3 W2 W3). TP1 (with recomputation and biases) in one process,
-TP2 with and without sequence parallelism in two gloo processes; LoRA adapters on a frozen base (their weights
+TP2 with and without sequence parallelism in two gloo processes (the norms' weight gradients accumulated in W, under
+SP with their TP all-reduce); LoRA adapters on a frozen base (their weights
 through the TP all-reduce of replicated adapters, with and without adapter dropout) at TP1 and TP2.
 """
 
@@ -17,8 +18,9 @@ from model_utils import tiny_config
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.model.lora_layout import LORA_TARGETS, LoraConfig, is_adapter_parameter
+from llama_megatron.model.norm import RMSNorm
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
 MICRO_BATCHES = 3
@@ -62,7 +64,10 @@ def _check(pctx: ParallelContext, recompute: int = 0, lora: LoraConfig | None = 
     store = WeightGradStore()
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     adapters = [m for m in model.modules() if type(m).__name__ in ("ColumnLoRA", "RowLoRA")]
-    assert attach_weight_grad_store(model, store) == len(linears) + len(adapters) >= 4 * config.num_hidden_layers
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(linears) == 4 * config.num_hidden_layers + 1 and len(norms) == 2 * config.num_hidden_layers + 1
+    # and the embedding, for the tied head's product
+    assert attach_weight_grad_store(model, store) == len(linears) + len(adapters) + len(norms) + 1
     assert len(adapters) == (4 * config.num_hidden_layers if lora else 0)
     torch.manual_seed(5)
     for ids, labels in batches:  # attached but not deferring: the same gradients, bit for bit
@@ -73,7 +78,8 @@ def _check(pctx: ParallelContext, recompute: int = 0, lora: LoraConfig | None = 
     model.zero_grad(set_to_none=True)
 
     deferred = {f"{module_name}.{name}" for module_name, m in model.named_modules()
-                if hasattr(m, "weight_grad_store") for name, _ in m.named_parameters(recurse=False) if name != "bias"}
+                if hasattr(m, "weight_grad_store") and not isinstance(m, VocabParallelEmbedding)  # its lookup: in B
+                for name, _ in m.named_parameters(recurse=False) if name != "bias"}
     order = ["B0", "B1", "W", "B2", "W", "W"]  # a pipeline's interleaving: W runs oldest first
     torch.manual_seed(5)
     losses = iter([model(ids, labels=labels) for ids, labels in batches])
@@ -86,7 +92,7 @@ def _check(pctx: ParallelContext, recompute: int = 0, lora: LoraConfig | None = 
         if step == "B0":  # B alone leaves the linears' (and adapters') weights without gradient, the rest with theirs
             grads = _grads(model)
             assert deferred & set(want) and not deferred & set(grads)
-            assert any(n.endswith("norm.weight") for n in grads) or (lora and not grads)
+            assert any(n.endswith("word_embeddings.weight") for n in grads) or (lora and not grads)
     assert store.pending == 0
     got = _grads(model)
     assert got.keys() == want.keys()

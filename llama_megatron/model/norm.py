@@ -9,6 +9,7 @@ from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.layers import mark_replicated
+from llama_megatron.parallel.weight_grad import WeightGradStore, defer_gradient
 
 
 class RMSNorm(nn.Module):
@@ -26,10 +27,14 @@ class RMSNorm(nn.Module):
         self.weight = mark_replicated(nn.Parameter(torch.ones(hidden_size)))
         if pctx.sequence_parallel:
             self.weight.sequence_parallel = True
+        self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``, the pair ``(residual + x, norm(residual + x))``."""
         weight = all_reduce_grad_in_tp(self.weight, self.pctx) if self.pctx.sequence_parallel else self.weight
+        # a split backward computes the weight's gradient with the input's (one kernel) but accumulates it, and
+        # under SP all-reduces it, in W
+        weight = defer_gradient(weight, self.weight_grad_store)
         if residual is None:
             return self.kernels.rms_norm(x, weight, self.eps)
         return self.kernels.add_rms_norm(residual, x, weight, self.eps)

@@ -3,11 +3,11 @@
 stage's input; W computes the weight gradients later, where the pipeline would otherwise idle.
 
 A :class:`WeightGradStore` is attached in one place (:func:`attach_weight_grad_store`) to every module with a
-``weight_grad_store`` attribute: the tensor-parallel linears (the LM head among them), LoRA adapters, and the
-vocab-parallel embedding for the tied head's product. Left in B: the embedding lookup's gradient (the first stage
-sends nothing back, so nothing waits on its B), the norms' weights (one elementwise product and a sum per token,
-small beside the matrix products) and the fused loss's head weight, whose gradient that loss computes in its
-forward pass so as never to hold the logits. Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each
+``weight_grad_store`` attribute: the tensor-parallel linears (the LM head among them), LoRA adapters, the
+vocab-parallel embedding for the tied head's product, and the norms, whose kernels compute the weight's gradient
+with the input's (:func:`defer_gradient` moves its accumulation, and under SP its TP all-reduce, to W). Left in B:
+the embedding lookup's gradient (the first stage sends nothing back, so nothing waits on its B) and the fused
+loss's head weight, whose gradient that loss computes in its forward pass so as never to hold the logits. Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each
 linear's weight-gradient work (its input and the gradient of its output) as one group instead of computing it;
 :meth:`WeightGradStore.run_oldest` computes the oldest group and accumulates it through each parameter's own
 autograd accumulation, so gradient hooks (DeepSpeed's ZeRO and bf16 bookkeeping) see it as they see any backward.
@@ -103,6 +103,29 @@ class _SplitLinear(torch.autograd.Function):
             if not ctx.store.defer(weight, compute, (grad_2d, x_2d)):
                 grad_weight = compute()
         return grad_x, grad_weight, grad_bias, None
+
+
+class _DeferredGradient(torch.autograd.Function):
+    """Identity forward; backward hands the gradient to a :class:`WeightGradStore` (accumulated in W, with what
+    stands between this point and the leaf, such as SP's all-reduce of a norm weight's gradient)."""
+
+    @staticmethod
+    def forward(ctx, weight, store):
+        ctx.weight, ctx.store = weight, store  # an input (a parameter, or the SP reduction's output): no cycle
+        ctx.set_materialize_grads(False)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None or not ctx.store.defer(ctx.weight, lambda: grad, (grad,)):
+            return grad, None
+        return None, None
+
+
+def defer_gradient(weight: torch.Tensor, store: WeightGradStore | None) -> torch.Tensor:
+    """``weight`` for a kernel whose backward computes the weight's gradient in one piece with the input's (the
+    norms): the product stays in B, its accumulation (and any reduction on the way to the leaf) moves to W."""
+    return weight if store is None else _DeferredGradient.apply(weight, store)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

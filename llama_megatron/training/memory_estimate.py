@@ -222,8 +222,8 @@ def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> 
 
 def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int, e: int, fast: bool) -> int:
     """What a stage's W pass keeps from its B for one micro batch, per TP and CP rank (parallel/weight_grad.py):
-    the input and the output gradient of each linear whose weight trains. Per decoder layer qkv, o, gate_up and
-    down (under SP the inputs are the all-gathered sequences, the row-parallel outputs' gradients the full sequence
+    the input and the output gradient of each linear whose weight trains, and the norms' weight gradients. Per
+    decoder layer qkv, o, gate_up and down (under SP the inputs are the all-gathered sequences, the row-parallel outputs' gradients the full sequence
     before the reduce-scatter); the LM head of the reference path, its own or the tied table (the fused loss
     computes the weight's gradient in its forward). The inputs share their storage with
     the forward's saved tensors, which the B frees otherwise. LoRA (the base frozen): the adapters' inputs, their
@@ -231,13 +231,16 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
     m, t = config.model, config.parallel.tensor
     tokens = b * config.seq_length // config.parallel.context
     head = 0
-    if "FinalNormPipe" in kinds and not fast and config.lora is None:
-        head = e * tokens * (m.hidden_size + config.parallel.padded_vocab_size(m.vocab_size) // t)
+    if "FinalNormPipe" in kinds and config.lora is None:  # the final norm's weight gradient, and the head's
+        head = e * m.hidden_size
+        if not fast:
+            head += e * tokens * (m.hidden_size + config.parallel.padded_vocab_size(m.vocab_size) // t)
     h, q, kv, f = m.hidden_size, m.num_attention_heads * m.head_dim // t, m.num_key_value_heads * m.head_dim // t, \
         m.intermediate_size // t
     # each fused linear: its input width and its targets' output widths
     linears = {"qkv": (h, {"q_proj": q, "k_proj": kv, "v_proj": kv}), "o": (q, {"o_proj": h}),
                "gate_up": (h, {"gate_proj": f, "up_proj": f}), "down": (f, {"down_proj": h})}
+    norms = 0 if config.lora is not None else 2 * e * h  # the two norms' weight gradients (the W accumulates them)
     widths = 0
     for name, (width, outputs) in linears.items():
         if config.lora is None:
@@ -248,7 +251,7 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
             # and gradient; B: the gradient of each adapted target's output
             copies = len(adapted) if config.lora.dropout and name in ("qkv", "gate_up") else 1
             widths += copies * width + 2 * config.lora.rank * len(adapted) + sum(outputs[a] for a in adapted)
-    return kinds.count("DecoderLayerPipe") * e * tokens * widths + head
+    return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
 
 
 def _pending_peak(schedule: str, stages: int, stage: int, micro_batches: int, per_micro_batch: int,

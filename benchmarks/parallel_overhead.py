@@ -18,6 +18,9 @@ send/recv) during the timed steps, and prints one JSON line:
 
     python benchmarks/parallel_overhead.py                 # all configurations (a few minutes on CPU)
     python benchmarks/parallel_overhead.py --only cp       # the configurations whose name contains "cp"
+    python benchmarks/parallel_overhead.py --schedules       # 1F1B vs ZB-H1, PP2/PP4 x 1..16 micro batches
+    python benchmarks/parallel_overhead.py --schedules --schedule-hidden 1024 --schedule-stages 4 \
+        --schedule-micro-batches 8                         # the PP4 x 8 point where W costs what B does
     python benchmarks/parallel_overhead.py --context-scaling --seq 32768 --model configs/models/llama-50m.json \
         --bf16 --recompute                                 # GPUs: tokens/s per device, CP 1 (unsharded) vs CP 2
 """
@@ -41,10 +44,17 @@ from llama_megatron.parallel.launch import launcher_command  # noqa: E402
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 1024}
 SEQ = 256
-# --schedules: 2 decoder layers per stage at PP4 and a small vocabulary, so the head and loss of the last stage cost
-# about what the embedding stage's first layers do (unequal stages idle under any schedule); hidden 512, where
-# matrix products dominate the backward pass, so W costs about what B does (3/4 of it here; at hidden 256, 1/2)
-SCHEDULE_MODEL = {**MODEL, "hidden_size": 512, "intermediate_size": 1376, "vocab_size": 512, "num_hidden_layers": 8}
+
+
+def schedule_model(hidden: int) -> dict:
+    """``--schedules``' model: 2 decoder layers per stage at PP4 and a small vocabulary, so the head and loss of the
+    last stage cost about what the first stage's embedding and layers do (unequal stages idle under any schedule).
+    The larger ``hidden``, the more matrix products dominate the backward pass and the closer W's cost comes to B's
+    (on this CPU: 1/2 of it at 256, 3/4 at 512, all of it at 1024)."""
+    return {**MODEL, "hidden_size": hidden, "intermediate_size": hidden * 43 // 16, "num_attention_heads": hidden // 64,
+            "num_key_value_heads": hidden // 64, "vocab_size": 512, "num_hidden_layers": 8}
+
+
 CONFIGS = [
     {"tp": 1, "pp": 1, "sp": False, "micro_batches": 1},
     {"tp": 2, "pp": 1, "sp": False, "micro_batches": 1},
@@ -219,7 +229,7 @@ def schedules(args: argparse.Namespace) -> None:
     if not args.model:
         args.model = os.path.join(tempfile.mkdtemp(), "model.json")
         with open(args.model, "w", encoding="utf-8") as fh:
-            json.dump(SCHEDULE_MODEL, fh)
+            json.dump(schedule_model(args.schedule_hidden), fh)
     model = _model(args)
     for pp in args.schedule_stages:
         for m in args.schedule_micro_batches:
@@ -346,6 +356,8 @@ def main() -> None:
     parser.add_argument("--schedules", action="store_true",
                         help="1F1B vs ZB-H1: per-stage busy/idle time, tokens/s and activation peaks")
     parser.add_argument("--schedule-stages", type=int, nargs="+", default=[2, 4], help="with --schedules")
+    parser.add_argument("--schedule-hidden", type=int, default=512,
+                        help="with --schedules: the 8-layer model's hidden size (default 512; 1024: W costs what B does)")
     parser.add_argument("--schedule-micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                         help="with --schedules")
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)

@@ -251,6 +251,20 @@ def test_tensor_groups_across_nodes_are_warned_about_in_preflight(monkeypatch, s
                           "the processes per node"]
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until every thread of ``pid`` is in the stopped state (/proc: 'T')."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as fh:
+                states.append(fh.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+
+
 def test_a_stopped_store_does_not_hang_its_clients() -> None:
     """A TCPStore request to a server that is alive but stopped waits forever whatever its own timeout; through
     RendezvousStore it raises TimeoutError within the timeout, and every later request at once."""
@@ -264,6 +278,7 @@ def test_a_stopped_store_does_not_hang_its_clients() -> None:
         store = rendezvous_store(2.0, ("127.0.0.1", port))
         assert store.check(["k"]) and store.get("k") == b"v"
         os.kill(server.pid, signal.SIGSTOP)
+        _wait_stopped(server.pid)  # kill() returns before every thread has stopped (the CI once got an answer)
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=f"127.0.0.1:{port} did not answer within 2 s"):
             store.get("k")

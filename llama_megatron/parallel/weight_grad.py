@@ -7,9 +7,11 @@ A :class:`WeightGradStore` is attached in one place (:func:`attach_weight_grad_s
 vocab-parallel embedding for the tied head's product, and the norms, whose kernels compute the weight's gradient
 with the input's (:func:`defer_gradient` moves its accumulation, and under SP its TP all-reduce, to W). Left in B:
 the embedding lookup's gradient (the first stage sends nothing back, so nothing waits on its B) and the fused
-loss's head weight, whose gradient that loss computes in its forward pass so as never to hold the logits. Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each
-linear's weight-gradient work (its input and the gradient of its output) as one group instead of computing it;
-:meth:`WeightGradStore.run_oldest` computes the oldest group and accumulates it through each parameter's own
+loss's head weight, whose gradient that loss computes in its forward pass so as never to hold the logits.
+
+Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each linear's weight-gradient work (its
+input and the gradient of its output) as one group instead of computing it; :meth:`WeightGradStore.run_oldest`
+computes the oldest group and accumulates it through each parameter's own
 autograd accumulation, so gradient hooks (DeepSpeed's ZeRO and bf16 bookkeeping) see it as they see any backward.
 Groups run in the order their backward passes ran, so each parameter's gradient sums its micro batches in the same
 order as without the split.
@@ -29,14 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# queued work: (weight, the computation of its gradient, the tensors that computation keeps alive)
+_Deferred = tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]
+
 
 class WeightGradStore:
     """The queued weight-gradient work of the backward passes run with :meth:`input_gradients_only`."""
 
     def __init__(self) -> None:
-        # a group: (weight, the computation of its gradient, the tensors that computation keeps alive)
-        self._groups: deque[list[tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]]] = deque()
-        self._open: list[tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]] | None = None
+        self._groups: deque[list[_Deferred]] = deque()
+        self._open: list[_Deferred] | None = None
 
     @contextlib.contextmanager
     def input_gradients_only(self) -> Iterator[None]:

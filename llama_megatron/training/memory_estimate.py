@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from llama_megatron.config import ModelConfig, kv_head_repeats
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import kernel_choice
+from llama_megatron.model.lora_layout import TARGETS, target_shapes
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
@@ -223,11 +224,12 @@ def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> 
 def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int, e: int, fast: bool) -> int:
     """What a stage's W pass keeps from its B for one micro batch, per TP and CP rank (parallel/weight_grad.py):
     the input and the output gradient of each linear whose weight trains, and the norms' weight gradients. Per
-    decoder layer qkv, o, gate_up and down (under SP the inputs are the all-gathered sequences, the row-parallel outputs' gradients the full sequence
-    before the reduce-scatter); the LM head of the reference path, its own or the tied table (the fused loss
-    computes the weight's gradient in its forward). The inputs share their storage with
-    the forward's saved tensors, which the B frees otherwise. LoRA (the base frozen): the adapters' inputs, their
-    rank-wide intermediates and gradients, and the gradients of the adapted outputs."""
+    decoder layer the fused linears of the LoRA target table (qkv, o, gate_up, down; under SP the inputs are the
+    all-gathered sequences, the row-parallel outputs' gradients the full sequence before the reduce-scatter); the
+    LM head of the reference path, its own or the tied table (the fused loss computes the weight's gradient in
+    its forward). The inputs share their storage with the forward's saved tensors, which the B frees otherwise.
+    LoRA (the base frozen): the adapters' inputs, their rank-wide intermediates and gradients, and the gradients
+    of the adapted outputs."""
     m, t = config.model, config.parallel.tensor
     tokens = b * config.seq_length // config.parallel.context
     head = 0
@@ -235,21 +237,22 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
         head = e * m.hidden_size
         if not fast:
             head += e * tokens * (m.hidden_size + config.parallel.padded_vocab_size(m.vocab_size) // t)
-    h, q, kv, f = m.hidden_size, m.num_attention_heads * m.head_dim // t, m.num_key_value_heads * m.head_dim // t, \
-        m.intermediate_size // t
-    # each fused linear: its input width and its targets' output widths
-    linears = {"qkv": (h, {"q_proj": q, "k_proj": kv, "v_proj": kv}), "o": (q, {"o_proj": h}),
-               "gate_up": (h, {"gate_proj": f, "up_proj": f}), "down": (f, {"down_proj": h})}
-    norms = 0 if config.lora is not None else 2 * e * h  # the two norms' weight gradients (the W accumulates them)
+    fused: dict[str, list[str]] = {}  # each fused linear: its HF targets
+    for target in TARGETS.values():
+        fused.setdefault(target.linear, []).append(target.name)
+    norms = 0 if config.lora is not None else 2 * e * m.hidden_size  # the two norms' weight gradients
     widths = 0
-    for name, (width, outputs) in linears.items():
+    for names in fused.values():
+        column = TARGETS[names[0]].parallel == "column"
+        outputs = {name: target_shapes(m, name)[0] // (t if column else 1) for name in names}  # local widths
+        width = target_shapes(m, names[0])[1] // (1 if column else t)  # the fused linear's local input
         if config.lora is None:
             widths += width + sum(outputs.values())
             continue
-        adapted = [target for target in outputs if target in config.lora.targets]
+        adapted = [name for name in names if name in config.lora.targets]
         if adapted:  # A: the input (one dropped-out copy per target of a column linear) and its rank-wide output
             # and gradient; B: the gradient of each adapted target's output
-            copies = len(adapted) if config.lora.dropout and name in ("qkv", "gate_up") else 1
+            copies = len(adapted) if config.lora.dropout and column else 1
             widths += copies * width + 2 * config.lora.rank * len(adapted) + sum(outputs[a] for a in adapted)
     return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
 

@@ -7,9 +7,10 @@ ZB-H1, at most half of 1F1B's at PP4 with 8 micro batches; no stage holds more t
 Whole runs under the deepspeed launcher (a 2-process and a 4-process launch, 8 micro batches per step) with
 ``pipeline.schedule: zb-h1`` against the same runs with 1F1B: PP2 fp32 ZeRO-1 with gradient clipping, with
 recomputation, bf16, tied embeddings with per-document attention; PP4; TP2 x PP2 with SP off and on; CP2 x PP2;
-LoRA adapters with dropout on a frozen base, at PP2 and at TP2 x PP2 with SP. Bit for bit, losses and gradient norms (each parameter's
-gradient sums its micro batches in 1F1B's order; the bf16 optimizer's fp32 sums get zeros where B left nothing),
-one of them with an evaluation; and the fp32 ones against the one-process TP1-PP1 run (1e-4 rel per step).
+LoRA adapters on a frozen base at PP2, and with dropout at TP2 x PP2 with SP. Bit for bit, losses and gradient norms
+(each parameter's gradient sums its micro batches in 1F1B's order; the bf16 optimizer's fp32 sums get zeros where B
+left nothing), one of them with an evaluation. And each ZB-H1 run but the dropout one against its one-process TP1-PP1
+run (1e-4 rel per step).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 
 import pytest
-from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
+from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.training import pipeline_schedules as schedules
@@ -102,12 +103,16 @@ def _resumes(prefix: str, work) -> list[list[str]]:
     return argv
 
 
-LORA = '{"rank": 4, "alpha": 8, "dropout": 0.1}'
+LORA = '{"rank": 4, "alpha": 8}'
+# Dropout masks come from each rank's generator, whose stream a pipeline stage draws from for its own layers only: a
+# PP run drops other entries than one process does (under either schedule), so the dropout runs are compared with
+# their 1F1B twins only.
+DROPOUT_LORA = '{"rank": 4, "alpha": 8, "dropout": 0.1}'
 
 
-def _lora_runs(prefix: str, work, name: str, base: str, extra: list[str]) -> list[list[str]]:
+def _lora_runs(prefix: str, work, name: str, base: str, extra: list[str], lora: str = LORA) -> list[list[str]]:
     """LoRA fine-tunes of ``base`` (a step-3 save of the same TP degree) under both schedules."""
-    return [train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={work}/{name}-{schedule}", f"lora={LORA}",
+    return [train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={work}/{name}-{schedule}", f"lora={lora}",
                                 f"checkpoint.load={base}", "checkpoint.tag=global_step3", "checkpoint.finetune=true",
                                 "parallel.pipeline=2", "batch.micro_batch_size=1", f"train.steps={STEPS}",
                                 f"pipeline.schedule={schedule}", *RUNS["fp32"], *extra])
@@ -124,22 +129,34 @@ def _launch(prefix: str, work, runs: dict[str, list[str]], nprocs: int, more: tu
     launch_many(nprocs, [*argv, *more], str(work / f"runs-{nprocs}.json"))
 
 
+def _single_process_runs(prefix: str, work) -> list[list[str]]:
+    """TP1-PP1, one process: the runs every layout is compared with (the fp32 run saves the LoRA runs' base at 3)."""
+    common = [f"data.prefix={prefix}", "batch.micro_batch_size=1", f"train.steps={STEPS}"]
+    base = work / "tp1-pp1"
+    return [train_args(CONFIG, [*common, f"output_dir={base}", *RUNS["fp32"], f"checkpoint.save={base}/ckpt",
+                                "checkpoint.interval=3"]),
+            *[train_args(CONFIG, [*common, f"output_dir={work}/tp1-pp1-{name}", *RUNS[name]])
+              for name in ("bf16", "tied-per-document")],
+            # after the run that saves its base: one process runs them in order
+            train_args(CONFIG, [*common, f"output_dir={work}/tp1-pp1-lora", f"lora={LORA}", *RUNS["fp32"],
+                                f"checkpoint.load={base}/ckpt", "checkpoint.tag=global_step3",
+                                "checkpoint.finetune=true"])]
+
+
 @pytest.fixture(scope="module")
 def runs(shakespeare_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("schedules")
-    # TP1-PP1, one process: the run every layout is compared with
-    launch(1, CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={work}/tp1-pp1", *RUNS["fp32"],
-                       "batch.micro_batch_size=1", f"train.steps={STEPS}"])
+    launch_many(1, _single_process_runs(shakespeare_prefix, work), str(work / "runs-1.json"))
     _launch(shakespeare_prefix, work, RUNS, 2, (
         *_resumes(shakespeare_prefix, work),
-        *_lora_runs(shakespeare_prefix, work, "lora", f"{work}/resume-1f1b-then-zb-h1/ckpt", [])))
+        *_lora_runs(shakespeare_prefix, work, "lora", f"{work}/tp1-pp1/ckpt", [])))
     tp2_base = work / "tp2-base"  # a TP2 checkpoint for the TP2 LoRA runs
     _launch(shakespeare_prefix, work, FOUR_RANK_RUNS, 4, (
         train_args(CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={tp2_base}", *RUNS["fp32"],
                             "parallel.tensor=2", "parallel.pipeline=2", "train.steps=3",
                             f"checkpoint.save={tp2_base}/ckpt", "checkpoint.interval=3"]),
         *_lora_runs(shakespeare_prefix, work, "lora-tp2-pp2-sp", f"{tp2_base}/ckpt",
-                    ["parallel.tensor=2", "parallel.sequence_parallel=true"])))
+                    ["parallel.tensor=2", "parallel.sequence_parallel=true"], DROPOUT_LORA)))
     return work
 
 
@@ -158,7 +175,15 @@ def test_a_checkpoint_resumes_under_the_other_schedule(runs, first, then) -> Non
     assert _curve(runs / f"resume-{first}-then-{then}") == _curve(runs / "fp32-1f1b")
 
 
-@pytest.mark.parametrize("name", ["fp32", "pp4", "tp2-pp2", "tp2-pp2-sp", "cp2-pp2"])
+LIKE_TP1_PP1 = {  # a ZB-H1 run -> the one-process run it is compared with (recomputation changes no sum)
+    **{name: "tp1-pp1" for name in ("fp32", "recompute", "pp4", "tp2-pp2", "tp2-pp2-sp", "cp2-pp2")},
+    **{name: f"tp1-pp1-{name}" for name in ("bf16", "tied-per-document", "lora")},
+}
+
+
+@pytest.mark.parametrize("name", list(LIKE_TP1_PP1))
 def test_zb_h1_trains_like_tp1_pp1(runs, name) -> None:
-    """The fp32 ZB-H1 runs against the one-process run (the parallel layers sum in other orders)."""
-    assert_losses_close(losses(runs / f"{name}-zb-h1"), losses(runs / "tp1-pp1"), 1e-4, range(1, STEPS + 1))
+    """The ZB-H1 runs against the one-process runs (the parallel layers may sum in other orders; observed: equal but
+    CP2 x PP2 1.2e-7 and bf16 2.7e-5)."""
+    reference = losses(runs / LIKE_TP1_PP1[name])
+    assert_losses_close(losses(runs / f"{name}-zb-h1"), reference, 1e-4, range(1, STEPS + 1))

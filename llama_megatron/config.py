@@ -1,8 +1,9 @@
 """Model and parallel configuration.
 
-``ModelConfig`` uses Hugging Face ``LlamaConfig`` key names so that a released checkpoint's ``config.json``
-loads as is, both with the v4 keys (``rope_theta`` + ``rope_scaling``) and transformers 5's ``rope_parameters``.
-Every check raises :class:`ConfigError` with a one-line message.
+``ModelConfig`` uses Hugging Face config key names so that a released checkpoint's ``config.json`` loads as is,
+both with the v4 keys (``rope_theta`` + ``rope_scaling``) and transformers 5's ``rope_parameters``. Its
+``model_type`` (or ``architectures``) names the family (:mod:`llama_megatron.families`), which says which keys
+beyond the shared decoder's it accepts. Every check raises :class:`ConfigError` with a one-line message.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_megatron.errors import ConfigError
+from llama_megatron.families import BY_ARCHITECTURE, FAMILIES, FAMILY_KEYS, SLIDING_ATTENTION, ModelFamily
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 # Keys found in released HF LLaMA config.json files that carry no information for this model.
 _HF_IGNORED_KEYS = {
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "torch_dtype", "dtype", "transformers_version", "use_cache",
     "pretraining_tp", "attention_dropout", "_name_or_path", "output_attentions", "output_hidden_states",
     "return_dict", "tie_encoder_decoder", "is_decoder", "chunk_size_feed_forward", "pruned_heads",
     "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation_autoset",
@@ -48,6 +50,12 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
+    model_type: str = "llama"  # the family
+    # family keys (families.py says whose): sliding-window attention
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    max_window_layers: int = 0
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -63,6 +71,13 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ConfigError(f"model_type {self.model_type!r} is not supported (choose from "
+                              f"{', '.join(FAMILIES)})")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key in sorted(FAMILY_KEYS - set(self.family.keys)):
+            if getattr(self, key) != defaults[key]:
+                raise ConfigError(f"model.{key} is not a key of the {self.model_type} family")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -79,6 +94,41 @@ class ModelConfig:
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported: LLaMA uses 'silu'")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps and rope_theta must be positive")
+        self._validate_windows()
+
+    def _validate_windows(self) -> None:
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ConfigError(f"model.sliding_window must be a positive integer or null, got {window!r}")
+        if not isinstance(self.max_window_layers, int) or self.max_window_layers < 0:
+            raise ConfigError(f"model.max_window_layers must be an integer >= 0, got {self.max_window_layers!r}")
+        if self.layer_types is not None:
+            kinds = ("full_attention", SLIDING_ATTENTION)
+            if (not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_hidden_layers
+                    or any(kind not in kinds for kind in self.layer_types)):
+                raise ConfigError(f"model.layer_types must list {self.num_hidden_layers} entries (one per layer) "
+                                  f"of {' or '.join(kinds)}")
+
+    @property
+    def family(self) -> ModelFamily:
+        return FAMILIES[self.model_type]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias(self)
+
+    @property
+    def o_bias(self) -> bool:
+        return self.family.o_bias(self)
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    def layer_windows(self) -> list[int | None]:
+        """The sliding window of each decoder layer in tokens (a query sees itself and the window - 1 before it),
+        None where attention is fully causal."""
+        return self.family.windows(self)
 
     @property
     def rope_type(self) -> str:
@@ -95,8 +145,8 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, ffn, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         attn = h * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * h
-        if self.attention_bias:
-            attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + h
+        attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.qkv_bias + h * self.o_bias
+        attn += 2 * hd * self.qk_norm
         mlp = 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
         per_layer = attn + mlp + 2 * h
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
@@ -113,10 +163,14 @@ class ModelConfig:
             rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
             if rope_type != "default" and data.get("rope_scaling") is None:
                 data["rope_scaling"] = rope_parameters
-        known = {f.name for f in dataclasses.fields(cls)}
+        family = _family_of(data)
+        data["model_type"] = family.model_type
+        data = {**family.defaults, **data}
+        known = {f.name for f in dataclasses.fields(cls)} - (FAMILY_KEYS - set(family.keys))
         unknown = set(data) - known - _HF_IGNORED_KEYS
         if unknown:
-            raise ConfigError(f"unknown model config keys: {', '.join(sorted(unknown))}")
+            raise ConfigError(f"unknown model config keys for the {family.model_type} family: "
+                              f"{', '.join(sorted(unknown))}")
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
@@ -127,13 +181,29 @@ class ModelConfig:
         return cls.from_dict(read_json(path, "model config"))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every key of the config's family (another family's keys are not part of it)."""
+        others = FAMILY_KEYS - set(self.family.keys)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in others}
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """Keys for ``transformers.LlamaConfig`` (v4 and v5 both accept ``rope_theta``/``rope_scaling``)."""
-        out = self.to_dict()
-        out.update(architectures=["LlamaForCausalLM"], model_type="llama")
-        return out
+        """Keys for the family's transformers config class (v4 and v5 both accept ``rope_theta``/``rope_scaling``)."""
+        return {**self.to_dict(), "architectures": [self.family.architecture]}
+
+
+def _family_of(data: dict[str, Any]) -> ModelFamily:
+    """The family an HF config names (``model_type``, else ``architectures``; LLaMA when neither)."""
+    model_type = data.pop("model_type", None)
+    architectures = data.pop("architectures", None) or []
+    if model_type is not None and model_type not in FAMILIES:
+        raise ConfigError(f"model_type {model_type!r} is not supported (choose from {', '.join(FAMILIES)})")
+    named = [BY_ARCHITECTURE[a] for a in architectures if a in BY_ARCHITECTURE]
+    if model_type is None and architectures and not named:
+        raise ConfigError(f"architectures {architectures} name no supported family (choose from "
+                          f"{', '.join(BY_ARCHITECTURE)})")
+    family = FAMILIES[model_type] if model_type is not None else (named[0] if named else FAMILIES["llama"])
+    if named and named[0] is not family:
+        raise ConfigError(f"model_type {model_type!r} and architectures {architectures} name different families")
+    return family
 
 
 def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:

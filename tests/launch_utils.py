@@ -72,11 +72,11 @@ def assert_losses_close(got: dict[int, float], want: dict[int, float], rel: floa
 
 
 def hf_adamw_twin(config, eod_id: int | None = None):
-    """transformers' LlamaForCausalLM with this run's seeded initial weights, torch AdamW over the same parameter
-    groups and the run's LR schedule, and the run's training dataset (read from the repository root): the
-    reference a single-process run is replayed against."""
+    """The family's transformers class (LlamaForCausalLM, Qwen2ForCausalLM, ...) with this run's seeded initial
+    weights, torch AdamW over the same parameter groups and the run's LR schedule, and the run's training dataset
+    (read from the repository root): the reference a single-process run is replayed against."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from model_utils import hf_class, hf_config
 
     from llama_megatron.model.build import build_model
     from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
@@ -92,8 +92,38 @@ def hf_adamw_twin(config, eod_id: int | None = None):
         train_ds, _, _ = build_datasets(config, eod_id)
     finally:
         os.chdir(cwd)
-    hf = LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict(), attn_implementation="sdpa")).float()
+    hf = hf_class(config.model)(hf_config(config.model, attn_implementation="sdpa")).float()
     hf.load_state_dict(rank_state_dicts_to_hf([init.state_dict()], config.model))
     opt = config.optimizer
     optimizer = torch.optim.AdamW(parameter_groups(hf, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps)
     return hf, optimizer, build_scheduler(optimizer, opt, config.train.steps), train_ds
+
+
+def assert_run_replays_hf(run_dir, config, rel: float = 1e-4, norm_rel: float = 1e-3) -> None:
+    """The one-process run in ``run_dir`` (its metrics.jsonl) step by step against :func:`hf_adamw_twin` on the same
+    batches: the loss within ``rel`` and the clipped gradient norm within ``norm_rel`` at every step."""
+    import torch
+    import torch.nn.functional as F
+
+    from llama_megatron.parallel.context import ParallelContext
+    from llama_megatron.training.batches import step_batches
+
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        ours = {r["step"]: r for r in map(json.loads, fh) if "loss" in r}
+    hf, optimizer, scheduler, train_ds = hf_adamw_twin(config)
+    steps = config.train.steps
+    for step, micro_batches in enumerate(step_batches(train_ds, config, ParallelContext.single(), 0, steps), start=1):
+        optimizer.zero_grad()
+        total = 0.0
+        for mb in micro_batches:
+            logits = hf(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten())
+            (loss / len(micro_batches)).backward()
+            total += loss.item() / len(micro_batches)
+        norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), config.optimizer.clip_grad))
+        optimizer.step()
+        scheduler.step()
+        loss, grad_norm = ours[step]["loss"], ours[step]["grad_norm"]
+        assert abs(total - loss) <= rel * loss, f"step {step}: HF {total} vs ours {loss}"
+        assert abs(norm - grad_norm) <= norm_rel * norm, f"step {step}: grad norm HF {norm} vs ours {grad_norm}"
+    assert sorted(ours) == list(range(1, steps + 1))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import PreTrainedModel
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.param_layout import ParamLayout
@@ -22,10 +23,21 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def hf_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
-    """A random HF LLaMA with non-trivial norms and biases, identical in every process for the same seed."""
+def hf_config(config: ModelConfig, **extra) -> transformers.PretrainedConfig:
+    """The family's transformers config class (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) for ``config``."""
+    return transformers.CONFIG_MAPPING[config.model_type](**config.to_hf_dict(), **extra)
+
+
+def hf_class(config: ModelConfig) -> type[PreTrainedModel]:
+    """The transformers class of the family (LlamaForCausalLM, MistralForCausalLM, ...)."""
+    return getattr(transformers, config.family.architecture)
+
+
+def hf_model(config: ModelConfig, seed: int = 0) -> PreTrainedModel:
+    """A random HF model of the family with non-trivial norms and biases, identical in every process for the same
+    seed."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa")).float()
+    model = hf_class(config)(hf_config(config, attn_implementation="sdpa")).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
@@ -41,7 +53,7 @@ def gather_shards(t: torch.Tensor, pctx: ParallelContext) -> list[torch.Tensor]:
     return out
 
 
-def assert_grads_match_hf(model: torch.nn.Module, hf: LlamaForCausalLM, config: ModelConfig, pctx: ParallelContext,
+def assert_grads_match_hf(model: torch.nn.Module, hf: PreTrainedModel, config: ModelConfig, pctx: ParallelContext,
                           **tol) -> None:
     """Every parameter gradient of ``model`` (TP shards gathered and merged as export merges them) equals HF's."""
     params = dict(model.named_parameters())

@@ -43,7 +43,8 @@ def test_released_v4_keys_and_v5_rope_parameters_agree() -> None:
 def test_presets_load(path: str) -> None:
     config = ModelConfig.from_file(path)
     expected_billions = {"llama2-7b": 6.74, "llama2-13b": 13.0, "llama2-70b": 69.0, "llama3-8b": 8.03,
-                         "llama3.1-8b": 8.03, "llama3-70b": 70.6, "tinyllama-1.1b": 1.10}
+                         "llama3.1-8b": 8.03, "llama3-70b": 70.6, "tinyllama-1.1b": 1.10,
+                         "mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen3-8b": 8.19}  # the published counts
     name = os.path.basename(path)[:-5]
     if name in expected_billions:
         assert abs(config.num_parameters() / 1e9 - expected_billions[name]) / expected_billions[name] < 0.01
@@ -52,7 +53,9 @@ def test_presets_load(path: str) -> None:
 def test_num_parameters_matches_hf() -> None:
     from model_utils import hf_model, tiny_config
 
-    for overrides in ({}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}):
+    for overrides in ({}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+                      {"model_type": "qwen2"}, {"model_type": "qwen3", "head_dim": 12, "attention_bias": True},
+                      {"model_type": "mistral", "sliding_window": 8}):
         config = tiny_config(num_key_value_heads=2, **overrides)
         model = hf_model(config)
         assert config.num_parameters() == sum(p.numel() for p in model.parameters())
@@ -105,7 +108,7 @@ def test_invalid_model_configs(kw: dict, message: str) -> None:
 
 
 def test_unknown_key_and_bad_json(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="unknown model config keys: hiden_size"):
+    with pytest.raises(ConfigError, match="unknown model config keys for the llama family: hiden_size"):
         ModelConfig.from_dict({"hiden_size": 3})
     bad = tmp_path / "bad.json"
     bad.write_text('{"vocab_size": 3,\n')
@@ -152,3 +155,44 @@ def test_shipped_deepspeed_configs_load(path: str) -> None:
     config = TrainingConfig.from_dict({"model": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                                                  "num_hidden_layers": 2, "num_attention_heads": 2}})
     assert build_deepspeed_config(config, path, 1, "cuda")["train_micro_batch_size_per_gpu"] == 1
+
+
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
+
+
+def test_the_family_is_read_from_the_hf_config() -> None:
+    """model_type or architectures name the family; its keys are accepted, HF's defaults fill those left out, and
+    its export names the family's class; another family's keys are refused."""
+    qwen2 = ModelConfig.from_dict({**SHAPE, "architectures": ["Qwen2ForCausalLM"]})
+    assert (qwen2.model_type, qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm) == ("qwen2", True, False, False)
+    assert (qwen2.sliding_window, qwen2.max_window_layers, qwen2.layer_windows()) == (4096, 28, [None] * 4)
+    assert qwen2.to_hf_dict()["architectures"] == ["Qwen2ForCausalLM"]
+    windowed = ModelConfig.from_dict({**SHAPE, "model_type": "qwen2", "use_sliding_window": True,
+                                      "sliding_window": 8, "max_window_layers": 2})
+    assert windowed.layer_windows() == [None, None, 8, 8]
+    typed = ModelConfig.from_dict({**SHAPE, "model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8,
+                                   "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert typed.layer_windows() == [8, None, 8, None] and typed.qk_norm and not typed.qkv_bias
+    mistral = ModelConfig.from_dict({**SHAPE, "model_type": "mistral"})
+    assert mistral.layer_windows() == [4096] * 4 and "attention_bias" not in mistral.to_hf_dict()
+    assert ModelConfig.from_dict({**SHAPE, "model_type": "mistral", "sliding_window": None}).layer_windows() == [None] * 4
+    llama = ModelConfig.from_dict(SHAPE)
+    assert llama.model_type == "llama" and "sliding_window" not in llama.to_hf_dict()
+    assert ModelConfig.from_dict(llama.to_hf_dict()) == llama
+    assert ModelConfig.from_dict(windowed.to_hf_dict()) == windowed
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures \\['GPT2LMHeadModel'\\] name no supported family"),
+    ({"model_type": "llama", "architectures": ["Qwen2ForCausalLM"]}, "name different families"),
+    ({"sliding_window": 4096}, "unknown model config keys for the llama family: sliding_window"),
+    ({"model_type": "qwen2", "attention_bias": True}, "unknown model config keys for the qwen2 family: attention_bias"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer or null"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention"]}, "layer_types must list 4 entries"),
+])
+def test_family_keys_are_checked(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**SHAPE, **data})
+    with pytest.raises(ConfigError, match="model.sliding_window is not a key of the llama family"):
+        ModelConfig(**SHAPE, sliding_window=8)

@@ -5,8 +5,8 @@ length) through the model in real gloo process groups; the shards' logits, conca
 losses (the engine's loss rule: shard sum / (N / CP)) average to HF's loss, and the gradients summed over CP (what
 DeepSpeed's DP x CP average does with that loss) equal HF's, tensor by tensor. Cases cover GQA with KV heads that
 split evenly over CP and KV heads that must be repeated (fewer KV heads per TP rank than CP), TP with and without
-SP, per-document attention across shard boundaries, dynamic RoPE (scaled by the whole sequence's longest position)
-and the fast kernels.
+SP, per-document attention across shard boundaries, dynamic RoPE (scaled by the whole sequence's longest position),
+the families' sliding windows, biases and q/k norms, and the fast kernels.
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ TP2_CP2_CASES = {  # TP2 x CP2: KV heads per TP rank 2 (even) or 1 (repeated), w
     "gqa-kv2-repeated-perdoc": (dict(num_key_value_heads=2), True),
     "dynamic-rope": (dict(num_key_value_heads=2, max_position_embeddings=8,
                           rope_scaling={"rope_type": "dynamic", "factor": 2.0}), False),
+    # families: a window across the shard boundary (each rank's kernel sees the whole sequence after the all-to-all)
+    "mistral-window-perdoc": (dict(model_type="mistral", num_key_value_heads=2, sliding_window=5), True),
+    "qwen2-windows": (dict(model_type="qwen2", num_key_value_heads=4, use_sliding_window=True, sliding_window=6,
+                           max_window_layers=1), False),
+    "qwen3-qk-norm": (dict(model_type="qwen3", num_key_value_heads=2, head_dim=12), True),
 }
 
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 from model_utils import hf_model, tiny_config
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
 from llama_megatron.checkpoint.weights import tensor_reader
 from llama_megatron.cli import main as cli
-from llama_megatron.config import padded_vocab_size
+from llama_megatron.config import ModelConfig, padded_vocab_size
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import (
     hf_to_rank_state_dict,
@@ -86,6 +87,10 @@ CASES = {
     "mha-tied": dict(num_key_value_heads=8, tie_word_embeddings=True),
     "gqa-untied-bias": dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
     "gqa-tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2-windows": dict(model_type="qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                          max_window_layers=1),
+    "qwen3-tied": dict(model_type="qwen3", num_key_value_heads=2, head_dim=12, tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=8),
 }
 
 
@@ -149,7 +154,8 @@ def test_hf_to_tp2_pp2_and_back_is_exact(case, tmp_path) -> None:
     meta = read_meta(ckpt)
     assert (meta.tag, meta.tensor, meta.pipeline, meta.data_parallel, meta.zero_stage, meta.step) == \
         ("converted", 2, 2, 1, 0, 0)
-    assert meta.model == config.to_dict() and meta.padded_vocab_size == 256
+    assert meta.model == ModelConfig.from_file(hf_dir).to_dict() and meta.padded_vocab_size == 256
+    assert ModelConfig.from_dict(meta.model).layer_windows() == config.layer_windows()
     tag_dir = os.path.join(ckpt, "converted")
     layers = config.num_hidden_layers
     indices = range(layers + 2) if config.tie_word_embeddings else range(layers + 3)
@@ -167,10 +173,16 @@ def test_hf_to_tp2_pp2_and_back_is_exact(case, tmp_path) -> None:
     assert cli(["convert", "megatron-to-hf", "--input", ckpt, "--output", out]) == 0
     assert_same_weights(hf_tensors(out), model)
     assert {"config.json", "generation_config.json", "tokenizer.model", "tokenizer_config.json"} <= set(os.listdir(out))
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # the family's class, same function
+    assert type(loaded) is type(model)
+    assert getattr(loaded.config, "layer_types", None) == getattr(model.config, "layer_types", None)
+    ids = torch.arange(20).view(1, 20) % config.vocab_size
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def test_export_loads_in_transformers_with_tokenizer(tmp_path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     model = hf_model(tiny_config(vocab_size=4096, num_key_value_heads=2))
     hf_dir = save_hf(model, str(tmp_path / "hf"), shard="200KB")

@@ -25,17 +25,15 @@ PROMPTS = ["What is 2 + 3?", "Name a play by Shakespeare."]
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("generate")
-    config = tiny_config(vocab_size=4096, num_key_value_heads=4, max_position_embeddings=128)
+def _convert(root, tps: tuple[int, ...], **overrides) -> dict:
+    config = tiny_config(vocab_size=4096, num_key_value_heads=4, max_position_embeddings=128, **overrides)
     hf = hf_model(config, seed=3)
     hf_dir = root / "hf"
     hf.save_pretrained(hf_dir)
     for name in os.listdir(TOKENIZER):
         shutil.copy(os.path.join(TOKENIZER, name), hf_dir / name)
-    out = {"hf": hf, "root": root}
-    for tp in (1, 2):
+    out = {"hf": hf, "root": root, "hf_dir": str(hf_dir)}
+    for tp in tps:
         ckpt = str(root / f"tp{tp}")
         assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", ckpt, "--tp", str(tp),
                          "--make-vocab-size-divisible-by", "64"]) == 0
@@ -43,10 +41,17 @@ def converted(tmp_path_factory) -> dict:
     return out
 
 
-def _hf_greedy(hf, prompt: str) -> list[int]:
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict:
+    return _convert(tmp_path_factory.mktemp("generate"), (1, 2))
+
+
+def _hf_greedy(hf, prompt: str, tokenizer_dir: str = TOKENIZER) -> list[int]:
+    """HF's greedy tokens; ``tokenizer_dir`` as a user would load it (transformers 5 picks the tokenizer class from
+    a config.json's model_type when there is one: Qwen2Tokenizer for qwen2, whatever tokenizer_config says)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
     out = hf.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=2, pad_token_id=2)
@@ -69,6 +74,24 @@ def test_greedy_equals_hf_generate_tp1_with_and_without_cache(converted, tmp_pat
         got = _ours(converted[1], str(tmp_path / "out.jsonl"), *extra)
         assert [r["tokens"] for r in got] == want, extra
         assert [r["prompt"] for r in got] == PROMPTS
+
+
+FAMILIES = {  # windows far shorter than prompt + 32 new tokens: the cache holds keys no query may see any more
+    "mistral": dict(model_type="mistral", sliding_window=7),
+    "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=9, max_window_layers=1),
+    "qwen3": dict(model_type="qwen3", head_dim=12, use_sliding_window=True, sliding_window=6,
+                  layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_hf_generate_for_each_family(family, tmp_path) -> None:
+    """Each family's checkpoint decodes as its transformers class does (its sliding-window cache included)."""
+    converted = _convert(tmp_path, (1,), **FAMILIES[family])
+    want = [_hf_greedy(converted["hf"], p, converted["hf_dir"]) for p in PROMPTS]
+    assert any(len(w) == NEW_TOKENS for w in want)
+    for extra in ([], ["--no-kv-cache"]):
+        assert [r["tokens"] for r in _ours(converted[1], str(tmp_path / "out.jsonl"), *extra)] == want, extra
 
 
 def test_greedy_equals_hf_generate_tp2_under_the_launcher(converted, tmp_path) -> None:

@@ -89,23 +89,38 @@ def _packed_segments(batch: int, seq: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("packed", [False, True])
-def test_fast_attention_matches_reference(groups, packed) -> None:
-    """SDPA enable_gqa (no K/V copies) and, for packed documents, the dense document mask (the CPU route for
-    training and inference alike) equal the reference attention, forward and backward and under no_grad.
+@pytest.mark.parametrize("window", [None, 5])
+def test_fast_attention_matches_reference(groups, packed, window) -> None:
+    """SDPA enable_gqa (no K/V copies) and, for packed documents or a sliding window, the dense mask (the CPU route
+    for training and inference alike) equal the reference attention, forward and backward and under no_grad.
     Sequence 24 is a length at which compiled FlexAttention was wrong on an AVX2-only CPU."""
     b, s, kv, d = 2, 24, 2, 8
     segments = _packed_segments(b, s) if packed else None
     shapes = [(b, s, kv * groups, d), (b, s, kv, d), (b, s, kv, d)]
-    got_out, got_grads = _forward_backward(lambda q, k, v: FastAttention()(q, k, v, segments),
+    got_out, got_grads = _forward_backward(lambda q, k, v: FastAttention()(q, k, v, segments, window),
                                            _leaves(*shapes, dtype=torch.float32))
-    want_out, want_grads = _forward_backward(lambda q, k, v: ReferenceAttention()(q, k, v, segments),
+    want_out, want_grads = _forward_backward(lambda q, k, v: ReferenceAttention()(q, k, v, segments, window),
                                              _leaves(*shapes, dtype=torch.float32))
     for got, want in zip(got_out + got_grads, want_out + want_grads):
         torch.testing.assert_close(got, want, **TOL[torch.float32])
     with torch.no_grad():  # the inference path (evaluation, generate's prefill of packed prompts)
         q, k, v = (t.detach() for t in _leaves(*shapes, dtype=torch.float32))
-        torch.testing.assert_close(FastAttention()(q, k, v, segments), ReferenceAttention()(q, k, v, segments),
-                                   **TOL[torch.float32])
+        torch.testing.assert_close(FastAttention()(q, k, v, segments, window),
+                                   ReferenceAttention()(q, k, v, segments, window), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cached_decoding_masks_match_the_full_sequence(window) -> None:
+    """``after`` (the last positions of a sequence against every cached key, as generate calls it) equals the
+    tail of attention over the whole sequence, with and without a sliding window, in both kernels."""
+    b, s, kv, groups, d = 2, 12, 2, 2, 8
+    q, k, v = (t.detach() for t in _leaves((b, s, kv * groups, d), (b, s, kv, d), (b, s, kv, d),
+                                           dtype=torch.float32))
+    whole = ReferenceAttention()(q, k, v, None, window)
+    for kernel in (ReferenceAttention(), FastAttention()):
+        for tail in (1, 4):
+            torch.testing.assert_close(kernel.after(q[:, -tail:], k, v, window), whole[:, -tail:],
+                                       **TOL[torch.float32])
 
 
 def test_fast_attention_route() -> None:
@@ -121,9 +136,10 @@ def test_fast_attention_route() -> None:
     assert fast_attention_route("cuda", torch.bfloat16, packed=True, have_flash=True) == "flash"
 
 
-def test_document_block_mask_matches_dense_mask() -> None:
-    """The FlexAttention block mask CUDA runs is the reference's document mask: eager flex_attention (correct on
-    every CPU, forward only) with it equals the reference attention, GQA included."""
+@pytest.mark.parametrize("window", [None, 5])
+def test_document_block_mask_matches_dense_mask(window) -> None:
+    """The FlexAttention block mask CUDA runs is the reference's document (and window) mask: eager flex_attention
+    (correct on every CPU, forward only) with it equals the reference attention, GQA included."""
     from torch.nn.attention.flex_attention import flex_attention
 
     b, s, kv, groups, d = 2, 24, 2, 4, 8
@@ -132,9 +148,9 @@ def test_document_block_mask_matches_dense_mask() -> None:
                                            dtype=torch.float32))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex_attention warns that it is the slow path
-        got = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=document_block_mask(segments),
-                             enable_gqa=True).transpose(1, 2)
-    torch.testing.assert_close(got, ReferenceAttention()(q, k, v, segments), **TOL[torch.float32])
+        got = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                             block_mask=document_block_mask(segments, window), enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, ReferenceAttention()(q, k, v, segments, window), **TOL[torch.float32])
 
 
 def _reference_loss_sum(hidden, weight, target, pctx, vocab_size):
@@ -230,7 +246,8 @@ def test_chunked_linear_cross_entropy_tensor_parallel() -> None:
     run_distributed(_tensor_parallel_loss_worker, 2)
 
 
-@pytest.mark.parametrize("name", ["gqa-untied-bias", "gqa-tied-llama3-oddvocab"])
+@pytest.mark.parametrize("name", ["gqa-untied-bias", "gqa-tied-llama3-oddvocab", "qwen3-bias-tied",
+                                  "mistral-window-5"])
 def test_compiled_model_matches_hf_tp1(name) -> None:
     check_parity(CASES[name], ParallelContext.single(), kernels=COMPILED)
 

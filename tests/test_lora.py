@@ -40,6 +40,13 @@ CASES = {
                                                                                        "down_proj", "up_proj"))),
     "tied-mlp-only": (dict(tie_word_embeddings=True, vocab_size=250), LoraConfig(rank=2, alpha=2.0, dropout=0.1,
                                                                                  targets=("gate_proj", "o_proj"))),
+    # the families (PEFT on Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)
+    "qwen2-windows-dropout": (dict(model_type="qwen2", num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=5, max_window_layers=1), LoraConfig(rank=4, alpha=8.0, dropout=0.1)),
+    "qwen3-qk-norm": (dict(model_type="qwen3", num_key_value_heads=4, head_dim=12),
+                      LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "k_proj", "o_proj"))),
+    "mistral-window": (dict(model_type="mistral", num_key_value_heads=2, sliding_window=5),
+                       LoraConfig(rank=2, alpha=4.0)),
 }
 
 

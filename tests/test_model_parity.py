@@ -1,6 +1,10 @@
-"""The model is the same function as transformers.LlamaForCausalLM: logits, loss and every gradient, fp32.
+"""The model is the same function as the transformers class of its family (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM): logits, loss and every gradient, fp32.
 
-Runs each configuration under TP in {1, 2, 4} (sequence parallelism on and off) in real gloo process groups.
+Runs each configuration under TP in {1, 2, 4} (sequence parallelism on and off) in real gloo process groups. The
+family cases: Qwen2's q/k/v biases with sliding windows on some layers (from max_window_layers, or layer_types),
+Qwen3's q/k norms with head_dim != hidden / heads (with biases and tied embeddings too), Mistral's sliding window
+on every layer; windows shorter than the sequence.
 Gradients of every TP shard are gathered and merged with the same code that exports checkpoints, then compared
 with HF's gradients tensor by tensor.
 """
@@ -21,6 +25,16 @@ from llama_megatron.parallel.context import ParallelContext
 LOGITS_ATOL = 1e-4
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
+FAMILY_CASES = {
+    "qwen2-windows-from-layer-1": dict(model_type="qwen2", num_key_value_heads=4, use_sliding_window=True,
+                                       sliding_window=6, max_window_layers=1),
+    "qwen2-layer-types": dict(model_type="qwen2", num_key_value_heads=4, use_sliding_window=True, sliding_window=5,
+                              layer_types=["sliding_attention", "full_attention"], rope_theta=1e6),
+    "qwen3-head-dim-12": dict(model_type="qwen3", num_key_value_heads=4, head_dim=12),
+    "qwen3-bias-tied": dict(model_type="qwen3", num_key_value_heads=4, head_dim=12, attention_bias=True,
+                            tie_word_embeddings=True),
+    "mistral-window-5": dict(model_type="mistral", num_key_value_heads=4, sliding_window=5),
+}
 CASES = {
     "mha-untied": dict(),
     "gqa-untied-bias": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
@@ -28,6 +42,7 @@ CASES = {
                                      rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
     "mqa-like-linear-rope": dict(num_key_value_heads=4, num_attention_heads=16, head_dim=8,
                                  rope_scaling={"type": "linear", "factor": 2.0}),
+    **FAMILY_CASES,
 }
 
 
@@ -81,9 +96,12 @@ def test_parity_dynamic_rope_beyond_max_positions() -> None:
                  ParallelContext.single(), seq=40)
 
 
-def test_per_document_attention_equals_separate_documents() -> None:
-    """A packed row [doc A | doc B] with segment ids and restarted positions = HF run on A and B alone."""
-    config = tiny_config(num_key_value_heads=4)
+@pytest.mark.parametrize("overrides", [dict(num_key_value_heads=4), FAMILY_CASES["mistral-window-5"],
+                                       FAMILY_CASES["qwen2-layer-types"]], ids=["llama", "mistral", "qwen2"])
+def test_per_document_attention_equals_separate_documents(overrides: dict) -> None:
+    """A packed row [doc A | doc B] with segment ids and restarted positions = HF run on A and B alone (with a
+    sliding window shorter than doc B: the window and the document boundary both apply)."""
+    config = tiny_config(**overrides)
     hf = hf_model(config)
     model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=8), ParallelContext.single(),
                         initialize=False)

@@ -1,4 +1,5 @@
-"""SFT batches of the shipped chat set through the model, against transformers.LlamaForCausalLM (fp32).
+"""SFT batches of the shipped chat set through the model, against transformers.LlamaForCausalLM (fp32), and at
+TP1 against each family's class (Qwen2 with windows shorter than a sample, Qwen3, Mistral).
 
 - Padded rows: the masked loss and every parameter gradient equal HF's loss with -100 labels on the same batch
   (TP1 here; TP2 with SP under 4 gloo processes), and changing what the mask hides (the pad tail) changes nothing.
@@ -119,14 +120,25 @@ def hf_sample(hf, mb: MicroBatch, row: int, start: int, end: int) -> tuple[torch
     return out.logits[0], out.loss
 
 
-def test_padded_masked_loss_and_grads_equal_hf_tp1(tmp_path) -> None:
-    config = sft_config(str(tmp_path))
+FAMILIES = {
+    "llama": [],
+    "qwen2-windows": ["model.model_type=qwen2", "model.use_sliding_window=true", "model.sliding_window=12",
+                      "model.max_window_layers=1"],
+    "qwen3": ["model.model_type=qwen3", "model.head_dim=24", "model.attention_bias=true"],
+    "mistral": ["model.model_type=mistral", "model.sliding_window=9"],
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_padded_masked_loss_and_grads_equal_hf_tp1(tmp_path, family) -> None:
+    config = sft_config(str(tmp_path), *FAMILIES[family])
     (mb, *_) = first_step(config)
     check_padded_parity(config, ParallelContext.single(), mb)
 
 
-def test_packed_samples_equal_their_unpacked_runs_tp1(tmp_path) -> None:
-    config = sft_config(str(tmp_path), "data.pack=true", "seq_length=128")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_samples_equal_their_unpacked_runs_tp1(tmp_path, family) -> None:
+    config = sft_config(str(tmp_path), "data.pack=true", "seq_length=128", *FAMILIES[family])
     micro_batches = first_step(config)
     hf = hf_model(config.model)
     model = load_from_hf(config, ParallelContext.single(), hf)

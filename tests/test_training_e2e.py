@@ -14,12 +14,17 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
-from launch_utils import ROOT, assert_losses_close, hf_adamw_twin, launch, launch_many, losses, train_args
+from launch_utils import (
+    ROOT,
+    assert_losses_close,
+    assert_run_replays_hf,
+    launch,
+    launch_many,
+    losses,
+    train_args,
+)
 
 from llama_megatron.cli import main as cli_main
-from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.training.batches import step_batches
 from llama_megatron.training.config import TrainingConfig
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
@@ -78,25 +83,8 @@ def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
     """TP1-PP1 under DeepSpeed equals transformers.LlamaForCausalLM + torch.optim.AdamW, step by step."""
     ours = reference["losses"]
     assert ours[FULL] < ours[1] - 0.5, "loss must fall on real text"
-    records = [json.loads(line) for line in open(os.path.join(reference["dir"], "metrics.jsonl"))]
-    grad_norms = {r["step"]: r["grad_norm"] for r in records}
-
     config = TrainingConfig.from_file(CONFIG, [f"data.prefix={data_prefix}", f"train.steps={FULL}"])
-    hf, optimizer, scheduler, train_ds = hf_adamw_twin(config)
-    opt = config.optimizer
-    for step, micro_batches in enumerate(step_batches(train_ds, config, ParallelContext.single(), 0, FULL), start=1):
-        optimizer.zero_grad()
-        total = 0.0
-        for mb in micro_batches:
-            logits = hf(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten())
-            (loss / len(micro_batches)).backward()
-            total += loss.item() / len(micro_batches)
-        norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), opt.clip_grad))
-        optimizer.step()
-        scheduler.step()
-        assert abs(total - ours[step]) <= REL * ours[step], f"step {step}: HF {total} vs ours {ours[step]}"
-        assert abs(norm - grad_norms[step]) <= 1e-3 * norm, f"step {step}: grad norm HF {norm} vs {grad_norms[step]}"
+    assert_run_replays_hf(reference["dir"], config, REL)
 
 
 def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None:

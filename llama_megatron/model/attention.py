@@ -8,6 +8,9 @@ g = num_heads / num_kv_heads query heads per KV group, TP rank r owns KV groups 
 
 so a rank's output reshapes to [batch, seq, nkv_local, g + 2, head_dim] with no communication.
 
+Family options (:mod:`llama_megatron.families`): biases on q/k/v and on o, each on its own (Qwen2 has the first
+only); Qwen3's RMSNorm over each q and k head before RoPE; the layer's sliding window, handed to the kernel.
+
 q and k are rotated and attention computed by the kernel seam (:mod:`llama_megatron.model.kernels`); per-document
 causal attention inside a packed sequence uses ``segment_ids`` (document index per token). Under context
 parallelism ``hidden`` holds this CP rank's sequence shard: q and k are rotated with the shard's own positions
@@ -23,6 +26,7 @@ from torch import nn
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import LayerKVCache
+from llama_megatron.model.norm import RMSNorm
 from llama_megatron.model.rope import rotary_cos_sin
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.context_parallel import UlyssesAttention
@@ -30,7 +34,8 @@ from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLine
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, config: ModelConfig, pctx: ParallelContext, kernels: Kernels = REFERENCE) -> None:
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, kernels: Kernels = REFERENCE,
+                 layer: int = 0) -> None:
         super().__init__()
         self.config = config
         self.pctx = pctx
@@ -39,9 +44,13 @@ class ParallelAttention(nn.Module):
         self.groups_per_rank = config.num_key_value_heads // pctx.tp_size
         self.queries_per_group = config.queries_per_group
         qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_rows, pctx, "qkv", bias=config.attention_bias)
+        self.window = config.layer_windows()[layer]
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_rows, pctx, "qkv", bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, pctx,
-                                        bias=config.attention_bias)
+                                        bias=config.o_bias)
+        if config.qk_norm:  # replicated weights, each TP rank normalising its own heads: gradients summed over TP
+            self.q_norm, self.k_norm = (RMSNorm(hd, config.rms_norm_eps, pctx, kernels, partial_over_tp=True)
+                                        for _ in range(2))
         # (q, k, v, segment_ids) -> attention output: the kernel itself, or the kernel on full sequences over CP
         self.attention = (kernels.attention if pctx.cp_size == 1 else
                           UlyssesAttention(kernels.attention, pctx, self.groups_per_rank))
@@ -52,10 +61,14 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.groups_per_rank, self.queries_per_group + 2, self.config.head_dim)
+        if self.config.qk_norm:
+            g = self.queries_per_group
+            qkv = torch.cat([self.q_norm(qkv[:, :, :, :g]), self.k_norm(qkv[:, :, :, g:g + 1]), qkv[:, :, :, g + 1:]],
+                            dim=3)
         cos, sin = rotary_cos_sin(self.config, position_ids, self.pctx.cp_rank, self.pctx.cp_size)
         q, k, v = self.kernels.rotary_qkv(qkv, cos, sin)
         if kv_cache is None:
-            out = self.attention(q, k, v, segment_ids)
+            out = self.attention(q, k, v, segment_ids, self.window)
         else:
-            out = self.kernels.attention.after(q, *kv_cache.append(k, v))
+            out = self.kernels.attention.after(q, *kv_cache.append(k, v), self.window)
         return self.o_proj(out.reshape(b, s, -1))

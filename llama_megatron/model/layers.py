@@ -52,7 +52,7 @@ class DecoderLayerPipe(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
-        self.self_attn = ParallelAttention(config, pctx, kernels)
+        self.self_attn = ParallelAttention(config, pctx, kernels, layer_number)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
         self.mlp = ParallelMLP(config, pctx, kernels)
 

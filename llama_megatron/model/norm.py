@@ -16,22 +16,26 @@ class RMSNorm(nn.Module):
     """``w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)`` (HF multiplies after casting back).
 
     Under sequence parallelism each rank normalises a sequence shard, so the weight's gradient is summed over
-    the TP group (see :func:`all_reduce_grad_in_tp`).
+    the TP group (see :func:`all_reduce_grad_in_tp`). ``partial_over_tp`` says so for other reasons: Qwen3's q/k
+    norms weigh every head alike, and each TP rank holds a share of the heads.
     """
 
-    def __init__(self, hidden_size: int, eps: float, pctx: ParallelContext, kernels: Kernels = REFERENCE) -> None:
+    def __init__(self, hidden_size: int, eps: float, pctx: ParallelContext, kernels: Kernels = REFERENCE,
+                 partial_over_tp: bool | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.pctx = pctx
         self.kernels = kernels
         self.weight = mark_replicated(nn.Parameter(torch.ones(hidden_size)))
-        if pctx.sequence_parallel:
+        self.partial_over_tp = pctx.sequence_parallel if partial_over_tp is None else (partial_over_tp and
+                                                                                       pctx.tp_size > 1)
+        if self.partial_over_tp:
             self.weight.sequence_parallel = True
         self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``, the pair ``(residual + x, norm(residual + x))``."""
-        weight = all_reduce_grad_in_tp(self.weight, self.pctx) if self.pctx.sequence_parallel else self.weight
+        weight = all_reduce_grad_in_tp(self.weight, self.pctx) if self.partial_over_tp else self.weight
         # a split backward computes the weight's gradient with the input's (one kernel) but accumulates it, and
         # under SP all-reduces it, in W
         weight = defer_gradient(weight, self.weight_grad_store)

@@ -124,11 +124,14 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
         specs.append(row("input_layernorm.weight", ["input_layernorm.weight"], [(h,)], "replicated", "ones"))
         specs.append(row("self_attn.qkv_proj.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"],
                          [(q_rows, h), (kv_rows, h), (kv_rows, h)], "qkv", "normal"))
-        if config.attention_bias:
+        if config.qkv_bias:
             specs.append(row("self_attn.qkv_proj.bias", [f"self_attn.{p}_proj.bias" for p in "qkv"],
                              [(q_rows,), (kv_rows,), (kv_rows,)], "qkv", "zeros"))
+        if config.qk_norm:  # one weight over head_dim, shared by every head: replicated over TP
+            specs += [row(f"self_attn.{p}_norm.weight", [f"self_attn.{p}_norm.weight"], [(hd,)], "replicated",
+                          "ones") for p in "qk"]
         specs.append(row("self_attn.o_proj.weight", ["self_attn.o_proj.weight"], [(h, q_rows)], "row", "normal"))
-        if config.attention_bias:
+        if config.o_bias:
             specs.append(row("self_attn.o_proj.bias", ["self_attn.o_proj.bias"], [(h,)], "replicated", "zeros"))
         specs.append(row("post_attention_layernorm.weight", ["post_attention_layernorm.weight"], [(h,)],
                          "replicated", "ones"))

@@ -50,10 +50,11 @@ class UlyssesAttention(nn.Module):
         self.repeats = kv_head_repeats(kv_heads_per_rank, pctx.cp_size)
         self.ulysses = DistributedAttention(local_attention, pctx.cp_group, scatter_idx=HEAD_DIM, gather_idx=SEQ_DIM)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                segment_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None,
+                window: int | None = None) -> torch.Tensor:
         if self.repeats > 1:
             k = k.repeat_interleave(self.repeats, dim=HEAD_DIM)
             v = v.repeat_interleave(self.repeats, dim=HEAD_DIM)
-        # batch_dim_idx 0, no rotary inside (q and k are rotated already); segment_ids go to the local kernel
-        return self.ulysses(q, k, v, 0, None, segment_ids)
+        # batch_dim_idx 0, no rotary inside (q and k are rotated already); segment_ids and the sliding window go to
+        # the local kernel, which sees whole sequences, so a window applies as it would in one process
+        return self.ulysses(q, k, v, 0, None, segment_ids, window)

@@ -1,6 +1,8 @@
 """Causal self-attention kernels: q [b, s, heads, d], k/v [b, s, kv_heads, d] -> [b, s, heads, d].
 
-``segment_ids`` (document index per token, or None) restricts attention to each packed document. Whatever a
+``segment_ids`` (document index per token, or None) restricts attention to each packed document; ``window`` (a
+layer's sliding window, or None) to the last ``window`` positions up to and including the query's own, as
+transformers' ``sliding_window`` (query i sees keys j with i - window < j <= i). Whatever a
 kernel derives from it (a dense mask, a FlexAttention block mask, flash-attn's cumulative lengths) is built once
 per micro batch and shared by every layer of the stage (:mod:`llama_megatron.model.batch_cache`); under
 pipeline parallelism each stage rebuilds it from the ids that travel with the hidden states.
@@ -21,12 +23,17 @@ except Exception:  # ImportError, or a broken CUDA build
     HAVE_FLASH_ATTN = False
 
 
-def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean [batch, 1, seq, seq] mask: causal and within the same document."""
+def causal_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [queries, keys] mask of the last ``queries`` positions of ``keys``: causal, and within ``window``."""
+    mask = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(diagonal=keys - queries)
+    return mask if window is None else mask.triu(diagonal=keys - queries - window + 1)
+
+
+def document_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean [batch, 1, seq, seq] mask: causal (within ``window``) and within the same document."""
     seq = segment_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
     same_doc = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
-    return (same_doc & causal).unsqueeze(1)
+    return (same_doc & causal_mask(seq, seq, window, segment_ids.device)).unsqueeze(1)
 
 
 def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -52,8 +59,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return out.transpose(1, 2)
 
 
-def _dense_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    return per_micro_batch("dense-document-mask", (segment_ids,), lambda: document_causal_mask(segment_ids))
+def _dense_mask(segment_ids: torch.Tensor | None, seq: int, window: int | None,
+                device: torch.device) -> torch.Tensor | None:
+    """The mask SDPA needs: None for plain causal attention, else document and/or window mask (built once per micro
+    batch and window, shared by the stage's layers)."""
+    if segment_ids is None:
+        if window is None or window >= seq:
+            return None
+        return per_micro_batch(("window-mask", window, seq, str(device)), (),
+                               lambda: causal_mask(seq, seq, window, device))
+    return per_micro_batch(f"dense-document-mask-{window}", (segment_ids,),
+                           lambda: document_causal_mask(segment_ids, window))
+
+
+def _windowed(window: int | None, seq: int) -> int | None:
+    """``window``, or None where it covers the whole sequence (nothing to mask)."""
+    return None if window is None or window >= seq else window
 
 
 class ReferenceAttention:
@@ -61,21 +82,21 @@ class ReferenceAttention:
 
     name = "sdpa, K/V repeated, dense document mask"
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 segment_ids: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None,
+                 window: int | None = None) -> torch.Tensor:
         groups = q.shape[2] // k.shape[2]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=2)
             v = v.repeat_interleave(groups, dim=2)
-        return _sdpa(q, k, v, None if segment_ids is None else _dense_mask(segment_ids), enable_gqa=False)
+        return _sdpa(q, k, v, _dense_mask(segment_ids, q.shape[1], window, q.device), enable_gqa=False)
 
-    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The last ``q.shape[1]`` positions of a sequence attending to all of its keys (cached decoding)."""
+    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """The last ``q.shape[1]`` positions of a sequence attending to its keys (cached decoding)."""
         groups = q.shape[2] // k.shape[2]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=2)
             v = v.repeat_interleave(groups, dim=2)
-        return _sdpa(q, k, v, _trailing_causal_mask(q, k), enable_gqa=False, causal=False)
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window), enable_gqa=False, causal=False)
 
 
 def fast_attention_route(device_type: str, dtype: torch.dtype, packed: bool, have_flash: bool = HAVE_FLASH_ATTN) -> str:
@@ -100,61 +121,73 @@ class FastAttention:
     name = "flash-attn (varlen for documents) | sdpa enable_gqa + FlexAttention document block mask (CUDA) " \
            "or dense document mask (CPU)"
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 segment_ids: torch.Tensor | None) -> torch.Tensor:
-        route = fast_attention_route(q.device.type, q.dtype, segment_ids is not None)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None,
+                 window: int | None = None) -> torch.Tensor:
+        window = _windowed(window, q.shape[1])
+        route = fast_attention_route(q.device.type, q.dtype, segment_ids is not None or window is not None)
         if route == "flash":  # pragma: no cover - CUDA only
-            return _flash(q, k, v, segment_ids)
+            return _flash(q, k, v, segment_ids, window)
         if route == "sdpa-causal":
             return _sdpa(q, k, v, None, enable_gqa=True)
         if route == "flex":  # pragma: no cover - CUDA only
-            return _flex(q, k, v, segment_ids)
-        return _sdpa(q, k, v, _dense_mask(segment_ids), enable_gqa=True)
+            return _flex(q, k, v, segment_ids, window)
+        return _sdpa(q, k, v, _dense_mask(segment_ids, q.shape[1], window, q.device), enable_gqa=True)
 
-    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """As :meth:`ReferenceAttention.after`, without K/V copies."""
-        return _sdpa(q, k, v, _trailing_causal_mask(q, k), enable_gqa=True, causal=False)
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window), enable_gqa=True, causal=False)
 
 
-def _trailing_causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """Query i (of the last sq positions of sk) sees keys up to sk - sq + i; None when that is every key."""
+def _trailing_causal_mask(q: torch.Tensor, k: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """Query i (of the last sq positions of sk) sees keys up to sk - sq + i (and, with ``window``, from
+    sk - sq + i - window + 1); None when that is every key."""
     sq, sk = q.shape[1], k.shape[1]
-    if sq == 1:
+    window = _windowed(window, sk)
+    if sq == 1 and window is None:
         return None
-    return torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+    return causal_mask(sq, sk, window, q.device)
 
 
-def _flash(q, k, v, segment_ids):  # pragma: no cover - CUDA only
+def _flash(q, k, v, segment_ids, window):  # pragma: no cover - CUDA only
+    # flash-attn's window (left, right) counts the keys besides the query's own: HF's window - 1
+    window_size = (-1, -1) if window is None else (window - 1, 0)
     if segment_ids is None:
-        return flash_attn_func(q, k, v, causal=True)
+        return flash_attn_func(q, k, v, causal=True, window_size=window_size)
     b, s = segment_ids.shape
     cu, max_len = per_micro_batch("cu-seqlens", (segment_ids,), lambda: cu_seqlens(segment_ids))
     out = flash_attn_varlen_func(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]),
-                                 v.reshape(b * s, *v.shape[2:]), cu, cu, max_len, max_len, causal=True)
+                                 v.reshape(b * s, *v.shape[2:]), cu, cu, max_len, max_len, causal=True,
+                                 window_size=window_size)
     return out.view(b, s, *out.shape[1:])
 
 
 _compiled_flex = None
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None,
+          window: int | None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     if _compiled_flex is None:  # FlexAttention is only fast compiled (eager runs a dense reference)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    block_mask = per_micro_batch("flex-document-mask", (segment_ids,), lambda: document_block_mask(segment_ids))
+    if segment_ids is None:  # a window alone: every token in one document
+        segment_ids = per_micro_batch(("one-document", *q.shape[:2], str(q.device)), (),
+                                      lambda: torch.zeros(q.shape[:2], dtype=torch.long, device=q.device))
+    block_mask = per_micro_batch(f"flex-document-mask-{window}", (segment_ids,),
+                                 lambda: document_block_mask(segment_ids, window))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True).transpose(1, 2)
 
 
-def document_block_mask(segment_ids: torch.Tensor):
-    """FlexAttention BlockMask: causal within each document (compiled on CUDA, so no [s, s] mask is made; eager
-    elsewhere, where only the tests build it)."""
+def document_block_mask(segment_ids: torch.Tensor, window: int | None = None):
+    """FlexAttention BlockMask: causal (within ``window``) within each document (compiled on CUDA, so no [s, s]
+    mask is made; eager elsewhere, where only the tests build it)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):
-        return (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (kv_idx <= q_idx)
+        visible = (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (kv_idx <= q_idx)
+        return visible if window is None else visible & (q_idx - kv_idx < window)
 
     batch, seq = segment_ids.shape
     return create_block_mask(same_document_causal, batch, None, seq, seq, device=segment_ids.device,

@@ -267,12 +267,16 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline degree {self.pipeline} exceeds num_hidden_layers {model.num_hidden_layers}"
             )
-        heads_per_rank = model.num_attention_heads // tp
+        heads_per_rank = self.local_shapes(model).heads
         if heads_per_rank % self.context:
             raise ConfigError(
                 f"context parallel degree {self.context} does not divide the {heads_per_rank} attention heads per "
                 f"tensor-parallel rank (num_attention_heads {model.num_attention_heads} / tensor {tp})"
             )
+
+    def local_shapes(self, model: ModelConfig) -> LocalShapes:
+        """What one rank holds of ``model`` under these degrees (the divisibility is :meth:`validate`'s)."""
+        return LocalShapes.of(model, self.tensor, self.padded_vocab_size(model.vocab_size), self.context)
 
     def check_seq_length(self, seq_length: int) -> None:
         """Every context rank holds an equal sequence shard, cut again over TP under sequence parallelism."""
@@ -310,6 +314,33 @@ class ParallelConfig:
         if unknown:
             raise ConfigError(f"unknown parallel config keys: {', '.join(sorted(unknown))}")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class LocalShapes:
+    """One tensor-parallel rank's share of the model, derived here once for every reader (model layers, generation's
+    cache, LoRA, conversion's slicing, the memory estimate): head counts, MLP rows, vocabulary rows and the K/V
+    repeats of context parallelism. The degrees themselves are :class:`ParallelConfig`'s, validated once."""
+
+    tensor: int
+    padded_vocab_size: int | None  # None where only the heads and rows are asked for (conversion's slicing)
+    heads: int  # query heads per TP rank
+    kv_heads: int  # KV heads (GQA groups) per TP rank
+    intermediate: int  # MLP rows per TP rank (gate and up each)
+    kv_repeats: int = 1  # copies of each KV head before the context-parallel all-to-all
+
+    @property
+    def vocab_rows(self) -> int:
+        if self.padded_vocab_size is None:
+            raise ValueError("these local shapes were derived without the padded vocabulary")
+        return self.padded_vocab_size // self.tensor
+
+    @classmethod
+    def of(cls, model: ModelConfig, tensor: int, padded_vocab_size: int | None = None,
+           context: int = 1) -> LocalShapes:
+        kv_heads = model.num_key_value_heads // tensor
+        return cls(tensor, padded_vocab_size, model.num_attention_heads // tensor, kv_heads,
+                   model.intermediate_size // tensor, kv_head_repeats(kv_heads, context))
 
 
 def kv_head_repeats(kv_heads_per_rank: int, context: int) -> int:

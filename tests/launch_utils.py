@@ -53,13 +53,14 @@ def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 6
     return result
 
 
-def losses(output_dir: str) -> dict[int, float]:
+def losses(output_dir: str, key: str = "loss") -> dict[int, float]:
+    """step -> ``key`` (the training loss, or ``val_loss``) from a run's metrics.jsonl."""
     out = {}
     with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         for line in fh:
             record = json.loads(line)
-            if "loss" in record:
-                out[record["step"]] = record["loss"]
+            if key in record:
+                out[record["step"]] = record[key]
     return out
 
 

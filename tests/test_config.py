@@ -9,7 +9,7 @@ import os
 import pytest
 from transformers import LlamaConfig
 
-from llama_megatron.config import ModelConfig, ParallelConfig, padded_vocab_size
+from llama_megatron.config import LocalShapes, ModelConfig, ParallelConfig, padded_vocab_size
 from llama_megatron.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,3 +196,14 @@ def test_family_keys_are_checked(data: dict, message: str) -> None:
         ModelConfig.from_dict({**SHAPE, **data})
     with pytest.raises(ConfigError, match="model.sliding_window is not a key of the llama family"):
         ModelConfig(**SHAPE, sliding_window=8)
+
+
+def test_local_shapes() -> None:
+    """One rank's share, derived once: heads, KV heads (repeated for CP when they do not split), MLP rows and the
+    padded vocabulary's rows; the model's layers are built from it (tests/test_parallel_layers.py checks shapes)."""
+    model = _model(num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, vocab_size=100)
+    shapes = ParallelConfig(tensor=2, context=2, make_vocab_size_divisible_by=8).local_shapes(model)
+    assert (shapes.heads, shapes.kv_heads, shapes.kv_repeats, shapes.intermediate) == (4, 1, 2, 48)
+    assert (shapes.padded_vocab_size, shapes.vocab_rows) == (112, 56)
+    with pytest.raises(ValueError, match="without the padded vocabulary"):
+        _ = LocalShapes.of(model, 2).vocab_rows

@@ -1,7 +1,8 @@
 """`llama-megatron estimate` against what real DeepSpeed engines and real autograd hold.
 
 Model states: real engines (TrainingEngine under real gloo process groups, one optimizer step) for ZeRO-0..3 at
-DP2, ZeRO-1/3 at CP2 and TP2 x PP2 ZeRO-1; every case of a world size shares one launch. Activations: the storages autograd saves
+DP2, ZeRO-1/3 at CP2 and TP2 x PP2 ZeRO-1, LoRA on a frozen base (ZeRO-1/2/3, TP2 x PP2 bf16); every case of a
+world size shares one launch. Activations: the storages autograd saves
 during one micro batch's forward (saved_tensors_hooks), with and without recomputation.
 """
 
@@ -30,6 +31,7 @@ CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 ODD = ["model.hidden_size=63", "model.num_attention_heads=3", "model.num_key_value_heads=3", "model.head_dim=22",
        "model.intermediate_size=129"]
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 10000}  # the embedding and head get partitioned
+LORA = 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}'
 
 
 def _config(overrides: list[str]) -> TrainingConfig:
@@ -210,10 +212,15 @@ DP2_CASES = [
     (ODD, _ds(ZERO3)),
     (["parallel.context=2"], _ds(1)),  # CP2: ZeRO partitions over DP x CP = 2
     (["parallel.context=2"], _ds(ZERO3)),
+    # LoRA: the frozen base held without gradients or optimizer states, the adapters trained
+    ([LORA], _ds(1)),
+    ([LORA], _ds(ZERO3)),
+    ([LORA], _ds(2, bf16=True)),
 ]
 TP2_PP2_CASES = [
     (["parallel.tensor=2", "parallel.pipeline=2"], _ds(1)),
     (["parallel.tensor=2", "parallel.pipeline=2", "model.tie_word_embeddings=true"], _ds(1, bf16=True)),
+    (["parallel.tensor=2", "parallel.pipeline=2", LORA], _ds(1, bf16=True)),
 ]
 
 
@@ -258,6 +265,9 @@ ACTIVATION_CASES = [
     (["kernels=compiled"], False),
     (["kernels=compiled", "activation_checkpointing.interval=2", "batch.micro_batch_size=4", "seq_length=64"], True),
     (["kernels=compiled", "model.tie_word_embeddings=true", "model.num_hidden_layers=2"], True),
+    # a family's additions: Qwen3's q/k norms (head_dim 24), Qwen2's q/k/v biases with windows
+    (["model.model_type=qwen3", "model.head_dim=24"], False),
+    (["model.model_type=qwen2", "model.use_sliding_window=true", "model.sliding_window=8"], True),
 ]
 
 

@@ -129,7 +129,7 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # gradients: the families' added parameters
 def test_padded_masked_loss_and_grads_equal_hf_tp1(tmp_path, family) -> None:
     config = sft_config(str(tmp_path), *FAMILIES[family])
     (mb, *_) = first_step(config)

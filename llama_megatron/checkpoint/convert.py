@@ -59,7 +59,7 @@ def _layout(config: ModelConfig, tp: int, pp: int, divisible_by: int) -> int:
     """Validate TP/PP against the model (ConfigError) and return the padded vocabulary for this TP."""
     parallel = ParallelConfig(tensor=tp, pipeline=pp, make_vocab_size_divisible_by=divisible_by)
     parallel.validate(config)
-    return parallel.padded_vocab_size(config.vocab_size)
+    return parallel.local_shapes(config).padded_vocab_size
 
 
 def _write_meta_assets(meta: MetaCheckpoint, dtype: torch.dtype, dst: str) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llama_megatron.config import ModelConfig
+from llama_megatron.config import LocalShapes, ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import LayerKVCache
 from llama_megatron.model.norm import RMSNorm
@@ -34,14 +34,14 @@ from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLine
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, config: ModelConfig, pctx: ParallelContext, kernels: Kernels = REFERENCE,
-                 layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
+                 kernels: Kernels = REFERENCE, layer: int = 0) -> None:
         super().__init__()
         self.config = config
         self.pctx = pctx
         self.kernels = kernels
         hd = config.head_dim
-        self.groups_per_rank = config.num_key_value_heads // pctx.tp_size
+        self.groups_per_rank = shapes.kv_heads
         self.queries_per_group = config.queries_per_group
         qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
         self.window = config.layer_windows()[layer]
@@ -53,7 +53,7 @@ class ParallelAttention(nn.Module):
                                         for _ in range(2))
         # (q, k, v, segment_ids) -> attention output: the kernel itself, or the kernel on full sequences over CP
         self.attention = (kernels.attention if pctx.cp_size == 1 else
-                          UlyssesAttention(kernels.attention, pctx, self.groups_per_rank))
+                          UlyssesAttention(kernels.attention, pctx, shapes.kv_repeats))
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:

@@ -19,14 +19,14 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
     """This rank's model; ``kernels`` (see :func:`llama_megatron.model.kernels.resolve_kernels`) is the one
     place its operator implementations are chosen. With ``lora`` the base weights are frozen and LoRA adapters
     (seeded, B = 0) sit on the target linears."""
-    padded = parallel.padded_vocab_size(config.vocab_size)
+    shapes = parallel.local_shapes(config)  # derived once; every layer reads its sizes from it
     if pctx.pp_size == 1:
-        model: nn.Module = LlamaCausalLM(config, pctx, padded, activation_checkpoint_interval, kernels)
+        model: nn.Module = LlamaCausalLM(config, pctx, shapes, activation_checkpoint_interval, kernels)
     else:
-        model = build_pipeline_module(config, pctx, padded, partition_method, activation_checkpoint_interval,
+        model = build_pipeline_module(config, pctx, shapes, partition_method, activation_checkpoint_interval,
                                       kernels)
     if initialize:
-        initialize_weights(model, config, pctx, padded, seed)
+        initialize_weights(model, config, pctx, shapes.padded_vocab_size, seed)
     if lora is not None:
-        attach_lora(model, config, lora, pctx, padded, seed)
+        attach_lora(model, config, lora, pctx, shapes, seed)
     return model

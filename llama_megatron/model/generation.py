@@ -58,8 +58,8 @@ def generate(model: LlamaCausalLM, prompt: list[int], max_new_tokens: int, stop_
     cache = None
     if use_cache:
         dtype = next(model.parameters()).dtype
-        cache = KVCache(config.num_hidden_layers, 1, len(prompt) + max_new_tokens,
-                        config.num_key_value_heads // pctx.tp_size, config.head_dim, dtype, device)
+        cache = KVCache(config.num_hidden_layers, 1, len(prompt) + max_new_tokens, model.shapes.kv_heads,
+                        config.head_dim, dtype, device)
     new: list[int] = []
     step_input, start = tokens, 0
     for _ in range(max_new_tokens):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llama_megatron.config import ModelConfig
+from llama_megatron.config import LocalShapes, ModelConfig
 from llama_megatron.model.attention import ParallelAttention
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import LayerKVCache
@@ -28,11 +28,11 @@ HeadOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # local logits, o
 class EmbeddingPipe(nn.Module):
     """Input ids -> hidden states. Input payload: ``(input_ids, position_ids[, segment_ids])``."""
 
-    def __init__(self, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                  kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.kernels = kernels
-        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, config.hidden_size, pctx)
+        self.word_embeddings = VocabParallelEmbedding(shapes.padded_vocab_size, config.hidden_size, pctx)
 
     def forward(self, inputs: Payload | torch.Tensor, as_lm_head: bool = False) -> Payload | HeadOutput:
         if as_lm_head:  # the table's own module call, so ZeRO-3 gathers it for the head too
@@ -47,12 +47,12 @@ def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> Head
 
 
 class DecoderLayerPipe(nn.Module):
-    def __init__(self, config: ModelConfig, pctx: ParallelContext, layer_number: int,
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes, layer_number: int,
                  kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
-        self.self_attn = ParallelAttention(config, pctx, kernels, layer_number)
+        self.self_attn = ParallelAttention(config, pctx, shapes, kernels, layer_number)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
         self.mlp = ParallelMLP(config, pctx, kernels)
 
@@ -81,11 +81,11 @@ class LMHeadPipe(nn.Module):
     gathered. With the fused loss it returns (this rank's head input, weight shard) instead, from which the loss
     computes the logits chunk by chunk."""
 
-    def __init__(self, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                  kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.kernels = kernels
-        self.lm_head = ColumnParallelLinear(config.hidden_size, padded_vocab_size, pctx, "vocab", bias=False)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, shapes.padded_vocab_size, pctx, "vocab", bias=False)
 
     def forward(self, hidden: torch.Tensor) -> HeadOutput:
         return self.lm_head(hidden, return_operands=self.kernels.fused_loss)

@@ -16,7 +16,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llama_megatron.config import ModelConfig
+from llama_megatron.config import LocalShapes, ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import KVCache
 from llama_megatron.model.layers import (
@@ -68,36 +68,36 @@ def logits_of(head: HeadOutput) -> torch.Tensor:
     return head
 
 
-def layer_specs(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+def layer_specs(config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                 kernels: Kernels = REFERENCE) -> list[LayerSpec]:
     if config.tie_word_embeddings:
-        embed = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size, kernels,
+        embed = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, shapes, kernels,
                               tied_weight_attr="word_embeddings.weight")
-        head = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, padded_vocab_size, kernels,
+        head = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, pctx, shapes, kernels,
                              forward_fn=tied_lm_head_forward, tied_weight_attr="word_embeddings.weight")
     else:
-        embed = LayerSpec(EmbeddingPipe, config, pctx, padded_vocab_size, kernels)
-        head = LayerSpec(LMHeadPipe, config, pctx, padded_vocab_size, kernels)
-    decoder = [LayerSpec(DecoderLayerPipe, config, pctx, i, kernels) for i in range(config.num_hidden_layers)]
+        embed = LayerSpec(EmbeddingPipe, config, pctx, shapes, kernels)
+        head = LayerSpec(LMHeadPipe, config, pctx, shapes, kernels)
+    decoder = [LayerSpec(DecoderLayerPipe, config, pctx, shapes, i, kernels) for i in range(config.num_hidden_layers)]
     return [embed, *decoder, LayerSpec(FinalNormPipe, config, pctx, kernels), head]
 
 
 class LlamaCausalLM(nn.Module):
     """The whole model in one process group stage (PP=1): the same layers, run in order."""
 
-    def __init__(self, config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                  activation_checkpoint_interval: int = 0, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         if pctx.pp_size != 1:
             raise ValueError("LlamaCausalLM is the PP=1 form; use build_pipeline_module for PP>1")
         self.config = config
         self.pctx = pctx
-        self.padded_vocab_size = padded_vocab_size
+        self.shapes = shapes
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.loss_fn = CausalLMLoss(config, pctx)
         self.tied_modules = nn.ModuleDict()
         self._forward_funcs: list = []
-        for idx, spec in enumerate(layer_specs(config, pctx, padded_vocab_size, kernels)):
+        for idx, spec in enumerate(layer_specs(config, pctx, shapes, kernels)):
             if isinstance(spec, TiedLayerSpec):
                 if spec.key not in self.tied_modules:
                     self.tied_modules[spec.key] = spec.build()
@@ -148,12 +148,12 @@ def _run_layers(layers: list, x):
     return x
 
 
-def build_pipeline_module(config: ModelConfig, pctx: ParallelContext, padded_vocab_size: int,
+def build_pipeline_module(config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                           partition_method: str = "type:DecoderLayerPipe",
                           activation_checkpoint_interval: int = 0, kernels: Kernels = REFERENCE) -> PipelineModule:
     """The PP>1 form over ``pctx.topology``; only decoder layers are ever recomputed."""
     return PipelineModule(
-        layers=layer_specs(config, pctx, padded_vocab_size, kernels),
+        layers=layer_specs(config, pctx, shapes, kernels),
         loss_fn=CausalLMLoss(config, pctx),
         topology=pctx.topology,
         partition_method=partition_method,

@@ -26,7 +26,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
-from llama_megatron.config import ModelConfig
+from llama_megatron.config import LocalShapes, ModelConfig
 from llama_megatron.model.init import initialize_parameters
 from llama_megatron.model.layers import DecoderLayerPipe, EmbeddingPipe
 from llama_megatron.model.lora_layout import (
@@ -120,16 +120,17 @@ class RowLoRA(nn.Module):
         return linear(linear(x, a, None, self.weight_grad_store), b, None, self.weight_grad_store) * self.scaling
 
 
-def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext) -> None:
-    hd, tp = config.head_dim, pctx.tp_size
+def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext,
+                  shapes: LocalShapes) -> None:
+    hd = config.head_dim
     wanted = set(lora.targets)
     attn, mlp = layer.self_attn, layer.mlp
     if wanted & {"q_proj", "k_proj", "v_proj"}:
         slots = [("q_proj", config.queries_per_group * hd), ("k_proj", hd), ("v_proj", hd)]
         setattr(attn.qkv_proj, ADAPTER_MODULE, ColumnLoRA(config.hidden_size, slots,
-                                                          config.num_key_value_heads // tp, lora, pctx))
+                                                          shapes.kv_heads, lora, pctx))
     if wanted & {"gate_proj", "up_proj"}:
-        rows = config.intermediate_size // tp
+        rows = shapes.intermediate
         setattr(mlp.gate_up_proj, ADAPTER_MODULE,
                 ColumnLoRA(config.hidden_size, [("gate_proj", rows), ("up_proj", rows)], 1, lora, pctx))
     for target, base in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
@@ -149,20 +150,20 @@ def _embedding_output_requires_grad(module: nn.Module, args, kwargs, output):
 
 
 def attach_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext,
-                padded_vocab_size: int, seed: int) -> None:
+                shapes: LocalShapes, seed: int) -> None:
     """Put ``lora``'s adapters on every decoder layer of ``model`` (plain or pipeline form), draw them (A from its
     own seeded generator, as PEFT draws it, sliced for this rank; B zero, so the model starts as the base), and
     freeze every other parameter."""
     for module in model.modules():
         if isinstance(module, DecoderLayerPipe):
-            _attach_layer(module, config, lora, pctx)
+            _attach_layer(module, config, lora, pctx, shapes)
     adapters = []
     for name, param in model.named_parameters():
         if is_adapter_parameter(name):
             adapters.append((name, param))
         else:
             param.requires_grad_(False)
-    initialize_parameters(adapters, adapter_layout(config, lora), config, pctx, padded_vocab_size, seed)
+    initialize_parameters(adapters, adapter_layout(config, lora), config, pctx, shapes.padded_vocab_size, seed)
     if isinstance(model, PipelineModule) and model.activation_checkpoint_interval:
         for module in model.modules():
             if isinstance(module, EmbeddingPipe):

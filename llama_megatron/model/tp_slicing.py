@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from llama_megatron.config import ModelConfig
+from llama_megatron.config import LocalShapes, ModelConfig
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 
 HFGetter = Callable[[str], torch.Tensor]
@@ -37,7 +37,7 @@ def shard_parts(spec: ParamSpec, get_hf: HFGetter, config: ModelConfig, tp_rank:
     if kind == "qkv":
         q, k, v = sources
         hd, g = config.head_dim, config.queries_per_group
-        groups = config.num_key_value_heads // tp_size
+        groups = LocalShapes.of(config, tp_size).kv_heads
         parts = []
         for j in range(tp_rank * groups, (tp_rank + 1) * groups):
             parts += [q[j * g * hd:(j + 1) * g * hd], k[j * hd:(j + 1) * hd], v[j * hd:(j + 1) * hd]]
@@ -60,7 +60,7 @@ def shard_shape(spec: ParamSpec, config: ModelConfig, tp_size: int, padded_vocab
     if kind == "vocab":
         return (padded_vocab_size // tp_size, *rest)
     if kind == "qkv":
-        groups = config.num_key_value_heads // tp_size
+        groups = LocalShapes.of(config, tp_size).kv_heads
         return (groups * (config.queries_per_group + 2) * config.head_dim, *rest)
     if kind == "gate_up":
         return (2 * first[0] // tp_size, *rest)
@@ -86,7 +86,7 @@ def merge_parts(spec: ParamSpec, shards: list[torch.Tensor], config: ModelConfig
         return {names[0]: parts}
     if kind == "qkv":
         hd, g = config.head_dim, config.queries_per_group
-        groups = config.num_key_value_heads // tp_size
+        groups = LocalShapes.of(config, tp_size).kv_heads
         out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
         for shard in shards:
             for j in range(groups):

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from llama_megatron.config import kv_head_repeats
 from llama_megatron.parallel.context import ParallelContext
 
 SEQ_DIM, HEAD_DIM = 1, 2  # q, k, v are [batch, seq, heads, head_dim]
@@ -40,14 +39,15 @@ class UlyssesAttention(nn.Module):
 
     q [b, s / CP, heads, d] and k, v [b, s / CP, kv_heads, d] of this rank's tokens (TP rank's heads, already
     rotated with their true positions) -> [b, s / CP, heads, d]. ``segment_ids`` are full length [b, s]. KV heads
-    are repeated first when they do not split evenly over CP (:func:`llama_megatron.config.kv_head_repeats`).
+    are repeated ``kv_repeats`` times first when they do not split evenly over CP
+    (:func:`llama_megatron.config.kv_head_repeats`, in :class:`llama_megatron.config.LocalShapes`).
     """
 
-    def __init__(self, local_attention: Callable, pctx: ParallelContext, kv_heads_per_rank: int) -> None:
+    def __init__(self, local_attention: Callable, pctx: ParallelContext, kv_repeats: int) -> None:
         super().__init__()
         from deepspeed.sequence.layer import DistributedAttention
 
-        self.repeats = kv_head_repeats(kv_heads_per_rank, pctx.cp_size)
+        self.repeats = kv_repeats
         self.ulysses = DistributedAttention(local_attention, pctx.cp_group, scatter_idx=HEAD_DIM, gather_idx=SEQ_DIM)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None,

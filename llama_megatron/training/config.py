@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_megatron.checkpoint.meta import check_tag_name
-from llama_megatron.config import ModelConfig, ParallelConfig, read_json
+from llama_megatron.config import LocalShapes, ModelConfig, ParallelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
@@ -264,6 +264,11 @@ class TrainingConfig:
 
     def data_parallel_size(self, world_size: int) -> int:
         return self.parallel.data_parallel_size(world_size)
+
+    @property
+    def local_shapes(self) -> LocalShapes:
+        """One rank's share of the model under this run's degrees (padded vocabulary, heads, rows)."""
+        return self.parallel.local_shapes(self.model)
 
     def gradient_accumulation_steps(self, world_size: int) -> int:
         return self.batch.accumulation_steps(self.data_parallel_size(world_size))

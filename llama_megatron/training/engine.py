@@ -27,7 +27,7 @@ from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.optimizer import build_optimizer
-from llama_megatron.training.pipeline_engine import initialize_pipeline_engine
+from llama_megatron.training.pipeline_engine import global_grad_norm, initialize_pipeline_engine
 from llama_megatron.training.schedule import build_scheduler
 
 
@@ -50,13 +50,12 @@ class TrainingEngine:
         optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload)
         total_steps = config.train.steps
         lr_scheduler = lambda opt: build_scheduler(opt, config.optimizer, total_steps)  # noqa: E731
-        if self.pipelined and config.pipeline.schedule == "zb-h1":
+        if self.pipelined:
             self.engine, self.optimizer, _, self.scheduler = initialize_pipeline_engine(
-                model, optimizer, lr_scheduler, ds_config)
+                model, optimizer, lr_scheduler, ds_config, pctx, config.pipeline.schedule)
         else:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
-                mpu=None if self.pipelined else pctx)
+                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=pctx)
         self.model = model
         self._grad_norm: torch.Tensor | None = None
 
@@ -76,7 +75,7 @@ class TrainingEngine:
             if self.engine.is_gradient_accumulation_boundary() and not self.engine.zero_optimization():
                 # DeepSpeed clips plain (ZeRO-0) fp32 gradients without keeping the norm: measure it here,
                 # after its data-parallel all-reduce and before the clipping step.
-                self._grad_norm = self._global_grad_norm()
+                self._grad_norm = global_grad_norm(self.model.parameters(), self.pctx, self.device)
             self.engine.step()
             total += loss.detach().float()
         return self._dp_mean(total / len(micro_batches))
@@ -137,21 +136,6 @@ class TrainingEngine:
 
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-    def _global_grad_norm(self) -> torch.Tensor:
-        """L2 norm of all gradients: TP shards summed over the TP group, replicated tensors counted once."""
-        sharded = torch.zeros((), device=self.device, dtype=torch.float64)
-        replicated = torch.zeros((), device=self.device, dtype=torch.float64)
-        for param in self.model.parameters():
-            if param.grad is not None:
-                squares = param.grad.detach().double().pow(2).sum()
-                if getattr(param, "tensor_model_parallel", False):
-                    sharded += squares
-                else:
-                    replicated += squares
-        if self.pctx.tp_size > 1:
-            dist.all_reduce(sharded, group=self.pctx.tp_group)
-        return (sharded + replicated).sqrt()
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over DP x CP: each rank's loss is its share scaled by the rank count (the loss rule)."""

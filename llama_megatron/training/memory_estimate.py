@@ -27,10 +27,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from llama_megatron.config import ModelConfig, kv_head_repeats
+from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import kernel_choice
-from llama_megatron.model.lora_layout import TARGETS, target_shapes
+from llama_megatron.model.lora_layout import TARGETS, LoraConfig, adapter_layout, target_shapes
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
@@ -102,20 +102,29 @@ class _Layer:
     """One entry of the model's layer list (see llama_megatron/model/llama.py) with its per-TP-rank sizes."""
 
     kind: str  # EmbeddingPipe, DecoderLayerPipe, FinalNormPipe, LMHeadPipe
-    params: list[tuple[int, bool]]  # (numel, decayed: a matrix, not a norm or bias) per parameter
+    params: list[tuple[int, bool]]  # (numel, decayed: a matrix, not a norm or bias) per parameter of the model
+    adapters: list[tuple[int, bool]]  # the same for the LoRA adapters on it
+    frozen: bool  # a LoRA run: the model's own parameters do not train
+
+    def states_params(self) -> list[tuple[int, bool, bool]]:
+        """(numel, decayed, trains) of every parameter the engine holds."""
+        return [(n, d, not self.frozen) for n, d in self.params] + [(n, d, True) for n, d in self.adapters]
 
 
-def _layers(model: ModelConfig, padded_vocab: int, tp: int) -> list[_Layer]:
-    """The pipeline layer list with each layer's per-TP-rank parameters, from the parameter layout table."""
+def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | None = None) -> list[_Layer]:
+    """The pipeline layer list with each layer's per-TP-rank parameters, from the parameter layout table (and the
+    adapter table of a LoRA run)."""
     n = model.num_hidden_layers
     head = "EmbeddingPipe" if model.tie_word_embeddings else "LMHeadPipe"
     kinds = ["EmbeddingPipe"] + ["DecoderLayerPipe"] * n + ["FinalNormPipe", head]
-    params: list[list[tuple[int, bool]]] = [[] for _ in kinds]
-    for spec in ParamLayout(model):
-        shape = shard_shape(spec, model, tp, padded_vocab)
-        for index in spec.layers:  # a tied table sits on both end layers
-            params[index].append((math.prod(shape), len(shape) >= 2))  # matrices are weight-decayed
-    return [_Layer(kind, layer_params) for kind, layer_params in zip(kinds, params)]
+    tables = [ParamLayout(model), adapter_layout(model, lora) if lora is not None else []]
+    params: list[list[list[tuple[int, bool]]]] = [[[] for _ in kinds] for _ in tables]
+    for table, rows in zip(tables, params):
+        for spec in table:
+            shape = shard_shape(spec, model, tp, padded_vocab)
+            for index in spec.layers:  # a tied table sits on both end layers
+                rows[index].append((math.prod(shape), len(shape) >= 2))  # matrices are weight-decayed
+    return [_Layer(kind, own, adapters, lora is not None) for kind, own, adapters in zip(kinds, *params)]
 
 
 def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:
@@ -158,9 +167,12 @@ def _aligned(numel: int, dp: int) -> int:
     return math.ceil(numel / (2 * dp)) * 2 * dp
 
 
-def _states(params: list[tuple[int, bool]], ds: dict, wrapper: str, dp: int, e: int) -> dict[str, int]:
-    """Parameter, gradient and optimizer bytes of one rank holding ``params``; keys with a ``cpu_`` prefix."""
-    groups = [sum(n for n, decay in params if decay), sum(n for n, decay in params if not decay)]
+def _states(params: list[tuple[int, bool, bool]], ds: dict, wrapper: str, dp: int, e: int) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes of one rank holding ``params`` ((numel, decayed, trains) each: a
+    frozen one is held in the run's precision, without gradient or optimizer state); keys with a ``cpu_`` prefix."""
+    frozen = sum(n for n, _, trains in params if not trains)
+    groups = [sum(n for n, decay, trains in params if decay and trains),
+              sum(n for n, decay, trains in params if not decay and trains)]
     groups = [g for g in groups if g]  # DeepSpeed drops empty parameter groups
     total = sum(groups)
     zero = ds.get("zero_optimization", {})
@@ -168,12 +180,12 @@ def _states(params: list[tuple[int, bool]], ds: dict, wrapper: str, dp: int, e: 
                          "cpu_optimizer"), 0)
     opt = "cpu_optimizer" if _offload(ds, "offload_optimizer") else "optimizer"
     if wrapper == "basic":  # torch AdamW on the fp32 parameters: exp_avg + exp_avg_sq
-        out.update(parameters=4 * total, gradients=4 * total, optimizer=8 * total)
+        out.update(parameters=4 * (total + frozen), gradients=4 * total, optimizer=8 * total)
     elif wrapper == "fp16_wrapper":  # whole fp32 master copy and its gradients, Adam on top
-        out.update(parameters=e * total, gradients=(e + 4) * total, optimizer=12 * total)
+        out.update(parameters=e * (total + frozen), gradients=(e + 4) * total, optimizer=12 * total)
     elif wrapper in ("bf16", "zero1", "zero2"):
         flat = sum(_aligned(g, dp) for g in groups)
-        out["parameters"] = e * flat
+        out["parameters"] = e * (flat + frozen)
         out[opt] = 12 * flat // dp  # fp32 master partition + exp_avg + exp_avg_sq
         if wrapper == "bf16":  # fp32 gradient accumulation buffer over the whole flat group
             out["gradients"] = 4 * flat
@@ -182,20 +194,21 @@ def _states(params: list[tuple[int, bool]], ds: dict, wrapper: str, dp: int, e: 
             kept = flat if wrapper == "zero1" else flat // dp
             out["gradients"] = e * (kept + min(buckets, flat))
             out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * flat // dp
-    else:  # zero3
-        part = sum(math.ceil(n / dp) for n, _ in params)
+    else:  # zero3: every parameter partitioned, frozen or not; gradients and optimizer for the trained ones
+        part = sum(math.ceil(n / dp) for n, _, _ in params)
+        trained = sum(math.ceil(n / dp) for n, _, trains in params if trains)
         threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
         budget = int(zero.get("stage3_model_persistence_threshold", 2**63 - 1))
         persistent, counted = 0, 0
-        for n, _ in params:  # DeepSpeed's mark_persistent_parameters, in parameter order
+        for n, _, _ in params:  # DeepSpeed's mark_persistent_parameters, in parameter order
             if n <= threshold and counted + n <= budget:
                 counted += n
                 persistent += math.ceil(n / dp) * dp  # gathered into a DP-padded buffer
         out["cpu_parameters" if _offload(ds, "offload_param") else "parameters"] = e * part
         out["parameters"] += e * persistent
-        out[opt] = 12 * part
-        out["gradients"] = e * part
-        out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * part
+        out[opt] = 12 * trained
+        out["gradients"] = e * trained
+        out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * trained
     return out
 
 
@@ -206,17 +219,20 @@ def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> 
     h, hd = m.hidden_size, m.head_dim
     tokens = b * s // cp
     norms = 2 * _norm_bytes(tokens, h, t if sp else 1, e, fast)  # input and post-attention norms
-    q_width = m.num_attention_heads * hd // t
-    lse = 4 * tokens * m.num_attention_heads // t  # the attention kernel's fp32 logsumexp per head
-    kv_width = m.num_key_value_heads // t * kv_head_repeats(m.num_key_value_heads // t, cp) * hd
+    local = config.local_shapes
+    q_width = local.heads * hd
+    lse = 4 * tokens * local.heads  # the attention kernel's fp32 logsumexp per head
+    kv_width = local.kv_heads * local.kv_repeats * hd
+    if m.qk_norm:  # Qwen3's q and k norms, on this rank's heads (their outputs feed RoPE, not a linear)
+        norms += _norm_bytes(tokens, (local.heads + local.kv_heads) * hd, 1, e, fast, feeds_linear=False)
     ulysses = e * tokens * q_width if cp > 1 else 0  # the output after the all-to-all back (o_proj's input)
     if fast:  # q, k, v (K/V heads not repeated, unless for the CP all-to-all) and the output
         attention = e * tokens * (2 * q_width + 2 * kv_width) + lse + ulysses
-        mlp = 3 * e * tokens * m.intermediate_size // t  # gate_up output (2f), product
+        mlp = 3 * e * tokens * local.intermediate  # gate_up output (2f), product
         rotary = 2 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 (fp32: the shared tensors)
     else:  # SDPA saves q, k and v (k, v repeated to the query heads) and its output
         attention = 4 * e * tokens * q_width + lse + ulysses
-        mlp = 4 * e * tokens * m.intermediate_size // t  # gate_up output (2f), silu output, product
+        mlp = 4 * e * tokens * local.intermediate  # gate_up output (2f), silu output, product
         rotary = 4 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 once per q and k
     return norms + attention + rotary + mlp
 
@@ -236,7 +252,7 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
     if "FinalNormPipe" in kinds and config.lora is None:  # the final norm's weight gradient, and the head's
         head = e * m.hidden_size
         if not fast:
-            head += e * tokens * (m.hidden_size + config.parallel.padded_vocab_size(m.vocab_size) // t)
+            head += e * tokens * (m.hidden_size + config.local_shapes.vocab_rows)
     fused: dict[str, list[str]] = {}  # each fused linear: its HF targets
     for target in TARGETS.values():
         fused.setdefault(target.linear, []).append(target.name)
@@ -314,8 +330,9 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
         saved += 8 * tokens + (tokens if t > 1 else 0)  # token ids, the out-of-shard mask
     logits = 0
     if "FinalNormPipe" in kinds:  # the last stage: final norm, head (own or tied table) and loss
-        vocab_local = config.parallel.padded_vocab_size(m.vocab_size) // t
-        padded = config.parallel.padded_vocab_size(m.vocab_size) > m.vocab_size
+        local = config.local_shapes
+        vocab_local = local.vocab_rows
+        padded = local.padded_vocab_size > m.vocab_size
         if fast:  # the chunked loss keeps d(loss)/d(head input) and d(loss)/d(weight) (fp32) from its forward
             saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e, fast, feeds_linear=False)
             saved += e * tokens * m.hidden_size + 4 * vocab_local * m.hidden_size
@@ -352,7 +369,7 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     prec = precision(ds)
     e = _ELEMENT[prec]
     wrapper = optimizer_wrapper(ds, pp)
-    layers = _layers(config.model, par.padded_vocab_size(config.model.vocab_size), tp)
+    layers = _layers(config.model, config.local_shapes.padded_vocab_size, tp, config.lora)
     kernels = kernel_choice(config.kernels, "cuda")  # a GPU's kernels: what the estimate is for
     fast = kernels != "reference"
     bounds = [0, len(layers)] if pp == 1 else _stage_bounds(layers, pp, config.pipeline.partition_method)
@@ -362,7 +379,7 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
         mine = layers[bounds[stage]:bounds[stage + 1]]
         if pp == 1 and config.model.tie_word_embeddings:
             mine = mine[:-1]  # one shared table in a single-stage model
-        params = [p for layer in mine for p in layer.params]
+        params = [p for layer in mine for p in layer.states_params()]
         kinds = [layer.kind for layer in mine]
         saved, recompute, logits = _activations(config, kinds, b, e, pp > 1, fast)
         deferred = deferred_weight_grad_bytes(config, kinds, b, e, fast)
@@ -383,8 +400,7 @@ def construction_bytes(config: TrainingConfig, ds: dict, world_size: int) -> int
     parameters are allocated untouched and their pages first written by the fill, so there the shard is the
     parameter's own memory (measured: ``benchmarks/zero3_init_memory.py``)."""
     par = config.parallel
-    padded = par.padded_vocab_size(config.model.vocab_size)
-    layers = _layers(config.model, padded, par.tensor)
+    layers = _layers(config.model, config.local_shapes.padded_vocab_size, par.tensor)
     bounds = [0, len(layers)] if par.pipeline == 1 else _stage_bounds(layers, par.pipeline,
                                                                       config.pipeline.partition_method)
     largest_full = max(math.prod(shape) for spec in ParamLayout(config.model) for shape in spec.hf_shapes)

@@ -1,6 +1,14 @@
-"""DeepSpeed's pipeline engine running a schedule of ours (``pipeline.schedule``, training/pipeline_schedules.py).
+"""DeepSpeed's pipeline engine with the whole model's gradient norm, and running a schedule of ours
+(``pipeline.schedule``, training/pipeline_schedules.py).
 
-:class:`ScheduledPipelineEngine` is a ``PipelineEngine`` subclass: its ``_train_schedule`` returns our schedule, its
+:class:`GlobalNormPipelineEngine` (every pipeline run) clips plain fp32 (ZeRO-0) gradients by the norm one process
+holding the whole model computes. DeepSpeed's ``clip_grad_norm_`` counts a parameter that is not tensor-parallel
+only on rank 0 of its model-parallel group, which for a pipeline spans every stage: the norms and biases of the
+later stages were left out, and the clip factor differed from one process's (observed: 5.5e-5 rel in the loss
+after 6 steps of a PP2 run with o_proj biases, 4e-7 without). ZeRO-1/2/3 and the bf16 optimizer compute their
+norm over the tensor-parallel rank and are right already.
+
+:class:`ScheduledPipelineEngine` is its subclass: its ``_train_schedule`` returns our schedule, its
 instruction map adds B (:class:`BackwardInputPass`: DeepSpeed's backward pass with the linears' weight gradients
 queued, parallel/weight_grad.py) and W (:class:`WeightPass`), and its sends are asynchronous (ZB-H1 sends while
 the neighbouring stage works on another micro batch; a blocking send would wait for it, or deadlock), completed
@@ -19,11 +27,49 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from llama_megatron.training.pipeline_schedules import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
 
 
-class ScheduledPipelineEngine(PipelineEngine):
+def global_grad_norm(parameters, pctx: ParallelContext, device: torch.device) -> torch.Tensor:
+    """L2 norm of every gradient of the model, as one process holding all of it computes it: TP shards summed over
+    the TP group, a replicated tensor counted once (each TP rank holds all of it), a tied table held by two stages
+    counted on the first (DeepSpeed marks the other copy ``ds_pipe_replicated``), and the stages summed."""
+    sharded = torch.zeros((), device=device, dtype=torch.float64)
+    replicated = torch.zeros((), device=device, dtype=torch.float64)
+    for param in parameters:
+        if param.grad is None or getattr(param, "ds_pipe_replicated", False):
+            continue
+        squares = param.grad.detach().double().pow(2).sum()
+        if getattr(param, "tensor_model_parallel", False):
+            sharded += squares
+        else:
+            replicated += squares
+    if pctx.tp_size > 1:
+        dist.all_reduce(sharded, group=pctx.tp_group)
+    total = sharded + replicated
+    if pctx.pp_size > 1:
+        dist.all_reduce(total, group=pctx.pp_group)
+    return total.sqrt()
+
+
+class GlobalNormPipelineEngine(PipelineEngine):
+    """``PipelineEngine`` whose fp32 gradient clipping uses :func:`global_grad_norm` (module docstring)."""
+
+    pctx: ParallelContext  # set by initialize_pipeline_engine
+
+    def clip_fp32_gradients(self) -> None:
+        norm = global_grad_norm(self.module.parameters(), self.pctx, self.device)
+        self._global_grad_norm = norm  # what get_global_grad_norm() reports for the step
+        clip = self.gradient_clipping() / (norm.float() + 1e-6)  # DeepSpeed's clip_grad_norm_ rule
+        if clip < 1:
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    param.grad.detach().mul_(clip.to(param.grad.dtype))
+
+
+class ScheduledPipelineEngine(GlobalNormPipelineEngine):
     """``PipelineEngine`` with the ZB-H1 schedule, its B and W passes and asynchronous sends."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -93,9 +139,11 @@ class ScheduledPipelineEngine(PipelineEngine):
                         ds_schedule.SendGrad: _exec_send_grads}
 
 
-def initialize_pipeline_engine(model, optimizer, lr_scheduler, config: dict):
-    """``deepspeed.initialize`` for a ``PipelineModule`` with :class:`ScheduledPipelineEngine`: the same steps
-    (DeepSpeed's config object from the module's topology, optimizer flags, the engine) with our class."""
+def initialize_pipeline_engine(model, optimizer, lr_scheduler, config: dict, pctx: ParallelContext,
+                               schedule: str = "1f1b"):
+    """``deepspeed.initialize`` for a ``PipelineModule`` with our engine class (:class:`ScheduledPipelineEngine` for
+    ``zb-h1``, else :class:`GlobalNormPipelineEngine`): the same steps (DeepSpeed's config object from the module's
+    topology, optimizer flags, the engine) with our class."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -103,10 +151,11 @@ def initialize_pipeline_engine(model, optimizer, lr_scheduler, config: dict):
     mpu = model.mpu()
     config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
-    engine = ScheduledPipelineEngine(args=None, model=model, optimizer=optimizer, model_parameters=None,
-                                     training_data=None, lr_scheduler=lr_scheduler, mpu=mpu,
-                                     dist_init_required=False, collate_fn=None, config=config,
-                                     config_class=config_class)
+    engine_class = ScheduledPipelineEngine if schedule == "zb-h1" else GlobalNormPipelineEngine
+    engine = engine_class(args=None, model=model, optimizer=optimizer, model_parameters=None, training_data=None,
+                          lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=False, collate_fn=None,
+                          config=config, config_class=config_class)
+    engine.pctx = pctx
     deepspeed.zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -127,7 +127,7 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
     # weights-only loading reads per (layer, TP rank): any PP of this run will do
     pipeline = meta.pipeline if finetune else config.parallel.pipeline
     ckpt.check_resume_layout(meta, config.parallel.tensor, pipeline, load_dir)
-    padded = config.parallel.padded_vocab_size(config.model.vocab_size)
+    padded = config.local_shapes.padded_vocab_size
     if meta.padded_vocab_size != padded:
         raise ConfigError(
             f"checkpoint {load_dir}/{meta.tag} pads the vocab to {meta.padded_vocab_size}, this "

@@ -64,15 +64,17 @@ def test_elementwise_kernels_match_reference(name, dtype) -> None:
             torch.testing.assert_close(a, w, **TOL[dtype], msg=lambda m, o=op: f"{name} {o}: {m}")
 
 
+@pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fast_attention_matches_reference(packed, dtype) -> None:
-    """flash-attn / SDPA enable_gqa, and varlen / FlexAttention for packed documents, forward and backward."""
+def test_fast_attention_matches_reference(packed, dtype, window) -> None:
+    """flash-attn / SDPA enable_gqa, and varlen / FlexAttention for packed documents, forward and backward; with a
+    sliding window (Mistral, Qwen): flash-attn's window_size, FlexAttention's block mask."""
     b, s, kv, g, d = 2, 256, 2, 4, 64
     segments = (torch.arange(s, device="cuda") // 40).expand(b, s).contiguous() if packed else None
     shapes = [(b, s, kv * g, d), (b, s, kv, d), (b, s, kv, d)]
-    got = _run(lambda q, k, v: FastAttention()(q, k, v, segments), _leaves(*shapes, dtype=dtype))
-    want = _run(lambda q, k, v: ReferenceAttention()(q, k, v, segments), _leaves(*shapes, dtype=dtype))
+    got = _run(lambda q, k, v: FastAttention()(q, k, v, segments, window), _leaves(*shapes, dtype=dtype))
+    want = _run(lambda q, k, v: ReferenceAttention()(q, k, v, segments, window), _leaves(*shapes, dtype=dtype))
     for a, w in zip(got, want):
         torch.testing.assert_close(a, w, **TOL[dtype])
 

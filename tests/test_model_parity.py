@@ -1,8 +1,8 @@
 """The model is the same function as the transformers class of its family (LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM): logits, loss and every gradient, fp32.
 
-Runs each configuration under TP in {1, 2, 4} (the families' at TP 1 and 2; sequence parallelism on and off) in real
-gloo process groups. The family cases: Qwen2's q/k/v biases with sliding windows on some layers (from max_window_layers, or layer_types),
+Runs each configuration under TP in {1, 2, 4} (sequence parallelism on and off) in real gloo process groups. The
+family cases: Qwen2's q/k/v biases with sliding windows on some layers (from max_window_layers, or layer_types),
 Qwen3's q/k norms with head_dim != hidden / heads (with biases and tied embeddings too), Mistral's sliding window
 on every layer; windows shorter than the sequence, hidden sizes other than LLaMA's 64 (96, 80).
 Gradients of every TP shard are gathered and merged with the same code that exports checkpoints, then compared
@@ -75,11 +75,9 @@ def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kernels:
 
 
 def _parity_worker(rank: int, world_size: int) -> None:
-    # the families' additions split over TP as LLaMA's layers do: TP2 (both SP settings) shows them; TP4 runs LLaMA's
-    cases = [c for name, c in CASES.items() if world_size == 2 or name not in FAMILY_CASES]
     for sp in (False, True):
         pctx = ParallelContext.build(tensor=world_size, sequence_parallel=sp)
-        for overrides in cases:
+        for overrides in CASES.values():
             check_parity(overrides, pctx)
 
 

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_megatron.errors import ConfigError
-from llama_megatron.families import BY_ARCHITECTURE, FAMILIES, FAMILY_KEYS, SLIDING_ATTENTION, ModelFamily
+from llama_megatron.families import (
+    BY_ARCHITECTURE,
+    FAMILIES,
+    FAMILY_KEYS,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelFamily,
+)
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -103,7 +110,7 @@ class ModelConfig:
         if not isinstance(self.max_window_layers, int) or self.max_window_layers < 0:
             raise ConfigError(f"model.max_window_layers must be an integer >= 0, got {self.max_window_layers!r}")
         if self.layer_types is not None:
-            kinds = ("full_attention", SLIDING_ATTENTION)
+            kinds = (FULL_ATTENTION, SLIDING_ATTENTION)
             if (not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_hidden_layers
                     or any(kind not in kinds for kind in self.layer_types)):
                 raise ConfigError(f"model.layer_types must list {self.num_hidden_layers} entries (one per layer) "

@@ -44,7 +44,7 @@ class ParallelAttention(nn.Module):
         self.groups_per_rank = shapes.kv_heads
         self.queries_per_group = config.queries_per_group
         qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
-        self.window = config.layer_windows()[layer]
+        self.window = config.family.window(config, layer)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_rows, pctx, "qkv", bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, pctx,
                                         bias=config.o_bias)

@@ -63,8 +63,9 @@ def _dense_mask(segment_ids: torch.Tensor | None, seq: int, window: int | None,
                 device: torch.device) -> torch.Tensor | None:
     """The mask SDPA needs: None for plain causal attention, else document and/or window mask (built once per micro
     batch and window, shared by the stage's layers)."""
+    window = _windowed(window, seq)
     if segment_ids is None:
-        if window is None or window >= seq:
+        if window is None:
             return None
         return per_micro_batch(("window-mask", window, seq, str(device)), (),
                                lambda: causal_mask(seq, seq, window, device))

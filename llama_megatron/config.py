@@ -63,6 +63,12 @@ class ModelConfig:
     use_sliding_window: bool = False
     max_window_layers: int = 0
     layer_types: list[str] | None = None
+    # family keys: mixture of experts (0 experts: a dense MLP)
+    num_local_experts: int = 0  # experts per MoE layer (HF's name: all of them, not one rank's)
+    num_experts_per_tok: int = 0
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False  # HF adds the load-balancing loss to the training loss only when set
+    router_jitter_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -102,6 +108,22 @@ class ModelConfig:
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps and rope_theta must be positive")
         self._validate_windows()
+        if self.family.moe:
+            self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        experts, top_k = self.num_local_experts, self.num_experts_per_tok
+        for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if top_k > experts:
+            raise ConfigError(f"model.num_experts_per_tok {top_k} exceeds num_local_experts {experts}")
+        coef = self.router_aux_loss_coef
+        if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
+            raise ConfigError(f"model.router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        if self.router_jitter_noise:
+            raise ConfigError("model.router_jitter_noise must be 0: multiplicative router noise is random per "
+                              "rank, so no parallel layout could reproduce it (set it to 0.0)")
 
     def _validate_windows(self) -> None:
         window = self.sliding_window
@@ -150,14 +172,29 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     def num_parameters(self) -> int:
-        h, ffn, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        h, v, hd = self.hidden_size, self.vocab_size, self.head_dim
         attn = h * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * h
         attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.qkv_bias + h * self.o_bias
         attn += 2 * hd * self.qk_norm
-        mlp = 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
+        mlp = self._mlp_parameters(self.num_local_experts)
         per_layer = attn + mlp + 2 * h
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embeddings + h
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through: a mixture of experts counts its router and the
+        ``num_experts_per_tok`` experts a token uses (the convention of Mixtral's "12.9B active"); the whole model
+        when dense."""
+        if not self.family.moe:
+            return self.num_parameters()
+        unused = self._mlp_parameters(self.num_local_experts) - self._mlp_parameters(self.num_experts_per_tok)
+        return self.num_parameters() - self.num_hidden_layers * unused
+
+    def _mlp_parameters(self, experts: int) -> int:
+        """One layer's MLP: dense SwiGLU (with biases when ``mlp_bias``), or a router and ``experts`` of them."""
+        h, ffn = self.hidden_size, self.intermediate_size
+        swiglu = 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
+        return experts * swiglu + self.num_local_experts * h if self.family.moe else swiglu
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -247,11 +284,12 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
+    expert: int = 1  # expert parallelism: the MoE experts split over this many ranks of the data axis
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
 
     def validate(self, model: ModelConfig) -> None:
-        for name in ("tensor", "pipeline", "context", "make_vocab_size_divisible_by"):
+        for name in ("tensor", "pipeline", "context", "expert", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -274,6 +312,12 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline degree {self.pipeline} exceeds num_hidden_layers {model.num_hidden_layers}"
             )
+        if self.expert > 1 and not model.family.moe:
+            raise ConfigError(f"parallel.expert {self.expert} needs a mixture-of-experts model (the "
+                              f"{model.model_type} family has no experts)")
+        if model.family.moe and model.num_local_experts % self.expert:
+            raise ConfigError(f"expert parallel degree {self.expert} does not divide num_local_experts "
+                              f"{model.num_local_experts}")
         heads_per_rank = self.local_shapes(model).heads
         if heads_per_rank % self.context:
             raise ConfigError(
@@ -283,7 +327,8 @@ class ParallelConfig:
 
     def local_shapes(self, model: ModelConfig) -> LocalShapes:
         """What one rank holds of ``model`` under these degrees (the divisibility is :meth:`validate`'s)."""
-        return LocalShapes.of(model, self.tensor, self.padded_vocab_size(model.vocab_size), self.context)
+        return LocalShapes.of(model, self.tensor, self.padded_vocab_size(model.vocab_size), self.context,
+                              self.expert)
 
     def check_seq_length(self, seq_length: int) -> None:
         """Every context rank holds an equal sequence shard, cut again over TP under sequence parallelism."""
@@ -307,6 +352,10 @@ class ParallelConfig:
             if self.context > 1:
                 layout = f"tensor x pipeline x context = {self.tensor} x {self.pipeline} x {self.context}"
             raise ConfigError(f"world size {world_size} is not divisible by {layout}")
+        data_axis = world_size // (self.tensor * self.pipeline)
+        if data_axis % self.expert:
+            raise ConfigError(f"expert parallel degree {self.expert} does not divide the data axis (data x "
+                              f"context = {data_axis} ranks), which the experts are split over")
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor * self.pipeline * self.context)
@@ -335,6 +384,8 @@ class LocalShapes:
     kv_heads: int  # KV heads (GQA groups) per TP rank
     intermediate: int  # MLP rows per TP rank (gate and up each)
     kv_repeats: int = 1  # copies of each KV head before the context-parallel all-to-all
+    experts: int = 0  # MoE experts per expert-parallel rank (0: a dense model)
+    expert: int = 1  # the expert-parallel degree they are split over
 
     @property
     def vocab_rows(self) -> int:
@@ -344,10 +395,15 @@ class LocalShapes:
 
     @classmethod
     def of(cls, model: ModelConfig, tensor: int, padded_vocab_size: int | None = None,
-           context: int = 1) -> LocalShapes:
+           context: int = 1, expert: int = 1) -> LocalShapes:
         kv_heads = model.num_key_value_heads // tensor
         return cls(tensor, padded_vocab_size, model.num_attention_heads // tensor, kv_heads,
-                   model.intermediate_size // tensor, kv_head_repeats(kv_heads, context))
+                   model.intermediate_size // tensor, kv_head_repeats(kv_heads, context),
+                   model.num_local_experts // expert, expert)
+
+    def expert_ids(self, ep_rank: int) -> range:
+        """The global ids of the experts expert-parallel rank ``ep_rank`` holds (a contiguous block)."""
+        return range(ep_rank * self.experts, (ep_rank + 1) * self.experts)
 
 
 def kv_head_repeats(kv_heads_per_rank: int, context: int) -> int:

@@ -15,6 +15,8 @@ mistral    sliding-window attention on every layer (``sliding_window``, None for
 qwen2      q/k/v biases (never o); sliding windows on the layers ``layer_types`` names (or from
            ``max_window_layers`` on) when ``use_sliding_window``
 qwen3      per-head RMSNorm on q and k before RoPE; q/k/v/o biases when ``attention_bias``; windows as qwen2
+mixtral    Mistral's attention; the MLP replaced by a router and ``num_local_experts`` SwiGLU experts, of which
+           each token uses ``num_experts_per_tok`` (:mod:`llama_megatron.model.moe`)
 =========  ===========================================================================================
 """
 
@@ -37,6 +39,7 @@ class ModelFamily:
     o_bias: Callable[[Any], bool]
     qk_norm: bool  # RMSNorm over head_dim on every query and key head, before RoPE
     window: Callable[[Any, int], int | None]  # (config, layer) -> sliding window in tokens, or None
+    moe: bool = False  # every decoder layer's MLP is a mixture of experts (the family's keys say how many)
 
     def windows(self, config: Any) -> list[int | None]:
         return [self.window(config, i) for i in range(config.num_hidden_layers)]
@@ -65,6 +68,10 @@ def _never(config: Any) -> bool:
     return False
 
 
+MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
+            "router_jitter_noise")
+MOE_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+                "output_router_logits": False, "router_jitter_noise": 0.0}
 QWEN_WINDOW_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 QWEN_WINDOW_DEFAULTS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 
@@ -77,6 +84,8 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
                 qk_norm=False, window=_qwen_window),
     ModelFamily("qwen3", "Qwen3ForCausalLM", ("attention_bias", *QWEN_WINDOW_KEYS), QWEN_WINDOW_DEFAULTS,
                 _attention_bias, _attention_bias, qk_norm=True, window=_qwen_window),
+    ModelFamily("mixtral", "MixtralForCausalLM", ("sliding_window", *MOE_KEYS), {"sliding_window": None, **MOE_DEFAULTS},
+                _never, _never, qk_norm=False, window=lambda c, i: c.sliding_window, moe=True),
 )}
 FAMILY_KEYS = frozenset(key for family in FAMILIES.values() for key in family.keys)
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}

@@ -77,7 +77,7 @@ def hf_adamw_twin(config, eod_id: int | None = None):
     weights, torch AdamW over the same parameter groups and the run's LR schedule, and the run's training dataset
     (read from the repository root): the reference a single-process run is replayed against."""
     import torch
-    from model_utils import hf_class, hf_config
+    from model_utils import hf_class, hf_config, to_transformers
 
     from llama_megatron.model.build import build_model
     from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
@@ -94,7 +94,7 @@ def hf_adamw_twin(config, eod_id: int | None = None):
     finally:
         os.chdir(cwd)
     hf = hf_class(config.model)(hf_config(config.model, attn_implementation="sdpa")).float()
-    hf.load_state_dict(rank_state_dicts_to_hf([init.state_dict()], config.model))
+    hf.load_state_dict(to_transformers(rank_state_dicts_to_hf([init.state_dict()], config.model), config.model))
     opt = config.optimizer
     optimizer = torch.optim.AdamW(parameter_groups(hf, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps)
     return hf, optimizer, build_scheduler(optimizer, opt, config.train.steps), train_ds
@@ -117,8 +117,10 @@ def assert_run_replays_hf(run_dir, config, rel: float = 1e-4, norm_rel: float = 
         optimizer.zero_grad()
         total = 0.0
         for mb in micro_batches:
-            logits = hf(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten())
+            out = hf(input_ids=mb.input_ids, position_ids=mb.position_ids)
+            loss = F.cross_entropy(out.logits.flatten(0, 1), mb.labels.flatten())
+            if config.model.family.moe and config.model.output_router_logits:  # HF adds it with labels given
+                loss = loss + config.model.router_aux_loss_coef * out.aux_loss
             (loss / len(micro_batches)).backward()
             total += loss.item() / len(micro_batches)
         norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), config.optimizer.clip_grad))

@@ -1,8 +1,9 @@
 """Whole training runs of each model family under the deepspeed launcher (llama_megatron/families.py).
 
 A seeded random model of each family (Qwen2 with q/k/v biases and sliding windows from layer 2 on, Qwen3 with q/k
-norms, head_dim 24 != 64 / 4, biases and windows on alternate layers, Mistral with an 8-token window on every layer;
-sequences of 32 tokens, so every window is shorter than a sample):
+norms, head_dim 24 != 64 / 4, biases and windows on alternate layers, Mistral with an 8-token window on every layer,
+Mixtral with it and 4 experts, top 2, its load-balancing loss in the loss; sequences of 32 tokens, so every window
+is shorter than a sample):
 
 - the one-process TP1-PP1 run, replayed step by step with the family's transformers class and torch AdamW on the
   same batches (1e-4 rel per step, grad norms 1e-3);
@@ -34,15 +35,22 @@ FAMILIES = {
               "model.use_sliding_window=true", "model.sliding_window=6",
               'model.layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]'],
     "mistral": ["model.model_type=mistral", "model.sliding_window=8"],
+    "mixtral": ["model.model_type=mixtral", "model.sliding_window=8", "model.num_local_experts=4",
+                "model.num_experts_per_tok=2", "model.output_router_logits=true", "model.router_aux_loss_coef=0.02"],
 }
 LAYOUTS = {
     "tp2-pp2-sp-recompute": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
                              "activation_checkpointing.interval=1"],
     "cp2-pp2": ["parallel.context=2", "parallel.pipeline=2"],
+    "ep2-dp2-zero1": ["parallel.expert=2", "deepspeed_config=ds_configs/zero1_fp32.json"],
+    "ep2-tp2-pp2-sp": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
 }
+EIGHT_PROCESSES = {"ep2-tp2-pp2-sp"}
 # CP2 x PP2 for the family with the most to lose (biases, q/k norms, windows on alternate layers); every family at
 # CP2 in process (tests/test_context_parallel.py)
-RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS if name != "cp2-pp2" or family == "qwen3"]
+# and expert parallelism for the MoE family: EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with SP (8 processes)
+RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
+        if (name != "cp2-pp2" or family == "qwen3") and (not name.startswith("ep") or family == "mixtral")]
 
 
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
@@ -87,7 +95,9 @@ def runs(shakespeare_prefix, tmp_path_factory):
     launch_many(1, [*[pretrain(family, "tp1-pp1", []) for family in FAMILIES],
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp1-pp1", bases[1], []),
                     _sft(work, "mistral-sft-tp1-pp1", [])], str(work / "runs-1.json"))
-    launch_many(4, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS],
+    launch_many(8, [pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
+                str(work / "runs-8.json"))
+    launch_many(4, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name not in EIGHT_PROCESSES],
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp2-pp2-sp", bases[2], TP2_PP2_SP),
                     _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP)], str(work / "runs-4.json"))
     return work
@@ -108,6 +118,11 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
     for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4)):
         reference = losses(runs / f"{family}-tp1-pp1", key)
         assert_losses_close(losses(runs / f"{family}-{layout}", key), reference, rel, range(1, STEPS + 1))
+    if family == "mixtral":  # the same routing, logged as each expert's share of the step's assignments
+        for step, (ours, reference) in enumerate(zip(losses(runs / f"{family}-{layout}", "expert_load").values(),
+                                                     losses(runs / f"{family}-tp1-pp1", "expert_load").values())):
+            assert len(ours) == 4 and abs(sum(ours) - 1) < 1e-5, step
+            assert max(abs(a - b) for a, b in zip(ours, reference)) < 1e-6, step
 
 
 @pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])

@@ -25,8 +25,10 @@ from llama_megatron.model.layers import (
     FinalNormPipe,
     HeadOutput,
     LMHeadPipe,
+    RoutedHeadOutput,
     tied_lm_head_forward,
 )
+from llama_megatron.model.moe import router_aux_loss
 from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
@@ -42,13 +44,29 @@ class CausalLMLoss:
     ``labels`` is a tensor (the micro batch's token mean, HF's reduction) or ``(labels, divisor)``: the sum of the
     micro batch's token losses divided by ``divisor``, which the training engine sets so that the step's loss is the
     token mean over its whole global batch (training/engine.py, "the loss rule").
+
+    A mixture-of-experts model adds the load-balancing loss when its config says so (``output_router_logits``, as
+    HF's MixtralForCausalLM does), computed per micro batch (:func:`~llama_megatron.model.moe.router_aux_loss`).
     """
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext) -> None:
+        self.config = config
         self.vocab_size = config.vocab_size
         self.pctx = pctx
+        self.expert_counts: torch.Tensor | None = None  # assignments per expert since the last reset (MoE)
 
     def __call__(self, head: HeadOutput, labels: torch.Tensor | tuple) -> torch.Tensor:
+        aux = None
+        if isinstance(head, RoutedHeadOutput):
+            counts = head.router_stats[0].detach()  # this rank's tokens, every layer
+            self.expert_counts = counts if self.expert_counts is None else self.expert_counts + counts
+            if self.config.output_router_logits:
+                aux = router_aux_loss(head.router_stats, self.config, self.pctx)
+            head = head.head
+        loss = self._cross_entropy(head, labels)
+        return loss if aux is None else loss + aux
+
+    def _cross_entropy(self, head: torch.Tensor | tuple, labels: torch.Tensor | tuple) -> torch.Tensor:
         labels, divisor = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if isinstance(head, tuple):
             hidden, weight = head
@@ -61,7 +79,9 @@ class CausalLMLoss:
 
 
 def logits_of(head: HeadOutput) -> torch.Tensor:
-    """This rank's vocab shard of the logits from the head's output (either form)."""
+    """This rank's vocab shard of the logits from the head's output (any form)."""
+    if isinstance(head, RoutedHeadOutput):
+        head = head.head
     if isinstance(head, tuple):
         hidden, weight = head
         return torch.nn.functional.linear(hidden, weight)

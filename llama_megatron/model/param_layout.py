@@ -42,6 +42,7 @@ class ParamSpec:
     layers: tuple[int, ...]  # pipeline layers holding it (two for a tied embedding); files live under layers[0]
     module_name: str
     init: str  # "normal" (N(0, initializer_range)), "ones" or "zeros"
+    expert: int | None = None  # the MoE expert it belongs to (global id): only its expert-parallel rank holds it
 
     @property
     def layer_key(self) -> str:
@@ -95,6 +96,11 @@ class ParamLayout:
         except KeyError:
             raise KeyError(f"not an HF tensor of this model: {hf_name}") from None
 
+    def held_by(self, ep_rank: int, ep_size: int) -> list[ParamSpec]:
+        """The rows an expert-parallel rank holds: everything but the experts of the other EP ranks."""
+        per_rank = self.config.num_local_experts // ep_size
+        return [s for s in self.specs if s.expert is None or s.expert // per_rank == ep_rank]
+
     def numel_by_layer(self) -> dict[int, int]:
         """Elements of the full (unsharded) parameters stored under each pipeline layer index."""
         out: dict[int, int] = {}
@@ -117,9 +123,9 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
                        embed_module, "normal")]
     for i in range(config.num_hidden_layers):
         def row(leaf: str, hf_leaves: list[str], shapes: list[tuple[int, ...]], split: str, init: str,
-                i: int = i) -> ParamSpec:
+                i: int = i, expert: int | None = None) -> ParamSpec:
             return ParamSpec(f"layers.{i}.{leaf}", tuple(f"model.layers.{i}.{n}" for n in hf_leaves),
-                             tuple(shapes), split, (i + 1,), f"{i + 1}.{leaf}", init)
+                             tuple(shapes), split, (i + 1,), f"{i + 1}.{leaf}", init, expert)
 
         specs.append(row("input_layernorm.weight", ["input_layernorm.weight"], [(h,)], "replicated", "ones"))
         specs.append(row("self_attn.qkv_proj.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"],
@@ -135,6 +141,17 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
             specs.append(row("self_attn.o_proj.bias", ["self_attn.o_proj.bias"], [(h,)], "replicated", "zeros"))
         specs.append(row("post_attention_layernorm.weight", ["post_attention_layernorm.weight"], [(h,)],
                          "replicated", "ones"))
+        if config.family.moe:  # HF's (and the released checkpoints') names: block_sparse_moe, w1 gate, w3 up, w2 down
+            moe = "block_sparse_moe"
+            specs.append(row("mlp.router.weight", [f"{moe}.gate.weight"], [(config.num_local_experts, h)],
+                             "replicated", "normal"))
+            for e in range(config.num_local_experts):
+                specs += [row(f"mlp.experts.{e}.gate_up_proj.weight", [f"{moe}.experts.{e}.w1.weight",
+                                                                       f"{moe}.experts.{e}.w3.weight"],
+                              [(ffn, h), (ffn, h)], "gate_up", "normal", expert=e),
+                          row(f"mlp.experts.{e}.down_proj.weight", [f"{moe}.experts.{e}.w2.weight"], [(h, ffn)],
+                              "row", "normal", expert=e)]
+            continue
         specs.append(row("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
                          [(ffn, h), (ffn, h)], "gate_up", "normal"))
         if config.mlp_bias:
@@ -152,3 +169,32 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
                                f"{head}.lm_head.weight", "normal"))
     return specs
 
+
+
+def as_checkpoint_tensors(state: dict, config: ModelConfig) -> dict:
+    """A transformers model's state dict under the table's (the released checkpoints') names.
+
+    transformers 5 holds each Mixtral layer's experts fused, ``mlp.experts.gate_up_proj`` [E, 2 x ffn, h] (gate rows,
+    then up) and ``mlp.experts.down_proj`` [E, h, ffn], and the router as ``mlp.gate``; it saves them per expert, as
+    released: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down), ``block_sparse_moe.gate``.
+    This does the same renaming in memory, as views. Other families' state dicts are returned as they are.
+    """
+    if not config.family.moe:
+        return state
+    out, ffn = {}, config.intermediate_size
+    for name, tensor in state.items():
+        prefix, fused, leaf = name.partition(".mlp.")
+        if not fused:
+            out[name] = tensor
+        elif leaf == "gate.weight":
+            out[f"{prefix}.block_sparse_moe.gate.weight"] = tensor
+        elif leaf in ("experts.gate_up_proj", "experts.down_proj"):
+            for e in range(config.num_local_experts):
+                expert = f"{prefix}.block_sparse_moe.experts.{e}"
+                if leaf == "experts.down_proj":
+                    out[f"{expert}.w2.weight"] = tensor[e]
+                else:
+                    out[f"{expert}.w1.weight"], out[f"{expert}.w3.weight"] = tensor[e, :ffn], tensor[e, ffn:]
+        else:
+            raise KeyError(f"not a Mixtral MLP tensor: {name}")
+    return out

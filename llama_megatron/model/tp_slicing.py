@@ -117,8 +117,8 @@ def merge_shards(spec: ParamSpec, shards: list[torch.Tensor], config: ModelConfi
 
 
 def hf_to_rank_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig, tp_rank: int, tp_size: int,
-                          padded_vocab_size: int) -> dict[str, torch.Tensor]:
-    """A full HF state dict -> one TP rank's state dict in module naming (all layers)."""
+                          padded_vocab_size: int, ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """A full HF state dict -> one TP (and expert-parallel) rank's state dict in module naming (all layers)."""
     def get_hf(name: str) -> torch.Tensor:
         if name == "lm_head.weight" and name not in hf_state and config.tie_word_embeddings:
             name = "model.embed_tokens.weight"
@@ -128,7 +128,7 @@ def hf_to_rank_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig
             raise KeyError(f"HF state dict has no tensor {name}") from None
 
     return {spec.module_name: shard_for_rank(spec, get_hf, config, tp_rank, tp_size, padded_vocab_size)
-            for spec in ParamLayout(config)}
+            for spec in ParamLayout(config).held_by(ep_rank, ep_size)}
 
 
 def rank_state_dicts_to_hf(rank_states: list[dict[str, torch.Tensor]], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -14,6 +14,9 @@ gather_from_sequence       all-gather seq             reduce-scatter seq
 reduce_scatter_to_sequence reduce-scatter seq         all-gather seq
 =========================  =========================  =========================
 
+Outside the TP group: :func:`all_to_all_tokens` (expert parallelism's token exchange, uneven splits; its
+backward is the exchange back) and :func:`scale_gradient` (identity forward, gradient times a factor).
+
 The sequence dimension is dim 1 (tensors are [batch, seq, ...]). With a TP size of 1 every op is the identity,
 so the model runs without torch.distributed.
 """
@@ -172,3 +175,41 @@ def all_reduce_grad_in_tp(param: torch.Tensor, pctx: ParallelContext) -> torch.T
     this op makes autograd produce the full gradient on every rank, with no hooks to forget.
     """
     return copy_to_tp_region(param, pctx)
+
+
+class _AllToAllTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (input_splits, output_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input_splits, output_splits = ctx.splits
+        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all_tokens(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows of ``x`` exchanged over ``group``: ``input_splits[r]`` consecutive rows go to rank r, and
+    ``output_splits[r]`` rows arrive from it, in rank order. Gradients travel back the same way."""
+    return _AllToAllTokens.apply(x, output_splits, input_splits, group)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` itself, whose gradient is multiplied by ``factor`` on the way back."""
+    return x if factor == 1 else _ScaleGradient.apply(x, factor)

@@ -5,6 +5,11 @@ parallel), so the ranks we use for TP match the ranks DeepSpeed's pipeline engin
 explicitly to every layer and to ``deepspeed.initialize(mpu=...)``; it also works with no ``torch.distributed``
 at all (world size 1), where every group is ``None`` and every collective is the identity.
 
+Expert parallelism (EP) splits the MoE experts over groups of ``expert`` ranks along the data axis (consecutive
+coordinates of one pipeline stage and TP rank, the groups DeepSpeed's ``groups._create_expert_data_and_model_parallel``
+forms for this topology): the EP group exchanges tokens (all-to-all) and the expert-data-parallel group (the ranks
+holding the same experts, stride ``expert`` along the axis) reduces the experts' gradients.
+
 Context parallelism (CP) lives inside the topology's data axis, as DeepSpeed-Ulysses places its sequence ranks:
 the axis has DP x CP coordinates d = dp_rank x CP + cp_rank (so rank order is TP fastest, then CP, DP, PP, as in
 Megatron-Core). Everything DeepSpeed does over "data parallel" (averaging gradients, ZeRO partitioning, the
@@ -46,6 +51,12 @@ class ParallelContext:
     cp_group: Any = None  # context parallel: the shards of the same samples (None at CP 1)
     dp_cp_group: Any = None  # DP x CP, DeepSpeed's data-parallel group (the topology's data axis)
     dp_cp_group_ranks: tuple[int, ...] = (0,)
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Any = None  # expert parallel: the ranks whose experts together make a whole MoE layer
+    edp_group: Any = None  # expert data parallel: the ranks holding this rank's experts (the data axis at EP 1)
+    ep_group_ranks: tuple[int, ...] = (0,)
+    edp_group_ranks: tuple[int, ...] = (0,)
 
     @classmethod
     def single(cls) -> ParallelContext:
@@ -54,13 +65,14 @@ class ParallelContext:
 
     @classmethod
     def build(cls, tensor: int = 1, pipeline: int = 1, sequence_parallel: bool = False,
-              context: int = 1) -> ParallelContext:
-        """Create TP/PP/CP/DP groups over the initialised default process group (or a single-process context)."""
+              context: int = 1, expert: int = 1) -> ParallelContext:
+        """Create TP/PP/CP/DP(/EP) groups over the initialised default process group (or a single-process
+        context)."""
         if not dist.is_available() or not dist.is_initialized():
-            if tensor * pipeline * context != 1:
+            if tensor * pipeline * context * expert != 1:
                 raise ConfigError(
-                    f"tensor x pipeline x context = {tensor * pipeline * context} needs torch.distributed; launch "
-                    "with deepspeed/torchrun"
+                    f"tensor x pipeline x context x expert = {tensor * pipeline * context * expert} needs "
+                    "torch.distributed; launch with deepspeed/torchrun"
                 )
             return cls.single()
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -88,6 +100,11 @@ class ParallelContext:
         dp_group, cp_group = groups["data"][0], None
         if context > 1:
             dp_group, cp_group = _split_data_axis(topo, rank, dp, context)
+        if (dp * context) % expert:
+            raise ConfigError(f"expert parallel degree {expert} does not divide the data axis (data x context = "
+                              f"{dp * context} ranks)")
+        (ep_group, ep_ranks), (edp_group, edp_ranks) = (_expert_groups(topo, rank, expert) if expert > 1 else
+                                                         ((None, (rank,)), groups["data"]))
         return cls(
             tp_size=tensor,
             pp_size=pipeline,
@@ -107,6 +124,12 @@ class ParallelContext:
             cp_group=cp_group,
             dp_cp_group=groups["data"][0],
             dp_cp_group_ranks=groups["data"][1],
+            ep_size=expert,
+            ep_rank=coord.data % expert,
+            ep_group=ep_group,
+            edp_group=edp_group,
+            ep_group_ranks=ep_ranks,
+            edp_group_ranks=edp_ranks,
         )
 
     @property
@@ -116,6 +139,28 @@ class ParallelContext:
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def expert_group_name(self) -> str:
+        """DeepSpeed's name for the expert groups of this EP degree (its ``groups`` registry key)."""
+        return f"ep_size_{self.ep_size}"
+
+    def register_expert_groups(self) -> None:
+        """Have DeepSpeed form its expert groups for this layout (its engine reduces the experts' gradients and
+        partitions their ZeRO state over them) and check they are this context's, rank for rank."""
+        from deepspeed.utils import groups
+
+        name = self.expert_group_name
+        if name not in groups._get_expert_parallel_group_dict():
+            # the layout of DeepSpeed's expert tensor parallelism (experts TP-split, as ours): EP and expert-DP groups
+            # within one TP lane (its other layouts let an expert-DP group span TP ranks, for experts replicated
+            # over TP)
+            groups._create_expert_data_and_model_parallel(self.ep_size, mpu=self)
+        theirs = (tuple(groups._get_expert_parallel_group_ranks(name)),
+                  tuple(groups._get_expert_data_parallel_group_ranks(name)))
+        if theirs != (self.ep_group_ranks, self.edp_group_ranks):
+            raise RuntimeError(f"DeepSpeed's expert groups {theirs} differ from this layout's "
+                               f"{(self.ep_group_ranks, self.edp_group_ranks)}")
 
     @property
     def is_first_stage(self) -> bool:
@@ -164,6 +209,25 @@ class ParallelContext:
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return list(self.dp_cp_group_ranks)
+
+
+def _expert_groups(topo, rank: int, expert: int) -> tuple[tuple[Any, tuple[int, ...]], tuple[Any, tuple[int, ...]]]:
+    """This rank's EP group (data coordinates [j x expert, (j + 1) x expert)) and expert-data-parallel group (the
+    coordinates equal to it modulo ``expert``), per pipeline stage and TP rank, each with its ranks. Every rank
+    creates every group."""
+    data = topo.get_dim("data")
+    mine = {}
+    for pipe in range(topo.get_dim("pipe")):
+        for model in range(topo.get_dim("model")):
+            ep_lists = [list(range(j * expert, (j + 1) * expert)) for j in range(data // expert)]
+            edp_lists = [list(range(p, data, expert)) for p in range(expert)]
+            for kind, lists in (("ep", ep_lists), ("edp", edp_lists)):
+                for coords in lists:
+                    ranks = [topo.get_rank(pipe=pipe, data=d, model=model) for d in coords]
+                    group = dist.new_group(ranks=ranks)
+                    if rank in ranks:
+                        mine[kind] = (group, tuple(ranks))
+    return mine["ep"], mine["edp"]
 
 
 def _split_data_axis(topo, rank: int, dp: int, context: int) -> tuple[Any, Any]:

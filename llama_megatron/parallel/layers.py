@@ -51,6 +51,13 @@ def column_parallel_input(x: torch.Tensor, pctx: ParallelContext) -> torch.Tenso
     return copy_to_tp_region(x, pctx)
 
 
+def row_parallel_output(y: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """The sum over TP of partial products: reduce-scattered into sequence shards under SP, else all-reduced."""
+    if pctx.sequence_parallel:
+        return reduce_scatter_to_sequence_region(y, pctx)
+    return reduce_from_tp_region(y, pctx)
+
+
 def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pctx: ParallelContext,
                            return_operands: bool = False, store: WeightGradStore | None = None):
     """``x A^T + b`` for a column-parallel ``A`` (its weight gradient deferrable to ``store``); with
@@ -134,13 +141,24 @@ class RowParallelLinear(nn.Module):
         y = linear(x, self.weight, None, self.weight_grad_store)
         if self.lora is not None:
             y = y + self.lora(x)  # a partial product too: summed over TP with the weight's
-        if self.pctx.sequence_parallel:
-            y = reduce_scatter_to_sequence_region(y, self.pctx)
-            bias = None if self.bias is None else all_reduce_grad_in_tp(self.bias, self.pctx)
-        else:
-            y = reduce_from_tp_region(y, self.pctx)
-            bias = self.bias
-        return y if bias is None else y + bias
+        y = row_parallel_output(y, self.pctx)
+        if self.bias is None:
+            return y
+        return y + (all_reduce_grad_in_tp(self.bias, self.pctx) if self.pctx.sequence_parallel else self.bias)
+
+
+class LocalLinear(nn.Module):
+    """``y = x A^T`` with this rank's shard of A and no collective: the caller gathers the input and reduces the
+    output once for a group of them (the experts of an MoE layer, :mod:`llama_megatron.model.moe`).
+    ``split`` is ``gate_up`` (output rows, the fused layout) or ``row`` (input columns)."""
+
+    def __init__(self, in_features: int, out_features: int, split: str) -> None:
+        super().__init__()
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, in_features)),
+                                           1 if split == "row" else 0, split)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -168,6 +186,4 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local_ids < 0) | (local_ids >= self.rows_per_rank)
         hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
         hidden = hidden.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.pctx.sequence_parallel:
-            return reduce_scatter_to_sequence_region(hidden, self.pctx)
-        return reduce_from_tp_region(hidden, self.pctx)
+        return row_parallel_output(hidden, self.pctx)

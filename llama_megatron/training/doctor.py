@@ -73,7 +73,7 @@ def run_doctor(config: TrainingConfig, where: Placement, timeout_minutes: float,
     watchdog = StallWatchdog(timeout_minutes, where.rank, where.world_size, (0, 1), address)
     try:
         par = config.parallel
-        pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context)
+        pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context, par.expert)
         watchdog.beat(0, "gathering every rank's report")
         reports = all_gather_objects(_local_report(config, where))
         watchdog.beat(0, "the checkpoint directory check")

@@ -17,7 +17,6 @@ Evaluation uses the same rule over its batches.
 
 from __future__ import annotations
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -26,8 +25,9 @@ from llama_megatron.data.batch import MicroBatch, to_device
 from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.expert_engine import global_grad_norm, initialize_engine
 from llama_megatron.training.optimizer import build_optimizer
-from llama_megatron.training.pipeline_engine import global_grad_norm, initialize_pipeline_engine
+from llama_megatron.training.pipeline_engine import initialize_pipeline_engine
 from llama_megatron.training.schedule import build_scheduler
 
 
@@ -47,21 +47,28 @@ class TrainingEngine:
             )
         model.to(self.device)
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
-        optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload)
+        optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload, experts=pctx.ep_size > 1)
         total_steps = config.train.steps
         lr_scheduler = lambda opt: build_scheduler(opt, config.optimizer, total_steps)  # noqa: E731
         if self.pipelined:
             self.engine, self.optimizer, _, self.scheduler = initialize_pipeline_engine(
                 model, optimizer, lr_scheduler, ds_config, pctx, config.pipeline.schedule)
         else:
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=pctx)
+            self.engine, self.optimizer, _, self.scheduler = initialize_engine(
+                model, optimizer, lr_scheduler, ds_config, pctx)
         self.model = model
         self._grad_norm: torch.Tensor | None = None
+        self._expert_counts: torch.Tensor | None = None
 
     def train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """One optimizer step over this rank's micro batches; the loss averaged over DP ranks, left on the device
         (reading it is a host sync: the loop does that only on logging steps)."""
+        self.model.loss_fn.expert_counts = None
+        loss = self._train_step(micro_batches)
+        self._expert_counts = self.model.loss_fn.expert_counts  # this step's routing, kept from evaluation's
+        return loss
+
+    def _train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         self.engine.train()
         divisor = self._loss_divisor(micro_batches)
         if self.pipelined:
@@ -111,6 +118,20 @@ class TrainingEngine:
         if ranks > 1:
             dist.all_reduce(count, group=self.pctx.dp_cp_group)
         return (count.clamp(min=1).double() / (len(micro_batches) * ranks)).float()
+
+    def expert_load(self) -> list[float] | None:
+        """A mixture-of-experts model's share of the last training step's token assignments per expert (all layers,
+        every rank's tokens), on every rank; None for a dense model. One all-reduce over the world: the counts live
+        on the last pipeline stage, the same on each of its TP ranks."""
+        if not self.config.model.family.moe:
+            return None
+        counts = self._expert_counts
+        counts = (torch.zeros(self.config.model.num_local_experts, device=self.device) if counts is None
+                  else counts.clone())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        counts = counts.double() / counts.sum().clamp(min=1)
+        return [round(float(share), 6) for share in counts]
 
     def grad_norm(self) -> torch.Tensor | float | None:
         """The last step's global gradient norm as the engine holds it (a device tensor is not read here)."""

@@ -128,10 +128,15 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                                consumed_samples=consumed)
                 if last.bad:
                     metrics["bad_step"] = "; ".join(last.reasons)
+                load = engine.expert_load()
+                if load is not None:
+                    metrics["expert_load"] = load
                 mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
                 line = (f"step {last.step}/{train.steps} | loss {_fmt(last.loss, 6)} | lr {metrics['lr']:.3e} | grad "
                         f"norm {_fmt(last.grad_norm, 4)} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s{mfu} | "
                         f"ETA {format_eta(seconds_per_step * (train.steps - step))}")
+                if load is not None:  # 1.0: every expert got its share (1 / experts) of the assignments
+                    line += f" | expert load max/mean {max(load) * len(load):.2f}"
                 if last.bad:
                     line += f" | bad step: {metrics['bad_step']}"
                 if "val_loss" in metrics:

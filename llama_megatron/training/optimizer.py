@@ -20,10 +20,19 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, opt: OptimizerConfig, offload_to_cpu: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, opt: OptimizerConfig, offload_to_cpu: bool = False,
+                    experts: bool = False) -> torch.optim.Optimizer:
     """torch's fused AdamW (CPU and CUDA; 20x faster than the for-each kernel on CPU), DeepSpeed's CPU Adam when
-    ZeRO offloads the optimizer (DeepSpeed requires it)."""
+    ZeRO offloads the optimizer (DeepSpeed requires it). With expert parallelism (``experts``) the expert
+    parameters get groups of their own, marked as DeepSpeed's ZeRO expects (it partitions them over their
+    expert-data-parallel group)."""
     groups = parameter_groups(model, opt.weight_decay)
+    if experts:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        # DeepSpeed names each expert group after its source group
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            [{"name": f"group{i}", **group} for i, group in enumerate(groups)])
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
     if offload_to_cpu:
         from deepspeed.ops.adam import DeepSpeedCPUAdam

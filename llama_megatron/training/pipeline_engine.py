@@ -6,7 +6,11 @@ holding the whole model computes. DeepSpeed's ``clip_grad_norm_`` counts a param
 only on rank 0 of its model-parallel group, which for a pipeline spans every stage: the norms and biases of the
 later stages were left out, and the clip factor differed from one process's (observed: 5.5e-5 rel in the loss
 after 6 steps of a PP2 run with o_proj biases, 4e-7 without). ZeRO-1/2/3 and the bf16 optimizer compute their
-norm over the tensor-parallel rank and are right already.
+norm over the tensor-parallel rank and are right already. It also runs a stage's backward pass once when the stage
+sends several floating-point tensors (a mixture-of-experts model's router statistics ride with the hidden states):
+DeepSpeed runs one backward per tensor, which goes through the shared part of the stage twice and cannot re-enter a
+reentrant activation checkpoint; one scalar, sum_i <output_i, received gradient_i>, hands every output exactly its
+gradient in a single pass.
 
 :class:`ScheduledPipelineEngine` is its subclass: its ``_train_schedule`` returns our schedule, its
 instruction map adds B (:class:`BackwardInputPass`: DeepSpeed's backward pass with the linears' weight gradients
@@ -29,44 +33,33 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from llama_megatron.training.expert_engine import ExpertLayers
 from llama_megatron.training.pipeline_schedules import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
 
 
-def global_grad_norm(parameters, pctx: ParallelContext, device: torch.device) -> torch.Tensor:
-    """L2 norm of every gradient of the model, as one process holding all of it computes it: TP shards summed over
-    the TP group, a replicated tensor counted once (each TP rank holds all of it), a tied table held by two stages
-    counted on the first (DeepSpeed marks the other copy ``ds_pipe_replicated``), and the stages summed."""
-    sharded = torch.zeros((), device=device, dtype=torch.float64)
-    replicated = torch.zeros((), device=device, dtype=torch.float64)
-    for param in parameters:
-        if param.grad is None or getattr(param, "ds_pipe_replicated", False):
-            continue
-        squares = param.grad.detach().double().pow(2).sum()
-        if getattr(param, "tensor_model_parallel", False):
-            sharded += squares
-        else:
-            replicated += squares
-    if pctx.tp_size > 1:
-        dist.all_reduce(sharded, group=pctx.tp_group)
-    total = sharded + replicated
-    if pctx.pp_size > 1:
-        dist.all_reduce(total, group=pctx.pp_group)
-    return total.sqrt()
-
-
-class GlobalNormPipelineEngine(PipelineEngine):
-    """``PipelineEngine`` whose fp32 gradient clipping uses :func:`global_grad_norm` (module docstring)."""
+class GlobalNormPipelineEngine(ExpertLayers, PipelineEngine):
+    """``PipelineEngine`` whose fp32 gradient clipping uses :func:`global_grad_norm`, whose stages run one
+    backward pass whatever they send (module docstring), and that knows our expert layers (:class:`ExpertLayers`)."""
 
     pctx: ParallelContext  # set by initialize_pipeline_engine
 
+    def _exec_backward_pass(self, buffer_id: int) -> None:
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        floats = [t for t in outputs if t.is_floating_point()] if isinstance(outputs, tuple) else []
+        if self.is_last_stage() or len(floats) < 2:
+            return super()._exec_backward_pass(buffer_id)
+        received = self.grad_layer  # DeepSpeed's receive buffers, reused for the next micro batch
+        self.pipe_buffers["outputs"][buffer_id] = (sum((t * g).sum() for t, g in zip(floats, received)),)
+        self.grad_layer = (torch.ones((), device=floats[0].device, dtype=floats[0].dtype),)
+        try:
+            super()._exec_backward_pass(buffer_id)
+        finally:
+            self.grad_layer = received
+
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, ds_schedule.BackwardPass: _exec_backward_pass}
+
     def clip_fp32_gradients(self) -> None:
-        norm = global_grad_norm(self.module.parameters(), self.pctx, self.device)
-        self._global_grad_norm = norm  # what get_global_grad_norm() reports for the step
-        clip = self.gradient_clipping() / (norm.float() + 1e-6)  # DeepSpeed's clip_grad_norm_ rule
-        if clip < 1:
-            for param in self.module.parameters():
-                if param.grad is not None:
-                    param.grad.detach().mul_(clip.to(param.grad.dtype))
+        self.clip_by_global_norm()
 
 
 class ScheduledPipelineEngine(GlobalNormPipelineEngine):
@@ -134,7 +127,7 @@ class ScheduledPipelineEngine(GlobalNormPipelineEngine):
         assert self.weight_grads.pending == 0, "a W pass is missing from the schedule"
 
     # DeepSpeed's map holds its functions, not methods looked up on the instance: ours are named here
-    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, BackwardInputPass: _exec_backward_input_pass,
+    _INSTRUCTION_MAP = {**GlobalNormPipelineEngine._INSTRUCTION_MAP, BackwardInputPass: _exec_backward_input_pass,
                         WeightPass: _exec_weight_pass, ds_schedule.SendActivation: _exec_send_activations,
                         ds_schedule.SendGrad: _exec_send_grads}
 

@@ -199,7 +199,7 @@ def start_process_groups(pre: Preflight) -> ParallelContext:
     config = pre.config
     init_distributed()
     par = config.parallel
-    pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context)
+    pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context, par.expert)
     _seed_everything(config.seed)
     return pctx
 

@@ -1,0 +1,143 @@
+"""Mixture of experts (Mixtral) is the same function as transformers' MixtralForCausalLM: logits, the loss with its
+load-balancing term (``output_router_logits``) and every gradient, fp32, in every layout of the model.
+
+Expert parallelism puts different samples on the ranks of an EP group (it lives in the data axis), so each data
+rank's reference is HF on that rank's own samples, and the gradients to compare are summed over the data ranks: the
+replicated weights' over DP x CP (what DeepSpeed's average does, times the rank count), the experts' over their
+expert-data-parallel group (their EP rank already holds the gradients of every rank's tokens, which the all-to-all
+brought to it). Under context parallelism the CP ranks' losses (the loss rule's shares) add up to CP x HF's.
+Gradients of every TP shard are gathered and merged with the code that exports checkpoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from model_utils import gather_shards, hf_model, tiny_config
+
+from llama_megatron.config import ParallelConfig
+from llama_megatron.data.batch import MicroBatch
+from llama_megatron.errors import ConfigError
+from llama_megatron.model.build import build_model
+from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
+from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+from llama_megatron.parallel.launch import init_distributed
+
+MIXTRAL = dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+               output_router_logits=True, router_aux_loss_coef=0.02)
+CASES = {
+    "top2-of-4-window": {**MIXTRAL, "sliding_window": 6},
+    "top3-of-8-tied": {**MIXTRAL, "num_local_experts": 8, "num_experts_per_tok": 3, "tie_word_embeddings": True,
+                       "hidden_size": 96, "intermediate_size": 48},
+    "no-aux-loss": {**MIXTRAL, "output_router_logits": False},
+}
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def _sum_over(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
+    config = tiny_config(**overrides)
+    parallel = ParallelConfig(tensor=pctx.tp_size, context=pctx.cp_size, expert=pctx.ep_size,
+                              sequence_parallel=pctx.sequence_parallel, make_vocab_size_divisible_by=8)
+    hf = hf_model(config)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, config.vocab_size, (pctx.dp_size, 2, seq), generator=gen)
+    labels = ids.clone()
+    labels[:, 0, 3:6] = IGNORE_INDEX
+    refs = [hf(input_ids=ids[d], labels=labels[d]) for d in range(pctx.dp_size)]
+    sum(ref.loss for ref in refs).backward()  # every data rank's loss: the gradients the ranks add up to
+
+    model = build_model(config, parallel, pctx, initialize=False)
+    hf_state = as_checkpoint_tensors(hf.state_dict(), config)
+    model.load_state_dict(hf_to_rank_state_dict(hf_state, config, pctx.tp_rank, pctx.tp_size,
+                                                parallel.padded_vocab_size(config.vocab_size), pctx.ep_rank,
+                                                pctx.ep_size))
+    mine = labels[pctx.dp_rank]
+    next_labels = torch.cat([mine[:, 1:], torch.full_like(mine[:, :1], IGNORE_INDEX)], dim=1)  # HF's shift
+    positions = torch.arange(seq).expand(2, seq)
+    mb = MicroBatch(ids[pctx.dp_rank], positions, next_labels).context_shard(pctx.cp_rank, pctx.cp_size)
+    divisor = torch.tensor(int((next_labels != IGNORE_INDEX).sum()) / pctx.cp_size)  # the loss rule's N / CP
+    loss = model(mb.input_ids, mb.position_ids, labels=(mb.labels, divisor))
+    loss.backward()
+
+    ref = refs[pctx.dp_rank]
+    shard = seq // pctx.cp_size
+    logits = model.full_logits(model(mb.input_ids, mb.position_ids)).detach()
+    torch.testing.assert_close(logits, ref.logits[:, pctx.cp_rank * shard:(pctx.cp_rank + 1) * shard],
+                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(_sum_over(loss.detach(), pctx.cp_group, pctx.cp_size) / pctx.cp_size, ref.loss,
+                               rtol=1e-5, atol=1e-6)
+
+    hf_grads = as_checkpoint_tensors({n: p.grad for n, p in hf.named_parameters()}, config)
+    if config.tie_word_embeddings:
+        hf_grads["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.grad
+    params = dict(model.named_parameters())
+    for spec in ParamLayout(config).held_by(pctx.ep_rank, pctx.ep_size):
+        group = pctx.edp_group if spec.expert is not None else pctx.dp_cp_group
+        size = pctx.dp_cp_size // (pctx.ep_size if spec.expert is not None else 1)
+        grad = _sum_over(params[spec.module_name].grad, group, size) / pctx.cp_size
+        for hf_name, merged in merge_shards(spec, gather_shards(grad, pctx), config).items():
+            expected = hf_grads[hf_name]
+            expected = torch.zeros_like(merged) if expected is None else expected  # an expert no token chose
+            torch.testing.assert_close(merged, expected, **GRAD_TOL, msg=lambda m, n=hf_name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_parity_one_process(name: str) -> None:
+    check_moe_parity(CASES[name], ParallelContext.single())
+
+
+def _two_process_worker(rank: int, world_size: int) -> None:
+    init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
+    layouts = [dict(tensor=2), dict(tensor=2, sequence_parallel=True), dict(expert=2), dict(context=2)]
+    for layout in layouts:
+        pctx = ParallelContext.build(**layout)
+        for overrides in CASES.values():
+            check_moe_parity(overrides, pctx)
+
+
+def _four_process_worker(rank: int, world_size: int) -> None:
+    init_distributed()
+    layouts = [dict(expert=4), dict(tensor=2, expert=2, sequence_parallel=True), dict(context=2, expert=2),
+               dict(tensor=4)]
+    for layout in layouts:
+        pctx = ParallelContext.build(**layout)
+        assert pctx.ep_size == layout.get("expert", 1)
+        for overrides in (CASES["top2-of-4-window"], CASES["top3-of-8-tied"]):
+            check_moe_parity(overrides, pctx)
+
+
+def test_moe_parity_tp2_sp_ep2_cp2() -> None:
+    run_distributed(_two_process_worker, 2)
+
+
+def test_moe_parity_ep4_tp2xep2_cp2xep2_tp4() -> None:
+    run_distributed(_four_process_worker, 4)
+
+
+def test_moe_config_checks() -> None:
+    config = tiny_config(**MIXTRAL)
+    assert config.num_active_parameters() < config.num_parameters()
+    assert sum(p.numel() for p in hf_model(config).parameters()) == config.num_parameters()
+    with pytest.raises(ConfigError, match="num_experts_per_tok 5 exceeds num_local_experts 4"):
+        tiny_config(**{**MIXTRAL, "num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match="router_jitter_noise must be 0"):
+        tiny_config(**{**MIXTRAL, "router_jitter_noise": 0.1})
+    with pytest.raises(ConfigError, match="num_local_experts is not a key of the llama family"):
+        tiny_config(num_local_experts=4)
+    with pytest.raises(ConfigError, match="expert parallel degree 3 does not divide num_local_experts 4"):
+        ParallelConfig(expert=3).validate(config)
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        ParallelConfig(expert=2).validate(tiny_config())
+    with pytest.raises(ConfigError, match="expert parallel degree 4 does not divide the data axis"):
+        ParallelConfig(tensor=2, expert=4).check_world_size(4)

@@ -23,6 +23,13 @@ send/recv) during the timed steps, and prints one JSON line:
         --schedule-micro-batches 8                         # the PP4 x 8 point where W costs what B does
     python benchmarks/parallel_overhead.py --context-scaling --seq 32768 --model configs/models/llama-50m.json \
         --bf16 --recompute                                 # GPUs: tokens/s per device, CP 1 (unsharded) vs CP 2
+    python benchmarks/parallel_overhead.py --experts         # MoE on 2 ranks: EP 1 (DP 2) vs EP 2, tokens/s and
+                                                           # the token all-to-all's bytes per layer
+
+With ``--experts`` (a mixture-of-experts model, 8 experts, top 2) both runs use 2 ranks and the same global batch:
+EP 1 replicates the experts (DP 2), EP 2 splits them. The all-to-all bytes are counted exactly (the rows each rank
+sends to the other EP ranks); the analytic volume assumes balanced routing: per layer and micro batch 4 exchanges
+(dispatch and combine, forward and backward) of (EP - 1) / EP of the rank's k x tokens rows of h values.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from llama_megatron.parallel.launch import launcher_command  # noqa: E402
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 1024}
 SEQ = 256
+MOE_MODEL = {**MODEL, "model_type": "mixtral", "intermediate_size": 344, "num_local_experts": 8,
+             "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.02}
 
 
 def schedule_model(hidden: int) -> dict:
@@ -70,6 +79,7 @@ CONFIGS = [
 # gradients), pp, or other (DeepSpeed's pipeline grid, the world)
 TP_COLLECTIVES = ("all_reduce[tp]", "all_gather_single[tp]", "reduce_scatter_single[tp]")  # the model's TP layers
 CP_COLLECTIVES = ("all_to_all_single[cp]",)  # DeepSpeed-Ulysses' all-to-all (deepspeed.comm calls torch's)
+EP_COLLECTIVES = ("all_to_all_single[ep]",)  # the MoE token exchange (and its per-expert counts)
 SENDS = ("send[other]", "isend[other]")
 
 
@@ -96,7 +106,20 @@ def _count_bytes(counter: dict) -> None:
         wrap(name, 1, "input_tensor", lambda b, n: (n - 1) * b)
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
         wrap(name, 1, "input", lambda b, n: (n - 1) / n * b)
-    wrap("all_to_all_single", 1, "input", lambda b, n: (n - 1) / n * b)  # each rank keeps 1/n of its input
+    original_all_to_all = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        total = input.numel() * input.element_size()
+        if input_split_sizes:  # uneven (the MoE exchange): exactly the rows that leave this rank
+            mine = input_split_sizes[dist.get_rank(group) if group is not None else dist.get_rank()]
+            sent = total * (1 - mine / max(1, sum(input_split_sizes)))
+        else:  # each rank keeps 1/n of its input
+            sent = (size - 1) / size * total
+        counter[("all_to_all_single", id(group))] += sent
+        return original_all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
     wrap("broadcast", 0, "tensor", lambda b, n: b)
     wrap("send", 0, "tensor", lambda b, n: b)
     wrap("isend", 0, "tensor", lambda b, n: b)
@@ -106,7 +129,8 @@ def _model(args: argparse.Namespace) -> dict:
     if args.model:
         with open(args.model) as fh:
             return json.load(fh)
-    return {**MODEL, "num_key_value_heads": args.kv_heads or MODEL["num_key_value_heads"]}
+    base = MOE_MODEL if args.experts else MODEL
+    return {**base, "num_key_value_heads": args.kv_heads or base["num_key_value_heads"]}
 
 
 def _training_config(args: argparse.Namespace, world: int):
@@ -115,10 +139,12 @@ def _training_config(args: argparse.Namespace, world: int):
     from llama_megatron.training.config import BatchConfig, TrainingConfig
     from llama_megatron.training.deepspeed_config import build_deepspeed_config
 
+    dp = world // (args.tp * args.pp * args.cp)
     config = TrainingConfig(
         model=ModelConfig.from_dict(_model(args)),
-        parallel=ParallelConfig(tensor=args.tp, pipeline=args.pp, context=args.cp, sequence_parallel=args.sp),
-        seq_length=args.seq, batch=BatchConfig(1, args.micro_batches),
+        parallel=ParallelConfig(tensor=args.tp, pipeline=args.pp, context=args.cp, expert=args.ep,
+                                sequence_parallel=args.sp),
+        seq_length=args.seq, batch=BatchConfig(1, args.micro_batches * dp),
     )
     config.train.steps = args.steps + 1
     config.activation_checkpointing.interval = int(args.recompute)
@@ -141,7 +167,7 @@ def worker(args: argparse.Namespace) -> None:
 
     init_distributed()
     config, ds = _training_config(args, int(os.environ["WORLD_SIZE"]))
-    pctx = ParallelContext.build(args.tp, args.pp, args.sp, args.cp)
+    pctx = ParallelContext.build(args.tp, args.pp, args.sp, args.cp, args.ep)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(config.model, config.parallel, pctx, activation_checkpoint_interval=int(args.recompute),
                         kernels=resolve_kernels(config.kernels, device))
@@ -160,6 +186,8 @@ def worker(args: argparse.Namespace) -> None:
     groups = {id(pctx.tp_group): "tp", id(pctx.pp_group): "pp", id(pctx.dp_cp_group): "dp_cp"}
     if pctx.cp_group is not None:
         groups[id(pctx.cp_group)] = "cp"
+    if pctx.ep_group is not None:
+        groups[id(pctx.ep_group)] = "ep"
     per_step: dict = defaultdict(float)
     for (name, group), sent in counter.items():
         if sent:
@@ -295,17 +323,18 @@ def ulysses_bytes_per_layer(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> f
 
 def _launch(cfg: dict, args: argparse.Namespace, schedule: str = "1f1b", timeline: bool = False) -> dict:
     """Run the worker for ``cfg`` under the deepspeed launcher; its measurements."""
-    ranks = cfg["tp"] * cfg["pp"] * cfg.get("cp", 1)
+    ranks = cfg["tp"] * cfg["pp"] * cfg.get("cp", 1) * cfg.get("dp", 1)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         cmd = [*launcher_command(ranks), os.path.abspath(__file__), "--worker", "--tp", str(cfg["tp"]), "--pp",
                str(cfg["pp"]), "--cp", str(cfg.get("cp", 1)), "--micro-batches", str(cfg["micro_batches"]), "--steps",
-               str(args.steps), "--seq", str(args.seq), "--result", result_path, "--schedule", schedule]
+               str(args.steps), "--seq", str(args.seq), "--result", result_path, "--schedule", schedule,
+               "--ep", str(cfg.get("ep", 1))]
         if timeline:
             cmd.append("--timeline")
         if cfg.get("kv_heads"):
             cmd += ["--kv-heads", str(cfg["kv_heads"])]
-        for flag in ("sp", "bf16", "recompute"):
+        for flag in ("sp", "bf16", "recompute", "experts"):
             if cfg.get(flag) or getattr(args, flag, False):
                 cmd.append(f"--{flag}")
         if args.model:
@@ -336,13 +365,44 @@ def context_scaling(args: argparse.Namespace) -> None:
         print(json.dumps(line), flush=True)
 
 
+def expert_bytes_per_layer(cfg: dict, seq: int, model: dict) -> float:
+    """Analytic bytes one rank sends in an MoE layer's all-to-alls per micro batch (fp32, balanced routing)."""
+    ep, rows = cfg["ep"], seq * model["num_experts_per_tok"]  # b = 1
+    return 4 * (ep - 1) / ep * rows * model["hidden_size"] * 4
+
+
+def experts(args: argparse.Namespace) -> None:
+    """MoE on 2 ranks with the same global batch: EP 1 (DP 2, experts replicated) vs EP 2."""
+    model = _model(args)
+    tokens_per_s = {}
+    for ep in (1, 2):
+        cfg = {"tp": 1, "pp": 1, "sp": False, "dp": 2, "ep": ep, "micro_batches": args.micro_batches}
+        measured = _launch(cfg, args)
+        tokens_per_s[ep] = 2 * cfg["micro_batches"] * args.seq / measured["step_s"]
+        a2a = sum(v for k, v in measured["bytes_per_step"].items() if k in EP_COLLECTIVES)
+        line = {"benchmark": "expert_parallel", "ep": ep, "ranks": 2, "seq": args.seq, "hidden": model["hidden_size"],
+                "experts": model["num_local_experts"], "top_k": model["num_experts_per_tok"],
+                "step_s": round(measured["step_s"], 4), "tokens_per_s": round(tokens_per_s[ep], 1),
+                "measured_bytes_per_step": {k: int(v) for k, v in measured["bytes_per_step"].items()}}
+        if ep > 1:
+            line["measured_ep_all_to_all_bytes_per_layer_per_micro_batch"] = int(
+                a2a / model["num_hidden_layers"] / cfg["micro_batches"])
+            line["analytic_ep_all_to_all_bytes_per_layer_per_micro_batch"] = int(
+                expert_bytes_per_layer(cfg, args.seq, model))
+            line["tokens_per_s_vs_ep1"] = round(tokens_per_s[ep] / tokens_per_s[1], 3)
+        print(json.dumps(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--experts", action="store_true",
+                        help="an MoE model on 2 ranks: EP 1 vs EP 2, tokens/s and all-to-all bytes per layer")
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -370,6 +430,9 @@ def main() -> None:
         return
     if args.context_scaling:
         context_scaling(args)
+        return
+    if args.experts:
+        experts(args)
         return
     if args.schedules:
         schedules(args)

@@ -71,6 +71,25 @@ def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
     assert measured == line["analytic"]["cp_all_to_all_bytes_per_layer_per_micro_batch"] > 0
 
 
+def test_expert_parallel_all_to_all_bytes_and_throughput() -> None:
+    """parallel_overhead.py --experts: an MoE model on 2 ranks at EP 1 and EP 2. The bytes the token all-to-alls
+    send per MoE layer (counted row by row) come within 25% of the balanced-routing volume (a random router is near
+    balanced: about half of a rank's assignments go to the other rank's experts), and EP 2 reports its tokens/s
+    against EP 1's."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--experts", "--steps", "1",
+         "--seq", "64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ep1, ep2 = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert (ep1["ep"], ep2["ep"]) == (1, 2) and ep1["tokens_per_s"] > 0
+    assert not any("[ep]" in key for key in ep1["measured_bytes_per_step"])  # EP 1 exchanges no tokens
+    measured = ep2["measured_ep_all_to_all_bytes_per_layer_per_micro_batch"]
+    analytic = ep2["analytic_ep_all_to_all_bytes_per_layer_per_micro_batch"]
+    assert abs(measured - analytic) <= 0.25 * analytic, (measured, analytic)
+    assert abs(ep2["tokens_per_s_vs_ep1"] - ep2["tokens_per_s"] / ep1["tokens_per_s"]) < 2e-3
+
+
 def test_zero3_init_memory_smoke() -> None:
     """A 0.12B shape at ZeRO-3 DP2, seeded and loaded from a converted checkpoint: built partitioned, a rank's peak
     is below the whole model's, and each peak is within 10% of `estimate`'s construction figure.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -44,10 +45,14 @@ def test_presets_load(path: str) -> None:
     config = ModelConfig.from_file(path)
     expected_billions = {"llama2-7b": 6.74, "llama2-13b": 13.0, "llama2-70b": 69.0, "llama3-8b": 8.03,
                          "llama3.1-8b": 8.03, "llama3-70b": 70.6, "tinyllama-1.1b": 1.10,
-                         "mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen3-8b": 8.19}  # the published counts
+                         "mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen3-8b": 8.19, "mixtral-8x7b": 46.7}
+    # the published counts; Mixtral's 12.9B parameters active per token too
+    active = {"mixtral-8x7b": 12.9}
     name = os.path.basename(path)[:-5]
     if name in expected_billions:
         assert abs(config.num_parameters() / 1e9 - expected_billions[name]) / expected_billions[name] < 0.01
+    if name in active:
+        assert abs(config.num_active_parameters() / 1e9 - active[name]) / active[name] < 0.01
 
 
 def test_num_parameters_matches_hf() -> None:
@@ -55,7 +60,8 @@ def test_num_parameters_matches_hf() -> None:
 
     for overrides in ({}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
                       {"model_type": "qwen2"}, {"model_type": "qwen3", "head_dim": 12, "attention_bias": True},
-                      {"model_type": "mistral", "sliding_window": 8}):
+                      {"model_type": "mistral", "sliding_window": 8},
+                      {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}):
         config = tiny_config(num_key_value_heads=2, **overrides)
         model = hf_model(config)
         assert config.num_parameters() == sum(p.numel() for p in model.parameters())
@@ -142,7 +148,7 @@ def test_shipped_training_configs_load(path: str, monkeypatch) -> None:
     monkeypatch.chdir(ROOT)
     config = TrainingConfig.from_file(path)
     par = config.parallel
-    world = par.tensor * par.pipeline * par.context
+    world = par.tensor * par.pipeline * math.lcm(par.context, par.expert)  # EP splits the data axis
     ds = build_deepspeed_config(config, config.deepspeed_config, world, "cuda")
     assert ds["train_batch_size"] == config.batch.global_batch_size * par.context  # DeepSpeed's DP group: DP x CP
 

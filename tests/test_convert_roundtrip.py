@@ -23,7 +23,7 @@ from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
 from llama_megatron.checkpoint.weights import tensor_reader
 from llama_megatron.cli import main as cli
 from llama_megatron.config import ModelConfig, padded_vocab_size
-from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import (
     hf_to_rank_state_dict,
     merge_shards,
@@ -72,6 +72,11 @@ def hf_tensors(path: str) -> dict[str, torch.Tensor]:
 
 def assert_same_weights(exported: dict[str, torch.Tensor], model, dtype: torch.dtype | None = None) -> None:
     want = dict(model.state_dict())
+    if model.config.model_type == "mixtral":  # released (per-expert) names, as save_pretrained writes them
+        config = model.config
+        want = as_checkpoint_tensors(want, tiny_config(model_type="mixtral", num_local_experts=config.num_local_experts,
+                                                       num_experts_per_tok=config.num_experts_per_tok,
+                                                       intermediate_size=config.intermediate_size))
     if model.config.tie_word_embeddings:
         assert "lm_head.weight" not in exported, "tied embeddings must not export lm_head.weight"
         want.pop("lm_head.weight")
@@ -91,6 +96,7 @@ CASES = {
                           max_window_layers=1),
     "qwen3-tied": dict(model_type="qwen3", num_key_value_heads=2, head_dim=12, tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=8),
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -163,7 +169,7 @@ def test_hf_to_tp2_pp2_and_back_is_exact(case, tmp_path) -> None:
     assert set(os.listdir(tag_dir)) == want_files | {"llama_megatron.json", "manifest.json"}
     for name in ("config.json", "tokenizer.model", "tokenizer_config.json"):
         assert os.path.isfile(os.path.join(ckpt, "hf_config", name))
-    hf_state = model.state_dict()
+    hf_state = as_checkpoint_tensors(model.state_dict(), config)
     read = tensor_reader(tag_dir)
     for rank in range(2):
         reference = hf_to_rank_state_dict(hf_state, config, rank, 2, 256)

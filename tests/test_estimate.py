@@ -32,6 +32,8 @@ ODD = ["model.hidden_size=63", "model.num_attention_heads=3", "model.num_key_val
        "model.intermediate_size=129"]
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 10000}  # the embedding and head get partitioned
 LORA = 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}'
+MOE = ["model.model_type=mixtral", "model.num_local_experts=4", "model.num_experts_per_tok=2",
+       "model.output_router_logits=true"]
 
 
 def _config(overrides: list[str]) -> TrainingConfig:
@@ -164,7 +166,7 @@ def _states_worker(rank: int, world_size: int, cases: list, activation_cases: li
         config = _config(overrides)
         ds = build_deepspeed_config(config, ds_source, world_size)
         par = config.parallel
-        pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context)
+        pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context, par.expert)
         engine = TrainingEngine(config, ds, pctx)
         engine.train_step([_micro_batch(config, pctx)] * config.gradient_accumulation_steps(world_size))
         results.append({"stage": pctx.pp_rank, **_measure(engine)})
@@ -216,6 +218,12 @@ DP2_CASES = [
     ([LORA], _ds(1)),
     ([LORA], _ds(ZERO3)),
     ([LORA], _ds(2, bf16=True)),
+    # MoE: the experts replicated at EP 1; at EP 2 half of them per rank, in ZeRO groups of their own partitioned
+    # over their expert-data-parallel group (1 rank here)
+    (MOE, _ds(1)),
+    ([*MOE, "parallel.expert=2"], _ds(0)),
+    ([*MOE, "parallel.expert=2"], _ds(1)),
+    ([*MOE, "parallel.expert=2"], _ds(2, bf16=True)),
 ]
 TP2_PP2_CASES = [
     (["parallel.tensor=2", "parallel.pipeline=2"], _ds(1)),
@@ -268,6 +276,9 @@ ACTIVATION_CASES = [
     # a family's additions: Qwen3's q/k norms (head_dim 24), Qwen2's q/k/v biases with windows
     (["model.model_type=qwen3", "model.head_dim=24"], False),
     (["model.model_type=qwen2", "model.use_sliding_window=true", "model.sliding_window=8"], True),
+    # an MoE model's router, expert inputs, intermediates and outputs (routing near balanced at this size)
+    (MOE, False),
+    ([*MOE, "kernels=compiled", "activation_checkpointing.interval=1"], True),
 ]
 
 

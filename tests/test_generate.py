@@ -81,6 +81,7 @@ FAMILIES = {  # windows far shorter than prompt + 32 new tokens: the cache holds
     "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=9, max_window_layers=1),
     "qwen3": dict(model_type="qwen3", head_dim=12, use_sliding_window=True, sliding_window=6,
                   layer_types=["sliding_attention", "full_attention"]),
+    "mixtral": dict(model_type="mixtral", sliding_window=7, num_local_experts=4, num_experts_per_tok=2),
 }
 
 

@@ -25,6 +25,7 @@ from llama_megatron.cli import main as cli_main
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.model.lora_layout import LORA_TARGETS, LoraConfig, adapter_layout, is_adapter_parameter
+from llama_megatron.model.param_layout import as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards, shard_for_rank
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.optimizer import parameter_groups
@@ -47,6 +48,10 @@ CASES = {
                       LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "k_proj", "o_proj"))),
     "mistral-window": (dict(model_type="mistral", num_key_value_heads=2, sliding_window=5),
                        LoraConfig(rank=2, alpha=4.0)),
+    # attention adapters on a mixture of experts (PEFT on MixtralForCausalLM, its aux loss in the loss)
+    "mixtral-attention": (dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                               output_router_logits=True, router_aux_loss_coef=0.02),
+                          LoraConfig(rank=2, alpha=4.0, dropout=0.1, targets=("q_proj", "v_proj", "o_proj"))),
 }
 
 
@@ -72,7 +77,7 @@ def our_model(config, lora: LoraConfig, pctx: ParallelContext, hf_state: dict, a
                               make_vocab_size_divisible_by=8)
     padded = parallel.padded_vocab_size(config.vocab_size)
     model = build_model(config, parallel, pctx, initialize=False, lora=lora)
-    state = hf_to_rank_state_dict(hf_state, config, pctx.tp_rank, pctx.tp_size, padded)
+    state = hf_to_rank_state_dict(as_checkpoint_tensors(hf_state, config), config, pctx.tp_rank, pctx.tp_size, padded)
     for spec in adapter_layout(config, lora):
         state[spec.module_name] = shard_for_rank(spec, adapters.__getitem__, config, pctx.tp_rank, pctx.tp_size,
                                                  padded)

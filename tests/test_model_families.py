@@ -8,7 +8,9 @@ is shorter than a sample):
 - the one-process TP1-PP1 run, replayed step by step with the family's transformers class and torch AdamW on the
   same batches (1e-4 rel per step, grad norms 1e-3);
 - TP2 x PP2 with sequence parallelism and recomputation, and (Qwen3) CP2 x PP2, against TP1-PP1 (losses 1e-5 and
-  gradient norms 1e-4 rel per step);
+  gradient norms 1e-4 rel per step); Mixtral with expert parallelism: EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with
+  SP and recomputation (8 processes), and EP2 x PP2 in bf16 without the aux loss against a bf16 TP1-PP1 run (1e-4,
+  1e-2), expert loads compared too;
 - fine-tuning: SFT of the Mistral model on the shipped chat set, packed (documents and window together), and LoRA
   on a random Qwen3ForCausalLM converted to TP1 and TP2 checkpoints, at TP2 x PP2 with SP against TP1-PP1 (1e-4 rel
   per step, train and validation loss).
@@ -43,14 +45,19 @@ LAYOUTS = {
                              "activation_checkpointing.interval=1"],
     "cp2-pp2": ["parallel.context=2", "parallel.pipeline=2"],
     "ep2-dp2-zero1": ["parallel.expert=2", "deepspeed_config=ds_configs/zero1_fp32.json"],
-    "ep2-tp2-pp2-sp": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
+    "ep2-pp2-bf16": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json",
+                     "model.output_router_logits=false"],
+    "ep2-tp2-pp2-sp-recompute": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2",
+                                 "parallel.sequence_parallel=true", "activation_checkpointing.interval=1"],
 }
-EIGHT_PROCESSES = {"ep2-tp2-pp2-sp"}
+EIGHT_PROCESSES = {"ep2-tp2-pp2-sp-recompute"}
+BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_router_logits=false"]
 # CP2 x PP2 for the family with the most to lose (biases, q/k norms, windows on alternate layers); every family at
-# CP2 in process (tests/test_context_parallel.py)
-# and expert parallelism for the MoE family: EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with SP (8 processes)
+# CP2 in process (tests/test_context_parallel.py). Expert parallelism for the MoE family: EP2 x DP2 under ZeRO-1,
+# EP2 x PP2 in bf16 (DeepSpeed's bf16 optimizer) without the aux loss against a bf16 TP1-PP1 run, EP2 x TP2 x PP2
+# with SP and recomputation (8 processes), which stands for the MoE model's TP2 x PP2 too
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
-        if (name != "cp2-pp2" or family == "qwen3") and (not name.startswith("ep") or family == "mixtral")]
+        if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))]
 
 
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
@@ -93,6 +100,7 @@ def runs(shakespeare_prefix, tmp_path_factory):
         return train_args(CONFIG, _overrides(shakespeare_prefix, work / f"{family}-{name}", family, layout))
 
     launch_many(1, [*[pretrain(family, "tp1-pp1", []) for family in FAMILIES],
+                    pretrain("mixtral", "tp1-pp1-bf16", BF16_TP1_PP1),
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp1-pp1", bases[1], []),
                     _sft(work, "mistral-sft-tp1-pp1", [])], str(work / "runs-1.json"))
     launch_many(8, [pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
@@ -114,15 +122,19 @@ def test_tp1_pp1_trains_like_the_transformers_class(runs, family, shakespeare_pr
 @pytest.mark.parametrize("family, layout", RUNS)
 def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
     """Losses (1e-5; observed 1.2e-7) and gradient norms (1e-4; observed 8.6e-6): the pipeline engine clips by the
-    whole model's norm, later stages' norms and biases included (training/pipeline_engine.py)."""
-    for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4)):
-        reference = losses(runs / f"{family}-tp1-pp1", key)
-        assert_losses_close(losses(runs / f"{family}-{layout}", key), reference, rel, range(1, STEPS + 1))
+    whole model's norm, later stages' norms and biases included (training/pipeline_engine.py). A bf16 layout against
+    the bf16 TP1-PP1 run: 1e-4 and 1e-2 (observed 4e-5 and 3e-3), expert loads 2e-2 (near ties route a few of a
+    step's 2048 assignments differently in bf16: observed 9e-3 at step 6)."""
+    bf16 = layout.endswith("bf16")
+    reference_run = runs / f"{family}-tp1-pp1{'-bf16' if bf16 else ''}"
+    for key, rel in (("loss", 1e-4 if bf16 else 1e-5), ("grad_norm", 1e-2 if bf16 else 1e-4)):
+        assert_losses_close(losses(runs / f"{family}-{layout}", key), losses(reference_run, key), rel,
+                            range(1, STEPS + 1))
     if family == "mixtral":  # the same routing, logged as each expert's share of the step's assignments
         for step, (ours, reference) in enumerate(zip(losses(runs / f"{family}-{layout}", "expert_load").values(),
-                                                     losses(runs / f"{family}-tp1-pp1", "expert_load").values())):
+                                                     losses(reference_run, "expert_load").values()), start=1):
             assert len(ours) == 4 and abs(sum(ours) - 1) < 1e-5, step
-            assert max(abs(a - b) for a, b in zip(ours, reference)) < 1e-6, step
+            assert max(abs(a - b) for a, b in zip(ours, reference)) < (2e-2 if bf16 else 1e-6), step
 
 
 @pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])

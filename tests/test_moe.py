@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from model_utils import gather_shards, hf_model, tiny_config
 
-from llama_megatron.config import ParallelConfig
+from llama_megatron.config import ModelConfig, ParallelConfig
 from llama_megatron.data.batch import MicroBatch
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import build_model
@@ -102,27 +102,40 @@ def _two_process_worker(rank: int, world_size: int) -> None:
     layouts = [dict(tensor=2), dict(tensor=2, sequence_parallel=True), dict(expert=2), dict(context=2)]
     for layout in layouts:
         pctx = ParallelContext.build(**layout)
-        for overrides in CASES.values():
-            check_moe_parity(overrides, pctx)
+        for name in ("top2-of-4-window", "top3-of-8-tied"):
+            check_moe_parity(CASES[name], pctx)
 
 
 def _four_process_worker(rank: int, world_size: int) -> None:
     init_distributed()
-    layouts = [dict(expert=4), dict(tensor=2, expert=2, sequence_parallel=True), dict(context=2, expert=2),
-               dict(tensor=4)]
-    for layout in layouts:
+    layouts = [  # (case, layout, this rank's EP group: consecutive data coordinates within its TP lane)
+        ("top3-of-8-tied", dict(expert=4), (0, 1, 2, 3)),
+        ("top3-of-8-tied", dict(tensor=2, expert=2, sequence_parallel=True), (rank % 2, rank % 2 + 2)),
+        ("top2-of-4-window", dict(context=2, expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+    ]
+    for name, layout, ep_ranks in layouts:
         pctx = ParallelContext.build(**layout)
-        assert pctx.ep_size == layout.get("expert", 1)
-        for overrides in (CASES["top2-of-4-window"], CASES["top3-of-8-tied"]):
-            check_moe_parity(overrides, pctx)
+        assert pctx.ep_group_ranks == ep_ranks, (layout, pctx.ep_group_ranks)
+        check_moe_parity(CASES[name], pctx)
 
 
 def test_moe_parity_tp2_sp_ep2_cp2() -> None:
     run_distributed(_two_process_worker, 2)
 
 
-def test_moe_parity_ep4_tp2xep2_cp2xep2_tp4() -> None:
+def test_moe_parity_ep4_tp2xep2_cp2xep2() -> None:
     run_distributed(_four_process_worker, 4)
+
+
+def test_moe_flops_count_the_active_experts() -> None:
+    """MFU's model FLOPs count the router and the k experts a token passes through, not the experts it skips."""
+    from llama_megatron.training.flops import forward_flops_per_token
+
+    shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
+    dense = forward_flops_per_token(ModelConfig(**shape, model_type="mistral"), 100)
+    moe = ModelConfig(**shape, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+    assert forward_flops_per_token(moe, 100) - dense == 4 * 2 * (3 * 64 * 96 + 64 * 8)  # one more expert, router
+    assert moe.num_active_parameters() == moe.num_parameters() - 4 * 6 * 3 * 64 * 96
 
 
 def test_moe_config_checks() -> None:
@@ -141,3 +154,33 @@ def test_moe_config_checks() -> None:
         ParallelConfig(expert=2).validate(tiny_config())
     with pytest.raises(ConfigError, match="expert parallel degree 4 does not divide the data axis"):
         ParallelConfig(tensor=2, expert=4).check_world_size(4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.expert=2", "checkpoint.save=ckpt"], "checkpoints of expert-parallel runs"),
+    (["parallel.pipeline=2", "pipeline.schedule=zb-h1"], "'zb-h1' does not split the experts' weight gradients"),
+    (['lora={"rank": 2, "targets": ["q_proj", "down_proj"]}'], "lora.targets down_proj: the mixtral model's MLP"),
+    (["parallel.expert=2", 'lora={"rank": 2, "targets": ["q_proj"]}'], "LoRA with expert parallelism"),
+])
+def test_training_refuses_what_moe_runs_cannot_do_yet(overrides: list[str], message: str) -> None:
+    from launch_utils import ROOT
+
+    from llama_megatron.training.config import TrainingConfig
+
+    moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
+    with pytest.raises(ConfigError, match=message):
+        TrainingConfig.from_file(f"{ROOT}/tests/configs/e2e_pretrain.json", ['data={"synthetic": true}', *moe,
+                                                                             *overrides])
+
+
+def test_zero3_with_expert_parallelism_is_refused() -> None:
+    from launch_utils import ROOT
+
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+
+    moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
+    config = TrainingConfig.from_file(f"{ROOT}/tests/configs/e2e_pretrain.json",
+                                      ['data={"synthetic": true}', *moe, "parallel.expert=2"])
+    with pytest.raises(ConfigError, match="ZeRO stage 3 cannot be combined with expert parallelism"):
+        build_deepspeed_config(config, {"zero_optimization": {"stage": 3}}, 2)

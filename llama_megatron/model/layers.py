@@ -11,7 +11,7 @@ position and segment ids are always full length (attention needs the whole seque
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -29,9 +29,10 @@ from llama_megatron.parallel.layers import ColumnParallelLinear, VocabParallelEm
 Payload = tuple[torch.Tensor, ...]
 
 
-@dataclass
-class RoutedHeadOutput:
-    """The LM head's output of a mixture-of-experts model, with the router statistics of all its layers."""
+class RoutedHeadOutput(NamedTuple):
+    """The LM head's output of a mixture-of-experts model, with the router statistics of all its layers. A tuple:
+    DeepSpeed finds the tensors of a module's output (it hooks their gradients: its backward prologue, which clears
+    the bf16 optimizer's per-micro-batch gradients, runs at the first one) only in tuples, lists and dicts."""
 
     head: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     router_stats: torch.Tensor

@@ -62,6 +62,8 @@ class CausalLMLoss:
             self.expert_counts = counts if self.expert_counts is None else self.expert_counts + counts
             if self.config.output_router_logits:
                 aux = router_aux_loss(head.router_stats, self.config, self.pctx)
+            else:  # no aux loss, but a gradient (of zeros) for the statistics a pipeline stage received
+                aux = 0.0 * head.router_stats[1].sum()
             head = head.head
         loss = self._cross_entropy(head, labels)
         return loss if aux is None else loss + aux

@@ -133,10 +133,10 @@ def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig
         rows = shapes.intermediate
         setattr(mlp.gate_up_proj, ADAPTER_MODULE,
                 ColumnLoRA(config.hidden_size, [("gate_proj", rows), ("up_proj", rows)], 1, lora, pctx))
-    for target, base in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
-        if target in wanted:
+    for target, owner, name in (("o_proj", attn, "o_proj"), ("down_proj", mlp, "down_proj")):
+        if target in wanted:  # (a mixture of experts has no down_proj: lora_layout.check_targets refuses it)
             out_features, in_features = target_shapes(config, target)
-            setattr(base, ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
+            setattr(getattr(owner, name), ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
 
 
 def _embedding_output_requires_grad(module: nn.Module, args, kwargs, output):

@@ -152,7 +152,16 @@ def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
 
 def adapter_layout(config: ModelConfig, lora: LoraConfig) -> ParamLayout:
     """Every adapter matrix of ``lora`` on the model of ``config``, in layer order."""
+    check_targets(config, lora)
     return ParamLayout(config, specs=_specs(config, lora))
+
+
+def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
+    """A mixture-of-experts model has no dense MLP: its LoRA targets are the attention projections."""
+    mlp = [t for t in lora.targets if TARGETS[t].linear.startswith("mlp.")]
+    if config.family.moe and mlp:
+        raise ConfigError(f"lora.targets {', '.join(mlp)}: the {config.model_type} model's MLP is a mixture of experts, "
+                          "whose linears take no adapters yet; choose among q_proj, k_proj, v_proj, o_proj")
 
 
 def is_adapter_parameter(module_name: str) -> bool:

@@ -139,7 +139,7 @@ class MoEMLP(nn.Module):
             arrived = all_to_all_tokens(inputs, recv, send, self.pctx.ep_group)
             outputs = all_to_all_tokens(self._local_experts(arrived, received.tolist()), send, recv,
                                         self.pctx.ep_group)
-        return torch.empty_like(outputs).index_copy_(0, by_expert, outputs)
+        return outputs[torch.argsort(by_expert)]  # back to assignment order (an index: saves only the indices)
 
     def _local_experts(self, rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Run this rank's experts on ``rows``: blocks from each source rank in turn, each block split by local

@@ -151,6 +151,15 @@ class ParallelContext:
         from deepspeed.utils import groups
 
         name = self.expert_group_name
+        mine = (self.ep_group_ranks, self.edp_group_ranks)
+        if name in groups._get_expert_parallel_group_dict() and mine != (
+                tuple(groups._get_expert_parallel_group_ranks(name)),
+                tuple(groups._get_expert_data_parallel_group_ranks(name))):
+            # DeepSpeed caches one set per EP degree for the life of the process and has no reset: an earlier run in
+            # this process (several runs in one launch, a notebook) left another layout's groups under the name
+            for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                             groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+                registry.pop(name, None)
         if name not in groups._get_expert_parallel_group_dict():
             # the layout of DeepSpeed's expert tensor parallelism (experts TP-split, as ours): EP and expert-DP groups
             # within one TP lane (its other layouts let an expert-DP group span TP ranks, for experts replicated
@@ -158,9 +167,8 @@ class ParallelContext:
             groups._create_expert_data_and_model_parallel(self.ep_size, mpu=self)
         theirs = (tuple(groups._get_expert_parallel_group_ranks(name)),
                   tuple(groups._get_expert_data_parallel_group_ranks(name)))
-        if theirs != (self.ep_group_ranks, self.edp_group_ranks):
-            raise RuntimeError(f"DeepSpeed's expert groups {theirs} differ from this layout's "
-                               f"{(self.ep_group_ranks, self.edp_group_ranks)}")
+        if theirs != mine:
+            raise RuntimeError(f"DeepSpeed's expert groups {theirs} differ from this layout's {mine}")
 
     @property
     def is_first_stage(self) -> bool:

@@ -21,7 +21,7 @@ from llama_megatron.config import LocalShapes, ModelConfig, ParallelConfig, read
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
-from llama_megatron.model.lora_layout import LoraConfig
+from llama_megatron.model.lora_layout import LoraConfig, check_targets
 
 
 @dataclass
@@ -245,6 +245,8 @@ class TrainingConfig:
             raise ConfigError(f"parallel.expert {self.parallel.expert}: checkpoints of expert-parallel runs (each EP "
                               "rank's experts in files of their own) are not written or read yet; unset "
                               "checkpoint.save/load or train with parallel.expert 1")
+        if self.lora is not None:
+            check_targets(self.model, self.lora)
         if self.parallel.expert > 1 and self.lora is not None:
             raise ConfigError("LoRA with expert parallelism is not supported yet: train with parallel.expert 1")
         if self.pipeline.schedule == "zb-h1":

@@ -50,6 +50,9 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
             f"ZeRO stage {stage} cannot be combined with pipeline parallelism (pipeline={pp}): "
             "use ZeRO-0/1 with PP, or pipeline=1 with ZeRO-2/3"
         )
+    if stage == 3 and config.parallel.expert > 1:
+        raise ConfigError(f"ZeRO stage 3 cannot be combined with expert parallelism (expert={config.parallel.expert}): "
+                          "DeepSpeed partitions only its own AutoEP experts under ZeRO-3; use ZeRO-1/2")
     if precision(ds) == "fp16" and accelerator == "cpu":
         raise ConfigError("fp16 is not supported on CPU; use a bf16 or fp32 DeepSpeed config")
 
@@ -75,8 +78,9 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
     if precision(ds) == "bf16" and pp > 1:
         # bf16 gradients accumulated over micro batches drift; keep the accumulation in fp32 under PP.
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-    if pp > 1 and (config.parallel.sequence_parallel or config.pipeline.schedule != "1f1b"):
-        # ZB-H1's asynchronous sends (training/pipeline_engine.py) send each rank's payload whole too
+    if pp > 1 and (config.parallel.sequence_parallel or config.pipeline.schedule != "1f1b" or config.model.family.moe):
+        # ZB-H1's asynchronous sends (training/pipeline_engine.py) send each rank's payload whole too, and so does
+        # an MoE model (the engine's single backward over several sent tensors does not rebuild partitioned ones)
         _unpartitioned_pipe_payloads(ds)
     return ds
 
@@ -96,7 +100,8 @@ def _unpartitioned_pipe_payloads(ds: dict[str, Any]) -> None:
         if pipeline.get(key, False) is not False:
             raise ConfigError(
                 f"DeepSpeed config pipeline.{key}={pipeline[key]!r} cannot be combined with sequence_parallel "
-                "(each TP rank holds a different sequence shard) or pipeline.schedule zb-h1 (asynchronous sends) "
-                "under pipeline parallelism: remove the key"
+                "(each TP rank holds a different sequence shard), pipeline.schedule zb-h1 (asynchronous sends) or "
+                "a mixture-of-experts model (router statistics sent with the hidden states) under pipeline "
+                "parallelism: remove the key"
             )
         pipeline[key] = False

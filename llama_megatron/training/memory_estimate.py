@@ -19,6 +19,11 @@ Context parallelism divides every token-sized activation by CP (a rank holds s /
 all-to-all its attention holds all s tokens for 1/CP of the heads, the same bytes) except the full-length position
 ids; it adds the attention output in both layouts (before and after the all-to-all back), K/V repeated for the
 all-to-all when the KV heads do not split over CP, and ZeRO partitions over DP x CP.
+
+A mixture-of-experts layer holds the router and its EP rank's experts; under ZeRO the experts form parameter groups
+of their own, partitioned over their expert-data-parallel group (DP x CP / EP ranks). Its activations assume
+balanced routing (each rank's experts receive, on average, the k x tokens assignments its tokens make): the router's
+fp32 probabilities, the experts' inputs (what the all-to-all delivers), their SwiGLU intermediates and outputs.
 """
 
 from __future__ import annotations
@@ -105,26 +110,33 @@ class _Layer:
     params: list[tuple[int, bool]]  # (numel, decayed: a matrix, not a norm or bias) per parameter of the model
     adapters: list[tuple[int, bool]]  # the same for the LoRA adapters on it
     frozen: bool  # a LoRA run: the model's own parameters do not train
+    experts: list[tuple[int, bool]] = field(default_factory=list)  # this EP rank's experts, with expert parallelism
 
-    def states_params(self) -> list[tuple[int, bool, bool]]:
-        """(numel, decayed, trains) of every parameter the engine holds."""
-        return [(n, d, not self.frozen) for n, d in self.params] + [(n, d, True) for n, d in self.adapters]
+    def states_params(self) -> list[tuple[int, bool, bool, bool]]:
+        """(numel, decayed, trains, an expert's under expert parallelism) of every parameter the engine holds."""
+        return ([(n, d, not self.frozen, False) for n, d in self.params]
+                + [(n, d, not self.frozen, True) for n, d in self.experts] + [(n, d, True, False) for n, d in
+                                                                              self.adapters])
 
 
-def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | None = None) -> list[_Layer]:
-    """The pipeline layer list with each layer's per-TP-rank parameters, from the parameter layout table (and the
-    adapter table of a LoRA run)."""
+def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | None = None,
+            ep: int = 1) -> list[_Layer]:
+    """The pipeline layer list with each layer's per-TP-rank parameters (an MoE model's per EP rank: every EP rank
+    holds as many experts), from the parameter layout table (and the adapter table of a LoRA run)."""
     n = model.num_hidden_layers
     head = "EmbeddingPipe" if model.tie_word_embeddings else "LMHeadPipe"
     kinds = ["EmbeddingPipe"] + ["DecoderLayerPipe"] * n + ["FinalNormPipe", head]
-    tables = [ParamLayout(model), adapter_layout(model, lora) if lora is not None else []]
+    tables = [ParamLayout(model).held_by(0, ep), adapter_layout(model, lora) if lora is not None else []]
     params: list[list[list[tuple[int, bool]]]] = [[[] for _ in kinds] for _ in tables]
+    experts: list[list[tuple[int, bool]]] = [[] for _ in kinds]
     for table, rows in zip(tables, params):
         for spec in table:
             shape = shard_shape(spec, model, tp, padded_vocab)
+            held = experts if spec.expert is not None and ep > 1 else rows
             for index in spec.layers:  # a tied table sits on both end layers
-                rows[index].append((math.prod(shape), len(shape) >= 2))  # matrices are weight-decayed
-    return [_Layer(kind, own, adapters, lora is not None) for kind, own, adapters in zip(kinds, *params)]
+                held[index].append((math.prod(shape), len(shape) >= 2))  # matrices are weight-decayed
+    return [_Layer(kind, own, adapters, lora is not None, mine)
+            for kind, own, adapters, mine in zip(kinds, *params, experts)]
 
 
 def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:
@@ -135,7 +147,8 @@ def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:
     if method == "uniform":
         return partition_uniform(num_items=len(layers), num_parts=pp)
     if method == "parameters":
-        return partition_balanced(weights=[sum(n for n, _ in layer.params) for layer in layers], num_parts=pp)
+        return partition_balanced(weights=[sum(n for n, _ in layer.params + layer.experts) for layer in layers],
+                                  num_parts=pp)
     if method.startswith("type:"):
         pattern = re.compile(method[5:], re.IGNORECASE)
         return partition_balanced(weights=[1 if pattern.search(layer.kind) else 0 for layer in layers], num_parts=pp)
@@ -167,14 +180,16 @@ def _aligned(numel: int, dp: int) -> int:
     return math.ceil(numel / (2 * dp)) * 2 * dp
 
 
-def _states(params: list[tuple[int, bool, bool]], ds: dict, wrapper: str, dp: int, e: int) -> dict[str, int]:
-    """Parameter, gradient and optimizer bytes of one rank holding ``params`` ((numel, decayed, trains) each: a
-    frozen one is held in the run's precision, without gradient or optimizer state); keys with a ``cpu_`` prefix."""
-    frozen = sum(n for n, _, trains in params if not trains)
-    groups = [sum(n for n, decay, trains in params if decay and trains),
-              sum(n for n, decay, trains in params if not decay and trains)]
-    groups = [g for g in groups if g]  # DeepSpeed drops empty parameter groups
-    total = sum(groups)
+def _states(params: list[tuple[int, bool, bool, bool]], ds: dict, wrapper: str, dp: int, e: int,
+            ep: int = 1) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes of one rank holding ``params`` ((numel, decayed, trains, expert)
+    each: a frozen one is held in the run's precision, without gradient or optimizer state; ZeRO partitions an
+    expert's over DP x CP / EP ranks, in groups of its own); keys with a ``cpu_`` prefix."""
+    frozen = sum(n for n, _, trains, _ in params if not trains)
+    groups = [(sum(n for n, decay, trains, expert in params if decay == d and trains and expert == x),
+               dp // ep if x else dp) for x in (False, True) for d in (True, False)]
+    groups = [(g, parts) for g, parts in groups if g]  # DeepSpeed drops empty parameter groups
+    total = sum(g for g, _ in groups)
     zero = ds.get("zero_optimization", {})
     out = dict.fromkeys(("parameters", "gradients", "optimizer", "cpu_parameters", "cpu_gradients",
                          "cpu_optimizer"), 0)
@@ -184,23 +199,24 @@ def _states(params: list[tuple[int, bool, bool]], ds: dict, wrapper: str, dp: in
     elif wrapper == "fp16_wrapper":  # whole fp32 master copy and its gradients, Adam on top
         out.update(parameters=e * (total + frozen), gradients=(e + 4) * total, optimizer=12 * total)
     elif wrapper in ("bf16", "zero1", "zero2"):
-        flat = sum(_aligned(g, dp) for g in groups)
+        flat = sum(_aligned(g, parts) for g, parts in groups)
+        owned = sum(_aligned(g, parts) // parts for g, parts in groups)  # this rank's partitions
         out["parameters"] = e * (flat + frozen)
-        out[opt] = 12 * flat // dp  # fp32 master partition + exp_avg + exp_avg_sq
+        out[opt] = 12 * owned  # fp32 master partition + exp_avg + exp_avg_sq
         if wrapper == "bf16":  # fp32 gradient accumulation buffer over the whole flat group
             out["gradients"] = 4 * flat
         else:  # ZeRO-1 keeps whole gradients, ZeRO-2 its partition; both stage reductions in buckets
             buckets = (2 if zero.get("overlap_comm") else 1) * int(zero.get("reduce_bucket_size", 5e8))
-            kept = flat if wrapper == "zero1" else flat // dp
+            kept = flat if wrapper == "zero1" else owned
             out["gradients"] = e * (kept + min(buckets, flat))
-            out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * flat // dp
+            out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * owned
     else:  # zero3: every parameter partitioned, frozen or not; gradients and optimizer for the trained ones
-        part = sum(math.ceil(n / dp) for n, _, _ in params)
-        trained = sum(math.ceil(n / dp) for n, _, trains in params if trains)
+        part = sum(math.ceil(n / dp) for n, _, _, _ in params)
+        trained = sum(math.ceil(n / dp) for n, _, trains, _ in params if trains)
         threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
         budget = int(zero.get("stage3_model_persistence_threshold", 2**63 - 1))
         persistent, counted = 0, 0
-        for n, _, _ in params:  # DeepSpeed's mark_persistent_parameters, in parameter order
+        for n, _, _, _ in params:  # DeepSpeed's mark_persistent_parameters, in parameter order
             if n <= threshold and counted + n <= budget:
                 counted += n
                 persistent += math.ceil(n / dp) * dp  # gathered into a DP-padded buffer
@@ -226,14 +242,19 @@ def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> 
     if m.qk_norm:  # Qwen3's q and k norms, on this rank's heads (their outputs feed RoPE, not a linear)
         norms += _norm_bytes(tokens, (local.heads + local.kv_heads) * hd, 1, e, fast, feeds_linear=False)
     ulysses = e * tokens * q_width if cp > 1 else 0  # the output after the all-to-all back (o_proj's input)
+    swiglu = 3 if fast else 4  # gate_up output (2f), product; the reference path keeps the silu output too
     if fast:  # q, k, v (K/V heads not repeated, unless for the CP all-to-all) and the output
         attention = e * tokens * (2 * q_width + 2 * kv_width) + lse + ulysses
-        mlp = 3 * e * tokens * local.intermediate  # gate_up output (2f), product
         rotary = 2 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 (fp32: the shared tensors)
     else:  # SDPA saves q, k and v (k, v repeated to the query heads) and its output
         attention = 4 * e * tokens * q_width + lse + ulysses
-        mlp = 4 * e * tokens * local.intermediate  # gate_up output (2f), silu output, product
         rotary = 4 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 once per q and k
+    mlp = swiglu * e * tokens * local.intermediate
+    if m.family.moe:  # every TP rank routes the whole (SP-gathered) sequence of its CP shard
+        rows = tokens * m.num_experts_per_tok  # assignments, balanced over the EP ranks' experts
+        # fp32 probabilities and top-k weights, the int64 expert ids and permutations
+        router = 4 * tokens * m.num_local_experts + 4 * tokens + rows * (8 * 4 + 4 * 3)
+        mlp = router + swiglu * e * rows * local.intermediate + 2 * e * rows * h  # + the experts' inputs, outputs
     return norms + attention + rotary + mlp
 
 
@@ -369,7 +390,7 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     prec = precision(ds)
     e = _ELEMENT[prec]
     wrapper = optimizer_wrapper(ds, pp)
-    layers = _layers(config.model, config.local_shapes.padded_vocab_size, tp, config.lora)
+    layers = _layers(config.model, config.local_shapes.padded_vocab_size, tp, config.lora, par.expert)
     kernels = kernel_choice(config.kernels, "cuda")  # a GPU's kernels: what the estimate is for
     fast = kernels != "reference"
     bounds = [0, len(layers)] if pp == 1 else _stage_bounds(layers, pp, config.pipeline.partition_method)
@@ -388,7 +409,7 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
             stage=stage, decoder_layers=kinds.count("DecoderLayerPipe"),
             activations_per_micro_batch=saved, in_flight=in_flight, recompute=recompute, logits=logits,
             deferred_per_micro_batch=deferred, deferred_micro_batches=pending,
-            **_states(params, ds, wrapper, partitions, e)))
+            **_states(params, ds, wrapper, partitions, e, par.expert)))
     return result
 
 
@@ -400,19 +421,19 @@ def construction_bytes(config: TrainingConfig, ds: dict, world_size: int) -> int
     parameters are allocated untouched and their pages first written by the fill, so there the shard is the
     parameter's own memory (measured: ``benchmarks/zero3_init_memory.py``)."""
     par = config.parallel
-    layers = _layers(config.model, config.local_shapes.padded_vocab_size, par.tensor)
+    layers = _layers(config.model, config.local_shapes.padded_vocab_size, par.tensor, ep=par.expert)
     bounds = [0, len(layers)] if par.pipeline == 1 else _stage_bounds(layers, par.pipeline,
                                                                       config.pipeline.partition_method)
     largest_full = max(math.prod(shape) for spec in ParamLayout(config.model) for shape in spec.hf_shapes)
-    largest_shard = max(n for layer in layers for n, _ in layer.params)
+    largest_shard = max(n for layer in layers for n, _ in layer.params + layer.experts)
     partitions = config.data_parallel_size(world_size) * par.context
     partitioned = zero_stage(ds) == 3 and config.distributed.zero3_init
     transient = 4 * (largest_full + (largest_shard if partitioned else 0))
     worst = 0
     for stage in range(par.pipeline):
-        numels = [n for layer in layers[bounds[stage]:bounds[stage + 1]] for n, _ in layer.params]
+        numels = [n for layer in layers[bounds[stage]:bounds[stage + 1]] for n, _ in layer.params + layer.experts]
         if par.pipeline == 1 and config.model.tie_word_embeddings:
-            numels = [n for layer in layers[:-1] for n, _ in layer.params]
+            numels = [n for layer in layers[:-1] for n, _ in layer.params + layer.experts]
         if partitioned:
             held = sum(math.ceil(n / partitions) for n in numels) * _ELEMENT[precision(ds)]
         else:

@@ -30,7 +30,7 @@ FILE_SECONDS = {
     "test_lora.py": 84, "test_sft_e2e.py": 82, "test_benchmark_scripts.py": 110, "test_finetune_recipe.py": 76,
     "test_convert_deepspeed.py": 63, "test_context_parallel.py": 60, "test_checkpoint_safety.py": 51,
     "test_multinode.py": 150, "test_generate.py": 38, "test_doctor.py": 30, "test_zero3_init.py": 60, "test_universal_conversion.py": 70, "test_pipeline_schedules.py": 130, "test_weight_grad_split.py": 40, "test_init_invariance.py": 34, "test_model_parity.py": 28, "test_model_families.py": 100,
-    "test_moe.py": 45,
+    "test_moe.py": 25,
 }
 
 

@@ -7,10 +7,10 @@ is shorter than a sample):
 
 - the one-process TP1-PP1 run, replayed step by step with the family's transformers class and torch AdamW on the
   same batches (1e-4 rel per step, grad norms 1e-3);
-- TP2 x PP2 with sequence parallelism and recomputation, and (Qwen3) CP2 x PP2, against TP1-PP1 (losses 1e-5 and
-  gradient norms 1e-4 rel per step); Mixtral with expert parallelism: EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with
-  SP and recomputation (8 processes), and EP2 x PP2 in bf16 without the aux loss against a bf16 TP1-PP1 run (1e-4,
-  1e-2), expert loads compared too;
+- TP2 x PP2 with sequence parallelism and recomputation (Qwen2, Qwen3; Mistral's is its SFT run), and (Qwen3)
+  CP2 x PP2, against TP1-PP1 (losses 1e-5 and gradient norms 1e-4 rel per step); Mixtral with expert parallelism:
+  EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with SP and recomputation (8 processes), and EP2 x PP2 in bf16 without
+  the aux loss against a bf16 TP1-PP1 run (1e-4, 1e-2), expert loads compared too;
 - fine-tuning: SFT of the Mistral model on the shipped chat set, packed (documents and window together), and LoRA
   on a random Qwen3ForCausalLM converted to TP1 and TP2 checkpoints, at TP2 x PP2 with SP against TP1-PP1 (1e-4 rel
   per step, train and validation loss).
@@ -57,7 +57,8 @@ BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_rou
 # EP2 x PP2 in bf16 (DeepSpeed's bf16 optimizer) without the aux loss against a bf16 TP1-PP1 run, EP2 x TP2 x PP2
 # with SP and recomputation (8 processes), which stands for the MoE model's TP2 x PP2 too
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
-        if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))]
+        if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))
+        and (family, name) != ("mistral", "tp2-pp2-sp-recompute")]  # Mistral at TP2 x PP2 SP: its SFT run below
 
 
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]

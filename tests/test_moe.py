@@ -97,33 +97,25 @@ def test_moe_parity_one_process(name: str) -> None:
     check_moe_parity(CASES[name], ParallelContext.single())
 
 
-def _two_process_worker(rank: int, world_size: int) -> None:
+def _four_process_worker(rank: int, world_size: int) -> None:
     init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
-    layouts = [dict(tensor=2), dict(tensor=2, sequence_parallel=True), dict(expert=2), dict(context=2)]
-    for layout in layouts:
+    dp_lane = (rank % 2, rank % 2 + 2)  # TP2: a TP lane's data coordinates
+    layouts = [  # (cases, layout, this rank's EP group: consecutive data coordinates within its TP lane)
+        (("top2-of-4-window", "top3-of-8-tied"), dict(tensor=2, sequence_parallel=True), (rank,)),
+        (("top2-of-4-window", "top3-of-8-tied"), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+        (("top3-of-8-tied",), dict(expert=4), (0, 1, 2, 3)),
+        (("top3-of-8-tied",), dict(tensor=2, expert=2, sequence_parallel=True), dp_lane),
+        (("top2-of-4-window",), dict(context=2, expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+    ]
+    for names, layout, ep_ranks in layouts:
         pctx = ParallelContext.build(**layout)
-        for name in ("top2-of-4-window", "top3-of-8-tied"):
+        assert pctx.ep_group_ranks == ep_ranks, (layout, pctx.ep_group_ranks)
+        for name in names:
             check_moe_parity(CASES[name], pctx)
 
 
-def _four_process_worker(rank: int, world_size: int) -> None:
-    init_distributed()
-    layouts = [  # (case, layout, this rank's EP group: consecutive data coordinates within its TP lane)
-        ("top3-of-8-tied", dict(expert=4), (0, 1, 2, 3)),
-        ("top3-of-8-tied", dict(tensor=2, expert=2, sequence_parallel=True), (rank % 2, rank % 2 + 2)),
-        ("top2-of-4-window", dict(context=2, expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
-    ]
-    for name, layout, ep_ranks in layouts:
-        pctx = ParallelContext.build(**layout)
-        assert pctx.ep_group_ranks == ep_ranks, (layout, pctx.ep_group_ranks)
-        check_moe_parity(CASES[name], pctx)
-
-
-def test_moe_parity_tp2_sp_ep2_cp2() -> None:
-    run_distributed(_two_process_worker, 2)
-
-
-def test_moe_parity_ep4_tp2xep2_cp2xep2() -> None:
+def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
+    """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2."""
     run_distributed(_four_process_worker, 4)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from llama_megatron.commands.train import add_config_arguments
 from llama_megatron.training.config import TrainingConfig
@@ -22,7 +23,8 @@ ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer st
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--world-size", type=int, default=None,
-                        help="number of ranks (default: tensor x pipeline x context, i.e. data parallel 1)")
+                        help="number of ranks (default: tensor x pipeline x context, i.e. data parallel 1; with "
+                             "expert parallelism the smallest data axis the experts split over)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
 
 
@@ -59,7 +61,7 @@ def format_table(est: Estimate) -> str:
 def run(args: argparse.Namespace) -> int:
     config = TrainingConfig.from_file(args.config, args.overrides)
     par = config.parallel
-    world = args.world_size or par.tensor * par.pipeline * par.context
+    world = args.world_size or par.tensor * par.pipeline * math.lcm(par.context, par.expert)
     config.check_world_size(world)
     budget = parse_bytes(args.gpu_memory)
     # "cuda" so fp16 configs (refused on a CPU *run*) can still be estimated for the GPUs they are meant for

@@ -350,6 +350,22 @@ def test_long_context_recipe(monkeypatch):
     assert cp2.activations < 0.6 * cp1.activations  # the chunked loss's fp32 weight gradient does not shrink
 
 
+def test_mixtral_recipe(monkeypatch):
+    """The Mixtral 8x7B recipe (TP2 x PP2 x EP4, 16 GPUs, seq 4096) fits 80 GiB; at EP1 every rank would hold all
+    8 experts of its layers (4x the expert weights and gradients; ZeRO-1 partitions their optimizer state over the
+    expert-data-parallel group, which is 4x larger then, so those bytes stay)."""
+    monkeypatch.chdir(ROOT)
+    config = TrainingConfig.from_file(os.path.join(ROOT, "configs", "pretrain", "mixtral-8x7b-16gpu.json"))
+    assert config.model.num_local_experts == 8 and config.model.output_router_logits
+    ds = build_deepspeed_config(config, config.deepspeed_config, 16, "cuda")
+    ep4 = estimate(config, ds, 16).stages
+    assert max(stage.gpu_total for stage in ep4) <= 80 * 2**30
+    config.parallel.expert = 1
+    ep1 = estimate(config, ds, 16).stages
+    assert all(one.parameters > 2.5 * four.parameters for one, four in zip(ep1, ep4))
+    assert all(abs(one.optimizer / four.optimizer - 1) < 0.05 for one, four in zip(ep1, ep4))
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--world-size", "3", "--set", "parallel.tensor=2"], "not divisible"),
     (["--gpu-memory", "lots"], "--gpu-memory"),

@@ -18,12 +18,16 @@ is shorter than a sample):
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
 from launch_utils import ROOT, assert_losses_close, assert_run_replays_hf, launch_many, losses, train_args
 from model_utils import hf_class, hf_model
 
+from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
+from llama_megatron.checkpoint.safe_load import load_file
 from llama_megatron.cli import main as cli_main
 from llama_megatron.training.config import TrainingConfig
 
@@ -61,6 +65,11 @@ RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
         and (family, name) != ("mistral", "tp2-pp2-sp-recompute")]  # Mistral at TP2 x PP2 SP: its SFT run below
 
 
+# Expert-parallel checkpoints: the EP2 x DP2 (ZeRO-1) and EP2 x PP2 (bf16) runs save at step 3 and 6 and resume from
+# step 3 in their layout; their step-6 weights are read as the TP1-PP1 runs' are
+SAVE_STEP = 3
+EXPERT_RESUMES = ["ep2-dp2-zero1", "ep2-pp2-bf16"]
+SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT_RESUMES}}
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
 LORA = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "o_proj", "down_proj"]}'
 
@@ -98,7 +107,13 @@ def runs(shakespeare_prefix, tmp_path_factory):
     bases = _converted_bases(work)
 
     def pretrain(family: str, name: str, layout: list[str]) -> list[str]:
-        return train_args(CONFIG, _overrides(shakespeare_prefix, work / f"{family}-{name}", family, layout))
+        out = work / f"{family}-{name}"
+        saves = [f"checkpoint.save={out}/ckpt", f"checkpoint.interval={SAVE_STEP}"] if name in SAVED[family] else []
+        return train_args(CONFIG, _overrides(shakespeare_prefix, out, family, [*layout, *saves]))
+
+    def resume(name: str) -> list[str]:  # from the run's save at SAVE_STEP, in its layout
+        return train_args(CONFIG, _overrides(shakespeare_prefix, work / f"mixtral-{name}-resumed", "mixtral", [
+            *LAYOUTS[name], f"checkpoint.load={work}/mixtral-{name}/ckpt", f"checkpoint.tag=global_step{SAVE_STEP}"]))
 
     launch_many(1, [*[pretrain(family, "tp1-pp1", []) for family in FAMILIES],
                     pretrain("mixtral", "tp1-pp1-bf16", BF16_TP1_PP1),
@@ -107,6 +122,7 @@ def runs(shakespeare_prefix, tmp_path_factory):
     launch_many(8, [pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
                 str(work / "runs-8.json"))
     launch_many(4, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name not in EIGHT_PROCESSES],
+                    *[resume(name) for name in EXPERT_RESUMES],
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp2-pp2-sp", bases[2], TP2_PP2_SP),
                     _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP)], str(work / "runs-4.json"))
     return work
@@ -136,6 +152,55 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
                                                      losses(reference_run, "expert_load").values()), start=1):
             assert len(ours) == 4 and abs(sum(ours) - 1) < 1e-5, step
             assert max(abs(a - b) for a, b in zip(ours, reference)) < (2e-2 if bf16 else 1e-6), step
+
+
+@pytest.mark.parametrize("layout", EXPERT_RESUMES)
+def test_expert_parallel_checkpoints_resume_exactly_and_read_as_one_model(runs, layout, tmp_path) -> None:
+    """On disk: the experts in files of their own (one per expert, layer and TP rank), none in the layer / module
+    files. A resume from step 3 in the same layout continues bit for bit. The step-6 weights, read as export and
+    fine-tuning read them, are the TP1-PP1 run's (fp32); the bf16 run's fp32 masters, pieced from its ZeRO files,
+    round to its bf16 weights (against the bf16 TP1-PP1 run weights differ by up to ~2 lr per step: Adam turns bf16
+    noise in tiny gradients into full-size updates). Resharded to TP2 (a weights-only checkpoint any EP loads) they
+    read back bit for bit."""
+    bf16 = layout.endswith("bf16")
+    saved, reference = runs / f"mixtral-{layout}" / "ckpt", runs / "mixtral-tp1-pp1"
+    tag_dir = saved / "global_step6"
+    config = MegatronCheckpoint(str(saved), "global_step6").config
+    experts = sorted(p.name for p in tag_dir.glob("expert_*"))
+    assert experts == [f"expert_{e:03d}-layer_{i:02d}-model_00-model_states.pt"
+                       for e in range(4) for i in range(1, config.num_hidden_layers + 1)]
+    module_files = [*tag_dir.glob("layer_*"), *tag_dir.glob("mp_rank_*")]
+    for path in module_files:
+        state = load_file(str(path))
+        keys = (state["module"] or {}) if path.name.startswith("mp_rank") else state
+        assert not [k for k in keys if ".experts." in k], path.name
+    assert json.loads((tag_dir / "llama_megatron.json").read_text())["expert"] == 2
+    steps = range(SAVE_STEP + 1, STEPS + 1)
+    resumed = losses(runs / f"mixtral-{layout}-resumed")
+    assert sorted(resumed) == list(steps)
+    for key in ("loss", "grad_norm"):
+        assert {s: losses(runs / f"mixtral-{layout}", key)[s] for s in steps} == losses(
+            runs / f"mixtral-{layout}-resumed", key)
+    ours = MegatronCheckpoint(str(saved), "global_step6", fp32_master=True)
+    assert ours.dtype == torch.float32 and ours.source_kind == ("fp32 master partitions" if bf16 else
+                                                                 "float32 module weights")
+    if bf16:  # each expert's fp32 master, pieced from the ZeRO files of the ranks holding it, is its bf16 weight
+        stored = MegatronCheckpoint(str(saved), "global_step6")
+        for name in sorted(stored.names()):
+            assert torch.equal(ours.get(name).to(torch.bfloat16), stored.get(name)), name
+    else:  # within 1e-4 (the lr is 3e-3; observed 2.4e-5, in embedding rows Adam moves on tiny gradients)
+        want = MegatronCheckpoint(str(reference / "ckpt"), "global_step6")
+        assert ours.names() == want.names()
+        for name in sorted(want.names()):
+            torch.testing.assert_close(ours.get(name), want.get(name), rtol=0, atol=1e-4, msg=name)
+    # reshard across EP: to TP2 weights (the experts with the other weights again), bit for bit
+    resharded = tmp_path / "tp2"
+    assert cli_main(["reshard", "--input", str(saved), "--tag", "global_step6", "--output", str(resharded),
+                     "--tp", "2", "--make-vocab-size-divisible-by", "64", "--dtype", "fp32"]) == 0
+    back = MegatronCheckpoint(str(resharded))
+    assert back.meta.expert == 1 and back.tp == 2
+    for name in sorted(ours.names()):
+        assert torch.equal(back.get(name), ours.get(name)), name
 
 
 @pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])

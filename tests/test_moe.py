@@ -149,7 +149,6 @@ def test_moe_config_checks() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.expert=2", "checkpoint.save=ckpt"], "checkpoints of expert-parallel runs"),
     (["parallel.pipeline=2", "pipeline.schedule=zb-h1"], "'zb-h1' does not split the experts' weight gradients"),
     (['lora={"rank": 2, "targets": ["q_proj", "down_proj"]}'], "lora.targets down_proj: the mixtral model's MLP"),
     (["parallel.expert=2", 'lora={"rank": 2, "targets": ["q_proj"]}'], "LoRA with expert parallelism"),
@@ -165,14 +164,42 @@ def test_training_refuses_what_moe_runs_cannot_do_yet(overrides: list[str], mess
                                                                              *overrides])
 
 
-def test_zero3_with_expert_parallelism_is_refused() -> None:
+def test_deepspeed_settings_expert_parallelism_refuses() -> None:
+    """ZeRO-3 (DeepSpeed partitions its own AutoEP experts only), and checkpoints under ZeRO-0 (DeepSpeed saves the
+    optimizer state of data-parallel rank 0 only); a fine-tuning start, which reads weights only, is fine."""
     from launch_utils import ROOT
 
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.deepspeed_config import build_deepspeed_config
 
     moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
-    config = TrainingConfig.from_file(f"{ROOT}/tests/configs/e2e_pretrain.json",
-                                      ['data={"synthetic": true}', *moe, "parallel.expert=2"])
+
+    def build(zero: int, *overrides: str) -> dict:
+        config = TrainingConfig.from_file(f"{ROOT}/tests/configs/e2e_pretrain.json",
+                                          ['data={"synthetic": true}', *moe, "parallel.expert=2", *overrides])
+        return build_deepspeed_config(config, {"zero_optimization": {"stage": zero}}, 2)
+
     with pytest.raises(ConfigError, match="ZeRO stage 3 cannot be combined with expert parallelism"):
-        build_deepspeed_config(config, {"zero_optimization": {"stage": 3}}, 2)
+        build(3)
+    for overrides in (["checkpoint.save=ckpt"], ["checkpoint.load=ckpt"]):
+        with pytest.raises(ConfigError, match=r"checkpoints of an expert-parallel run \(expert=2\) need ZeRO-1/2"):
+            build(0, *overrides)
+    assert build(0, "checkpoint.load=ckpt", "checkpoint.finetune=true")["zero_optimization"]["stage"] == 0
+    assert build(1, "checkpoint.save=ckpt")["zero_optimization"]["stage"] == 1
+
+
+def test_expert_parallel_resume_needs_the_saved_degrees() -> None:
+    from llama_megatron.checkpoint.meta import CheckpointMeta
+    from llama_megatron.errors import CheckpointError
+    from llama_megatron.training.checkpointing import check_resume_experts
+
+    def meta(expert: int, dp: int) -> CheckpointMeta:
+        return CheckpointMeta(step=3, consumed_samples=24, tensor=1, pipeline=1, data_parallel=dp, zero_stage=1,
+                              model={}, padded_vocab_size=64, expert=expert, tag="global_step3")
+
+    check_resume_experts(meta(2, 2), 2, 2, "ckpt")
+    check_resume_experts(meta(1, 2), 1, 4, "ckpt")  # no experts apart: DeepSpeed's universal checkpoint re-partitions
+    for saved, expert, partitions in ((meta(2, 2), 1, 2), (meta(1, 2), 2, 2), (meta(2, 2), 2, 4)):
+        with pytest.raises(CheckpointError, match=f"saved with expert={saved.expert} and data x context=2, this run "
+                                                  f"uses expert={expert} and {partitions}: .* checkpoint.finetune"):
+            check_resume_experts(saved, expert, partitions, "ckpt")

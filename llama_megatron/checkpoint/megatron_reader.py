@@ -5,7 +5,9 @@ Per-rank tensors come from, in this order of preference:
 - ZeRO-3: the fp32 partitions in the optimizer files (the model files hold empty tensors);
 - ``fp32_master=True`` on a checkpoint whose module weights are not fp32 (bf16 training): the ZeRO-1/2 fp32
   master partitions, when the optimizer files have them;
-- otherwise the module weights: pipeline layer files, or ``mp_rank_XX_model_states.pt['module']``.
+- otherwise the module weights: pipeline layer files, or ``mp_rank_XX_model_states.pt['module']``; the experts of
+  an expert-parallel run from their own files (checkpoint/weights.py). The fp32 masters of an expert are the pieces
+  of the ranks holding it: its expert-data-parallel group, which DeepSpeed's data-parallel order lists in order.
 
 Every ``*.pt`` file of the checkpoint is checked first (weights-only, :mod:`llama_megatron.checkpoint.safe_load`),
 before any tensor is read. Files are memory-mapped and re-opened per parameter (see :meth:`release`), so a PP=1
@@ -23,7 +25,12 @@ from torch import nn
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
 from llama_megatron.checkpoint.safe_load import load_state_file, verify_checkpoint_dir
-from llama_megatron.checkpoint.weights import is_pipeline_checkpoint, layer_file, model_states_file
+from llama_megatron.checkpoint.weights import (
+    expert_file,
+    is_pipeline_checkpoint,
+    layer_file,
+    model_states_file,
+)
 from llama_megatron.checkpoint.zero_fp32 import (
     Zero3Partitions,
     Zero12Partitions,
@@ -95,7 +102,10 @@ class MegatronCheckpoint:
         return dtype
 
     def _module_tensor(self, spec: ParamSpec, rank: int) -> torch.Tensor:
-        if self._pipeline:
+        if spec.expert is not None and self.meta.expert > 1:
+            path = expert_file(self.tag_dir, spec.layers[0], spec.expert, rank)
+            state, key = self._file(path), spec.layer_key
+        elif self._pipeline:
             path = layer_file(self.tag_dir, spec.layers[0], rank)
             state, key = self._file(path), spec.layer_key
         else:

@@ -59,6 +59,7 @@ class CheckpointMeta:
     model: dict[str, Any]
     padded_vocab_size: int
     context: int = 1  # context-parallel degree of the run that saved it (older checkpoints: 1)
+    expert: int = 1  # expert-parallel degree: > 1 keeps the experts in files of their own (checkpoint/weights.py)
     format_version: int = FORMAT_VERSION
     lora: dict[str, Any] | None = None  # adapter-only checkpoint: rank, alpha, dropout, targets, base
     saved_at: float | None = None  # wall-clock time of the save (retention keeps the newest saves by it)

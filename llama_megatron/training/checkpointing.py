@@ -197,6 +197,18 @@ def check_resume_layout(meta: CheckpointMeta, tensor: int, pipeline: int, load_d
         )
 
 
+def check_resume_experts(meta: CheckpointMeta, expert: int, partitions: int, load_dir: str) -> None:
+    """An expert-parallel run resumes with the expert and data-parallel degrees it saved with: ZeRO partitioned the
+    experts' optimizer state over their expert-data-parallel groups, which DeepSpeed's universal checkpoint does not
+    re-partition for our expert layers. The weights alone load at any degree (a fine-tuning start)."""
+    if max(meta.expert, expert) > 1 and (meta.expert, meta.zero_partitions) != (expert, partitions):
+        raise CheckpointError(
+            f"checkpoint {load_dir}/{meta.tag} was saved with expert={meta.expert} and data x context="
+            f"{meta.zero_partitions}, this run uses expert={expert} and {partitions}: an expert-parallel run resumes "
+            "with the degrees it saved with; start from its weights with checkpoint.finetune true instead"
+        )
+
+
 def needs_universal(meta: CheckpointMeta, partitions: int) -> bool:
     """ZeRO partitions optimizer state over DeepSpeed's data-parallel group (DP x CP); another DP x CP degree needs
     DeepSpeed's universal checkpoint."""

@@ -241,10 +241,6 @@ class TrainingConfig:
         """What training cannot do with a mixture of experts yet (the model itself runs in every layout)."""
         if not self.model.family.moe:
             return
-        if self.parallel.expert > 1 and (self.checkpoint.save or self.checkpoint.load):
-            raise ConfigError(f"parallel.expert {self.parallel.expert}: checkpoints of expert-parallel runs (each EP "
-                              "rank's experts in files of their own) are not written or read yet; unset "
-                              "checkpoint.save/load or train with parallel.expert 1")
         if self.lora is not None:
             check_targets(self.model, self.lora)
         if self.parallel.expert > 1 and self.lora is not None:

@@ -53,6 +53,11 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
     if stage == 3 and config.parallel.expert > 1:
         raise ConfigError(f"ZeRO stage 3 cannot be combined with expert parallelism (expert={config.parallel.expert}): "
                           "DeepSpeed partitions only its own AutoEP experts under ZeRO-3; use ZeRO-1/2")
+    resumes = config.checkpoint.load and not config.checkpoint.finetune
+    if stage == 0 and config.parallel.expert > 1 and (config.checkpoint.save or resumes):
+        raise ConfigError(f"checkpoints of an expert-parallel run (expert={config.parallel.expert}) need ZeRO-1/2: "
+                          "under ZeRO-0 DeepSpeed saves the optimizer state of data-parallel rank 0 only, which holds "
+                          "one EP rank's experts")
     if precision(ds) == "fp16" and accelerator == "cpu":
         raise ConfigError("fp16 is not supported on CPU; use a bf16 or fp32 DeepSpeed config")
 

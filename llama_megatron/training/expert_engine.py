@@ -8,15 +8,27 @@ own module names. :class:`ExpertLayers` tells the engine about ours instead; Dee
 ``set_deepspeed_parallelism`` (which registers the expert groups, checked equal to ours) and reads the marks on
 the expert parameters (``allreduce = False``, ``group_name``). At EP 1 nothing is marked and the experts are
 ordinary replicated weights.
+
+Checkpoints at EP > 1 take DeepSpeed's dense path (its MoE path saves only its own MoE classes' experts, and writes a
+pipeline stage's weights into ``mp_rank`` files its pipeline loader does not read): the layer / module files and the
+ZeRO files as for any run, the experts left out of the former, and each expert in a file of its own
+(checkpoint/weights.py), written by the first rank of its expert-data-parallel group. ZeRO's files hold each rank's
+partitions of its expert groups, so a resume with the same degrees restores every expert's optimizer state.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
 
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from llama_megatron.checkpoint.safe_load import load_state_file
+from llama_megatron.checkpoint.weights import expert_file
 from llama_megatron.model.moe import MoEMLP
 from llama_megatron.parallel.context import ParallelContext
 
@@ -61,6 +73,54 @@ class ExpertLayers:
             self.has_moe_layers = True
             self.num_experts.extend(layer.num_experts for layer in layers)
 
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False):
+        if not self.has_moe_layers:
+            return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        with self._experts_apart():
+            saved = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if self.pctx.rank == self.pctx.edp_group_ranks[0]:
+            for layer, within, module in self._moe_blocks():
+                for expert, mlp in module.experts.items():
+                    # cloned: a bf16 optimizer's parameters are views of one flat buffer, which torch.save would write
+                    state = {f"{within}.experts.{expert}.{key}": value.detach().clone()
+                             for key, value in mlp.state_dict().items()}
+                    torch.save(state, expert_file(os.path.join(save_dir, tag), layer, int(expert), self.pctx.tp_rank))
+        return saved
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        if not self.has_moe_layers:
+            return super().load_checkpoint(load_dir, tag, **kwargs)
+        with self._experts_apart(os.path.join(load_dir, tag)):
+            return super().load_checkpoint(load_dir, tag, **kwargs)
+
+    def _moe_blocks(self) -> list[tuple[int, str, MoEMLP]]:
+        """(pipeline layer index, name inside the layer, block) of each MoE block this rank holds: the model registers
+        its layers by index, as PipelineModule does (``3.mlp``)."""
+        return [(int(name.split(".", 1)[0]), name.split(".", 1)[1], module)
+                for name, module in self.module.named_modules() if isinstance(module, MoEMLP)]
+
+    @contextlib.contextmanager
+    def _experts_apart(self, load_from: str | None = None):
+        """DeepSpeed's dense checkpoint path, with the experts left out of the state dicts it saves, or (loading
+        ``load_from``) put into the ones it loads from their files."""
+        handles = []
+        for layer, within, module in self._moe_blocks():
+            if load_from is None:
+                handles.append(module.register_state_dict_post_hook(_drop_experts))
+            else:
+                add = functools.partial(_add_experts, tag_dir=load_from, layer=layer, within=within,
+                                        tp_rank=self.pctx.tp_rank)
+                handles.append(module.register_load_state_dict_pre_hook(add))
+        self.has_moe_layers = False
+        try:
+            yield
+        finally:
+            self.has_moe_layers = True
+            for handle in handles:
+                handle.remove()
+
     def clip_by_global_norm(self) -> None:
         norm = global_grad_norm(self.module.parameters(), self.pctx, self.device)
         self._global_grad_norm = norm  # what get_global_grad_norm() reports for the step
@@ -69,6 +129,18 @@ class ExpertLayers:
             for param in self.module.parameters():
                 if param.grad is not None:
                     param.grad.detach().mul_(clip.to(param.grad.dtype))
+
+
+def _drop_experts(module: MoEMLP, state: dict, prefix: str, local_metadata: dict) -> None:
+    for key in [k for k in state if k.startswith(prefix + "experts.")]:
+        del state[key]
+
+
+def _add_experts(module: MoEMLP, state: dict, prefix: str, *hook_args, tag_dir: str, layer: int, within: str,
+                 tp_rank: int) -> None:
+    for expert in module.experts:
+        saved = load_state_file(expert_file(tag_dir, layer, int(expert), tp_rank))
+        state.update({prefix + key.removeprefix(within + "."): value for key, value in saved.items()})
 
 
 class LlamaEngine(ExpertLayers, DeepSpeedEngine):

@@ -179,8 +179,8 @@ def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consu
 
 def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None) -> None:
     meta = CheckpointMeta(
-        step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size,
-        data_parallel=pctx.dp_size, context=pctx.cp_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
+        step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size, data_parallel=pctx.dp_size,
+        context=pctx.cp_size, expert=pctx.ep_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
         padded_vocab_size=config.local_shapes.padded_vocab_size, lora=lora,
     )
     tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx)

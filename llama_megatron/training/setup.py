@@ -139,6 +139,8 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
         raise ConfigError(f"checkpoint {load_dir}/{meta.tag} holds a different model config than this run's model "
                           f"section ({', '.join(differences)}){hint}")
     partitions = config.data_parallel_size(world_size) * config.parallel.context  # DeepSpeed's DP group
+    if not finetune:
+        ckpt.check_resume_experts(meta, config.parallel.expert, partitions, load_dir)
     ckpt.verify_load(load_dir, meta, None if finetune else partitions)
     return meta, notes
 

@@ -19,6 +19,13 @@ or PP=4 model with the same TP. Files are read weights-only (:mod:`llama_megatro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+import torch
+
+from llama_megatron.checkpoint.safe_load import load_state_file
+from llama_megatron.errors import CheckpointError
+from llama_megatron.model.param_layout import ParamSpec
 
 
 def layer_file(ckpt_dir: str, layer_idx: int, tp_rank: int) -> str:
@@ -36,3 +43,31 @@ def expert_file(ckpt_dir: str, layer_idx: int, expert: int, tp_rank: int) -> str
 
 def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
     return os.path.isfile(layer_file(ckpt_dir, 0, 0))
+
+
+def tensor_reader(ckpt_dir: str) -> Callable[[ParamSpec, int], torch.Tensor]:
+    """``read(spec, tp_rank)`` -> that rank's tensor; caches one file at a time (streams layer by layer)."""
+    pipeline = is_pipeline_checkpoint(ckpt_dir)
+    cache: dict[str, dict] = {}
+
+    def cached(path: str) -> dict:
+        if path not in cache:
+            cache.clear()
+            cache[path] = load_state_file(path)
+        return cache[path]
+
+    def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
+        if pipeline:
+            key = spec.layer_key
+            state = cached(layer_file(ckpt_dir, spec.layers[0], tp_rank))
+        else:
+            key = spec.module_name
+            state = cached(model_states_file(ckpt_dir, tp_rank)).get("module") or {}
+        if key not in state:
+            raise CheckpointError(f"{ckpt_dir}: no tensor {key!r} for TP rank {tp_rank} ({spec.name})")
+        tensor = state[key]
+        if tensor.numel() == 0:
+            raise CheckpointError(f"{ckpt_dir}: {key!r} is empty (a ZeRO-3 partition); export the checkpoint instead")
+        return tensor
+
+    return read

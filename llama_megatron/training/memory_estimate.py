@@ -112,11 +112,16 @@ class _Layer:
     frozen: bool  # a LoRA run: the model's own parameters do not train
     experts: list[tuple[int, bool]] = field(default_factory=list)  # this EP rank's experts, with expert parallelism
 
+    @property
+    def model_numels(self) -> list[int]:
+        """Elements of each of the model's own parameters on this rank, its experts included."""
+        return [n for n, _ in self.params + self.experts]
+
     def states_params(self) -> list[tuple[int, bool, bool, bool]]:
         """(numel, decayed, trains, an expert's under expert parallelism) of every parameter the engine holds."""
         return ([(n, d, not self.frozen, False) for n, d in self.params]
-                + [(n, d, not self.frozen, True) for n, d in self.experts] + [(n, d, True, False) for n, d in
-                                                                              self.adapters])
+                + [(n, d, not self.frozen, True) for n, d in self.experts]
+                + [(n, d, True, False) for n, d in self.adapters])
 
 
 def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | None = None,
@@ -147,8 +152,7 @@ def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:
     if method == "uniform":
         return partition_uniform(num_items=len(layers), num_parts=pp)
     if method == "parameters":
-        return partition_balanced(weights=[sum(n for n, _ in layer.params + layer.experts) for layer in layers],
-                                  num_parts=pp)
+        return partition_balanced(weights=[sum(layer.model_numels) for layer in layers], num_parts=pp)
     if method.startswith("type:"):
         pattern = re.compile(method[5:], re.IGNORECASE)
         return partition_balanced(weights=[1 if pattern.search(layer.kind) else 0 for layer in layers], num_parts=pp)
@@ -425,15 +429,15 @@ def construction_bytes(config: TrainingConfig, ds: dict, world_size: int) -> int
     bounds = [0, len(layers)] if par.pipeline == 1 else _stage_bounds(layers, par.pipeline,
                                                                       config.pipeline.partition_method)
     largest_full = max(math.prod(shape) for spec in ParamLayout(config.model) for shape in spec.hf_shapes)
-    largest_shard = max(n for layer in layers for n, _ in layer.params + layer.experts)
+    largest_shard = max(n for layer in layers for n in layer.model_numels)
     partitions = config.data_parallel_size(world_size) * par.context
     partitioned = zero_stage(ds) == 3 and config.distributed.zero3_init
     transient = 4 * (largest_full + (largest_shard if partitioned else 0))
     worst = 0
     for stage in range(par.pipeline):
-        numels = [n for layer in layers[bounds[stage]:bounds[stage + 1]] for n, _ in layer.params + layer.experts]
+        numels = [n for layer in layers[bounds[stage]:bounds[stage + 1]] for n in layer.model_numels]
         if par.pipeline == 1 and config.model.tie_word_embeddings:
-            numels = [n for layer in layers[:-1] for n, _ in layer.params + layer.experts]
+            numels = [n for layer in layers[:-1] for n in layer.model_numels]
         if partitioned:
             held = sum(math.ceil(n / partitions) for n in numels) * _ELEMENT[precision(ds)]
         else:

@@ -203,6 +203,27 @@ def test_expert_parallel_checkpoints_resume_exactly_and_read_as_one_model(runs, 
         assert torch.equal(back.get(name), ours.get(name)), name
 
 
+def test_expert_parallel_resume_at_other_degrees_is_refused(runs, shakespeare_prefix, tmp_path, monkeypatch,
+                                                            capsys) -> None:
+    """Resuming the EP2 x DP2 save at EP1 or at EP4 (DP4): exit code 2 and one line before any process group,
+    nothing written, the checkpoint untouched."""
+    from test_checkpoint_safety import _train_in_process, error_lines
+
+    saved = runs / "mixtral-ep2-dp2-zero1" / "ckpt"
+    before = {p.name: p.stat().st_size for p in (saved / "global_step6").iterdir()}
+    for expert in (1, 4):
+        out = tmp_path / f"ep{expert}"
+        overrides = _overrides(shakespeare_prefix, out, "mixtral", [
+            "deepspeed_config=ds_configs/zero1_fp32.json", f"parallel.expert={expert}", f"checkpoint.load={saved}"])
+        assert _train_in_process(monkeypatch, 4, overrides) == 2
+        assert error_lines(capsys.readouterr().err) == [
+            f"error: checkpoint {saved}/global_step6 was saved with expert=2 and data x context=4, this run uses "
+            f"expert={expert} and 4: an expert-parallel run resumes with the degrees it saved with; start from its "
+            "weights with checkpoint.finetune true instead"]
+        assert not out.exists()
+    assert {p.name: p.stat().st_size for p in (saved / "global_step6").iterdir()} == before
+
+
 @pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])
 def test_fine_tuning_trains_like_tp1_pp1(runs, run) -> None:
     reference = losses(runs / f"{run}-tp1-pp1")

@@ -22,6 +22,25 @@ def shakespeare_prefix(tmp_path_factory) -> str:
     return prefix + "_text_document"
 
 
+@pytest.fixture(scope="session")
+def short_documents_prefix(tmp_path_factory) -> str:
+    """Every line of the corpus as its own document (with EOD): most samples pack several documents, so
+    per-document attention differs from causal attention in almost every sample."""
+    import json
+
+    from llama_megatron.cli import main as cli_main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path_factory.mktemp("short-docs")
+    text = out / "lines.txt"
+    with open(os.path.join(root, "data/corpus/shakespeare.jsonl"), encoding="utf-8") as src:
+        lines = [line for record in src for line in json.loads(record)["text"].splitlines() if line.strip()]
+    text.write_text("\n".join(lines[:20000]) + "\n", encoding="utf-8")
+    assert cli_main(["preprocess", "--input", str(text), "--tokenizer", os.path.join(root, "data/tokenizer"),
+                     "--output-prefix", str(out / "lines"), "--append-eod", "--quiet"]) == 0
+    return str(out / "lines_text_document")
+
+
 # The slowest test files on a 2-core CPU (seconds, measured), started first so that the two xdist workers
 # (scripts/test.sh) finish together instead of one running a long file alone at the end. A file not listed runs
 # after these, in collection order; a wrong figure costs time, never a result.

@@ -32,6 +32,7 @@ ODD = ["model.hidden_size=63", "model.num_attention_heads=3", "model.num_key_val
        "model.intermediate_size=129"]
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 10000}  # the embedding and head get partitioned
 LORA = 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}'
+EXPERT_LORA = 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}'
 MOE = ["model.model_type=mixtral", "model.num_local_experts=4", "model.num_experts_per_tok=2",
        "model.output_router_logits=true"]
 
@@ -224,6 +225,7 @@ DP2_CASES = [
     ([*MOE, "parallel.expert=2"], _ds(0)),
     ([*MOE, "parallel.expert=2"], _ds(1)),
     ([*MOE, "parallel.expert=2"], _ds(2, bf16=True)),
+    ([*MOE, "parallel.expert=2", EXPERT_LORA], _ds(1)),  # the experts' adapters: half per rank, as their experts
 ]
 TP2_PP2_CASES = [
     (["parallel.tensor=2", "parallel.pipeline=2"], _ds(1)),
@@ -364,6 +366,27 @@ def test_mixtral_recipe(monkeypatch):
     ep1 = estimate(config, ds, 16).stages
     assert all(one.parameters > 2.5 * four.parameters for one, four in zip(ep1, ep4))
     assert all(abs(one.optimizer / four.optimizer - 1) < 0.05 for one, four in zip(ep1, ep4))
+
+
+def test_expert_lora_adapters_are_split_with_their_experts(monkeypatch):
+    """LoRA on the Mixtral recipe's attention (q, v) and experts: the adapters train (their gradients and optimizer
+    states are the run's), and an EP rank holds its experts' adapters only: the gradient bytes per stage at EP1 and
+    EP4 are in the ratio of the adapter elements a rank holds (8 vs 2 experts' per layer, the attention's alike)."""
+    monkeypatch.chdir(ROOT)
+    lora = '{"rank": 16, "alpha": 32, "targets": ["q_proj", "v_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}'
+    config = TrainingConfig.from_file(os.path.join(ROOT, "configs", "pretrain", "mixtral-8x7b-16gpu.json"),
+                                      [f"lora={lora}"])
+    m, r, tp = config.model, 16, config.parallel.tensor
+    attention = 2 * r * m.hidden_size + r * (m.num_attention_heads + m.num_key_value_heads) * m.head_dim // tp
+    expert = r * m.hidden_size + r * 2 * m.intermediate_size // tp + r * m.intermediate_size // tp + m.hidden_size * r
+    ds = build_deepspeed_config(config, config.deepspeed_config, 16, "cuda")
+    ep4 = estimate(config, ds, 16).stages
+    config.parallel.expert = 1
+    ep1 = estimate(config, ds, 16).stages
+    for one, four in zip(ep1, ep4):
+        assert 0 < four.gradients < one.gradients
+        assert one.gradients / four.gradients == pytest.approx((attention + 8 * expert) / (attention + 2 * expert),
+                                                               rel=1e-9)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import peft
 import pytest
@@ -24,7 +25,14 @@ from llama_megatron.checkpoint.manifest import write_manifest_for
 from llama_megatron.cli import main as cli_main
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
-from llama_megatron.model.lora_layout import LORA_TARGETS, LoraConfig, adapter_layout, is_adapter_parameter
+from llama_megatron.model.lora_layout import (
+    EXPERT_TARGETS,
+    LORA_TARGETS,
+    LoraConfig,
+    adapter_layout,
+    from_peft,
+    is_adapter_parameter,
+)
 from llama_megatron.model.param_layout import as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards, shard_for_rank
 from llama_megatron.parallel.context import ParallelContext
@@ -52,13 +60,21 @@ CASES = {
     "mixtral-attention": (dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                output_router_logits=True, router_aux_loss_coef=0.02),
                           LoraConfig(rank=2, alpha=4.0, dropout=0.1, targets=("q_proj", "v_proj", "o_proj"))),
+    # and on its experts (PEFT's target_parameters: both parameters, PEFT's nested wrappers, or one)
+    "mixtral-experts": (dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                             output_router_logits=True, router_aux_loss_coef=0.02),
+                        LoraConfig(rank=2, alpha=4.0, targets=("q_proj", *EXPERT_TARGETS))),
+    "mixtral-down-experts": (dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4,
+                                  num_experts_per_tok=3, tie_word_embeddings=True),
+                             LoraConfig(rank=3, alpha=5.0, targets=("o_proj", "mlp.experts.down_proj"))),
 }
 
 
 def peft_model(config, lora: LoraConfig, seed: int = 0):
     """PEFT's LoRA on the HF twin, with random (non-zero) A and B so every path of the adapter is exercised."""
     model = peft.get_peft_model(hf_model(config), peft.LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets)))
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.module_targets,
+        target_parameters=lora.expert_targets or None))
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -69,6 +85,12 @@ def peft_model(config, lora: LoraConfig, seed: int = 0):
 
 def peft_state(model) -> dict[str, torch.Tensor]:
     return peft.get_peft_model_state_dict(model)
+
+
+def peft_base_state(model) -> dict[str, torch.Tensor]:
+    """The base weights of a PEFT model under transformers' names (wrapped modules' ``base_layer`` removed)."""
+    state = {k.removeprefix("base_model.model."): v for k, v in model.state_dict().items() if "lora_" not in k}
+    return {re.sub(r"(\.base_layer)+\.", ".", k): v for k, v in state.items()}
 
 
 def our_model(config, lora: LoraConfig, pctx: ParallelContext, hf_state: dict, adapters: dict):
@@ -88,9 +110,7 @@ def our_model(config, lora: LoraConfig, pctx: ParallelContext, hf_state: dict, a
 def check_peft_parity(overrides: dict, lora: LoraConfig, pctx: ParallelContext, seq: int = 16) -> None:
     config = tiny_config(**overrides)
     ref = peft_model(config, lora)
-    base_state = {k.removeprefix("base_model.model."): v for k, v in ref.state_dict().items() if "lora_" not in k}
-    base_state = {k.replace(".base_layer.", "."): v for k, v in base_state.items()}
-    model = our_model(config, lora, pctx, base_state, peft_state(ref))
+    model = our_model(config, lora, pctx, peft_base_state(ref), from_peft(peft_state(ref), config, lora))
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, config.vocab_size, (2, seq), generator=gen)
     labels = ids.clone()
@@ -114,7 +134,8 @@ def check_peft_parity(overrides: dict, lora: LoraConfig, pctx: ParallelContext, 
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
 
-    ref_grads = {n.replace(".default.", "."): p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    ref_grads = from_peft({n.replace(".default.", "."): p.grad for n, p in ref.named_parameters() if p.requires_grad},
+                          config, lora)
     params = dict(model.named_parameters())
     for name, param in params.items():
         assert param.requires_grad == is_adapter_parameter(name), name
@@ -147,11 +168,15 @@ def test_peft_parity_tensor_parallel() -> None:
     run_distributed(_parity_worker, 2)
 
 
-def test_adapters_start_at_the_base_model_and_alike_at_every_tp() -> None:
+@pytest.mark.parametrize("overrides, targets", [
+    ({}, LORA_TARGETS),
+    (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), ("q_proj", "o_proj", *EXPERT_TARGETS)),
+], ids=["llama", "mixtral-experts"])
+def test_adapters_start_at_the_base_model_and_alike_at_every_tp(overrides: dict, targets: tuple[str, ...]) -> None:
     """B = 0: logits equal the base model's bit for bit; A is PEFT's kaiming-uniform, drawn whole per (seed, name)
     and sliced, so TP 2 and 4 hold exactly TP 1's adapters; each parameter's split is the adapter table's."""
-    config = tiny_config(num_key_value_heads=4, num_hidden_layers=2)
-    lora = LoraConfig(rank=4, alpha=8.0, targets=LORA_TARGETS)
+    config = tiny_config(num_key_value_heads=4, num_hidden_layers=2, **overrides)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
     parallel = ParallelConfig(make_vocab_size_divisible_by=8)
     base = build_model(config, parallel, ParallelContext.single(), seed=5)
     adapted = build_model(config, parallel, ParallelContext.single(), seed=5, lora=lora)

@@ -9,11 +9,13 @@ is shorter than a sample):
   same batches (1e-4 rel per step, grad norms 1e-3);
 - TP2 x PP2 with sequence parallelism and recomputation (Qwen2, Qwen3; Mistral's is its SFT run), and (Qwen3)
   CP2 x PP2, against TP1-PP1 (losses 1e-5 and gradient norms 1e-4 rel per step); Mixtral with expert parallelism:
-  EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with SP and recomputation (8 processes), and EP2 x PP2 in bf16 without
-  the aux loss against a bf16 TP1-PP1 run (1e-4, 1e-2), expert loads compared too;
+  EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with SP, recomputation and per-document attention (8 processes, against a
+  per-document TP1-PP1 run), and EP2 x PP2 in bf16 without the aux loss against a bf16 TP1-PP1 run (1e-4, 1e-2),
+  expert loads compared too; EP2 checkpoints saved, resumed and read;
 - fine-tuning: SFT of the Mistral model on the shipped chat set, packed (documents and window together), and LoRA
   on a random Qwen3ForCausalLM converted to TP1 and TP2 checkpoints, at TP2 x PP2 with SP against TP1-PP1 (1e-4 rel
-  per step, train and validation loss).
+  per step, train and validation loss); LoRA on a converted Mixtral's attention and experts at EP2 x DP2 and EP2 x
+  TP2 (SP) against TP1-PP1, exported to PEFT.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 
+import peft
 import pytest
 import torch
 from launch_utils import ROOT, assert_losses_close, assert_run_replays_hf, launch_many, losses, train_args
@@ -51,15 +54,19 @@ LAYOUTS = {
     "ep2-dp2-zero1": ["parallel.expert=2", "deepspeed_config=ds_configs/zero1_fp32.json"],
     "ep2-pp2-bf16": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json",
                      "model.output_router_logits=false"],
-    "ep2-tp2-pp2-sp-recompute": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2",
-                                 "parallel.sequence_parallel=true", "activation_checkpointing.interval=1"],
+    "ep2-tp2-pp2-sp-recompute-documents": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2",
+                                           "parallel.sequence_parallel=true", "activation_checkpointing.interval=1",
+                                           "data.per_document_attention=true"],
 }
-EIGHT_PROCESSES = {"ep2-tp2-pp2-sp-recompute"}
+EIGHT_PROCESSES = {"ep2-tp2-pp2-sp-recompute-documents"}
+# the 8-process run's TP1-PP1 reference has it too; both on a corpus of one-line documents (several per sample)
+PER_DOCUMENT = ["data.per_document_attention=true"]
 BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_router_logits=false"]
 # CP2 x PP2 for the family with the most to lose (biases, q/k norms, windows on alternate layers); every family at
 # CP2 in process (tests/test_context_parallel.py). Expert parallelism for the MoE family: EP2 x DP2 under ZeRO-1,
 # EP2 x PP2 in bf16 (DeepSpeed's bf16 optimizer) without the aux loss against a bf16 TP1-PP1 run, EP2 x TP2 x PP2
-# with SP and recomputation (8 processes), which stands for the MoE model's TP2 x PP2 too
+# with SP, recomputation and per-document attention (8 processes; the pipeline carries the documents and the router
+# statistics together), which stands for the MoE model's TP2 x PP2 too
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
         if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))
         and (family, name) != ("mistral", "tp2-pp2-sp-recompute")]  # Mistral at TP2 x PP2 SP: its SFT run below
@@ -72,6 +79,13 @@ EXPERT_RESUMES = ["ep2-dp2-zero1", "ep2-pp2-bf16"]
 SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT_RESUMES}}
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
 LORA = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "o_proj", "down_proj"]}'
+# LoRA on attention and on every expert of the MoE family (PEFT's target_modules + target_parameters), from a converted
+# Mixtral: EP2 x DP2 and EP2 x TP2 with SP (ZeRO-1: checkpoints at EP > 1 need it) against TP1-PP1; every run saves its adapters at the last step
+EXPERT_LORA = ('{"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "mlp.experts.gate_up_proj", '
+               '"mlp.experts.down_proj"]}')
+EXPERT_LORA_LAYOUTS = {"tp1-pp1": [], "ep2-dp2-zero1": LAYOUTS["ep2-dp2-zero1"],
+                       "ep2-tp2-sp": ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                      "deepspeed_config=ds_configs/zero1_fp32.json"]}
 
 
 def _overrides(prefix: str, out, family: str, layout: list[str]) -> list[str]:
@@ -83,14 +97,22 @@ def _lora(prefix: str, work, name: str, base, layout: list[str]) -> list[str]:
         f"lora={LORA}", f"checkpoint.load={base}", "checkpoint.finetune=true", *layout]))
 
 
-def _converted_bases(work) -> dict[int, str]:
-    """A random Qwen3ForCausalLM of the runs' shape, as released, converted to TP1 and TP2 checkpoints."""
-    config = TrainingConfig.from_file(CONFIG, ['data={"type": "synthetic"}', *FAMILIES["qwen3"]]).model
-    hf_dir = str(work / "qwen3-hf")
+def _expert_lora(prefix: str, work, name: str, base) -> list[str]:
+    out = work / f"mixtral-lora-{name}"
+    return train_args(CONFIG, _overrides(prefix, out, "mixtral", [
+        f"lora={EXPERT_LORA}", f"checkpoint.load={base}", "checkpoint.finetune=true", f"checkpoint.save={out}/ckpt",
+        f"checkpoint.interval={STEPS}", *EXPERT_LORA_LAYOUTS[name]]))
+
+
+def _converted_bases(work, family: str) -> dict[int, str]:
+    """A random model of the family's transformers class and the runs' shape, as released (``{work}/{family}-hf``),
+    converted to TP1 and TP2 checkpoints."""
+    config = TrainingConfig.from_file(CONFIG, ['data={"type": "synthetic"}', *FAMILIES[family]]).model
+    hf_dir = str(work / f"{family}-hf")
     hf_model(config, seed=5).save_pretrained(hf_dir)
     out = {}
     for tp in (1, 2):
-        out[tp] = str(work / f"qwen3-tp{tp}-base")
+        out[tp] = str(work / f"{family}-tp{tp}-base")
         assert cli_main(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", out[tp], "--tp", str(tp),
                          "--make-vocab-size-divisible-by", "64"]) == 0
     return out
@@ -102,14 +124,15 @@ def _sft(work, name: str, layout: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(shakespeare_prefix, tmp_path_factory):
+def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("families")
-    bases = _converted_bases(work)
+    bases, moe_bases = _converted_bases(work, "qwen3"), _converted_bases(work, "mixtral")
 
     def pretrain(family: str, name: str, layout: list[str]) -> list[str]:
         out = work / f"{family}-{name}"
         saves = [f"checkpoint.save={out}/ckpt", f"checkpoint.interval={SAVE_STEP}"] if name in SAVED[family] else []
-        return train_args(CONFIG, _overrides(shakespeare_prefix, out, family, [*layout, *saves]))
+        prefix = short_documents_prefix if name.endswith("-documents") else shakespeare_prefix
+        return train_args(CONFIG, _overrides(prefix, out, family, [*layout, *saves]))
 
     def resume(name: str) -> list[str]:  # from the run's save at SAVE_STEP, in its layout
         return train_args(CONFIG, _overrides(shakespeare_prefix, work / f"mixtral-{name}-resumed", "mixtral", [
@@ -117,13 +140,17 @@ def runs(shakespeare_prefix, tmp_path_factory):
 
     launch_many(1, [*[pretrain(family, "tp1-pp1", []) for family in FAMILIES],
                     pretrain("mixtral", "tp1-pp1-bf16", BF16_TP1_PP1),
+                    pretrain("mixtral", "tp1-pp1-documents", PER_DOCUMENT),
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp1-pp1", bases[1], []),
+                    _expert_lora(shakespeare_prefix, work, "tp1-pp1", moe_bases[1]),
                     _sft(work, "mistral-sft-tp1-pp1", [])], str(work / "runs-1.json"))
     launch_many(8, [pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
                 str(work / "runs-8.json"))
     launch_many(4, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name not in EIGHT_PROCESSES],
                     *[resume(name) for name in EXPERT_RESUMES],
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp2-pp2-sp", bases[2], TP2_PP2_SP),
+                    _expert_lora(shakespeare_prefix, work, "ep2-dp2-zero1", moe_bases[1]),
+                    _expert_lora(shakespeare_prefix, work, "ep2-tp2-sp", moe_bases[2]),
                     _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP)], str(work / "runs-4.json"))
     return work
 
@@ -143,7 +170,8 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
     the bf16 TP1-PP1 run: 1e-4 and 1e-2 (observed 4e-5 and 3e-3), expert loads 2e-2 (near ties route a few of a
     step's 2048 assignments differently in bf16: observed 9e-3 at step 6)."""
     bf16 = layout.endswith("bf16")
-    reference_run = runs / f"{family}-tp1-pp1{'-bf16' if bf16 else ''}"
+    variant = next((v for v in ("-bf16", "-documents") if layout.endswith(v)), "")
+    reference_run = runs / f"{family}-tp1-pp1{variant}"
     for key, rel in (("loss", 1e-4 if bf16 else 1e-5), ("grad_norm", 1e-2 if bf16 else 1e-4)):
         assert_losses_close(losses(runs / f"{family}-{layout}", key), losses(reference_run, key), rel,
                             range(1, STEPS + 1))
@@ -232,6 +260,51 @@ def test_fine_tuning_trains_like_tp1_pp1(runs, run) -> None:
         want = losses(runs / f"{run}-tp1-pp1", "val_loss")
         assert sorted(want) == [3, 6]
         assert_losses_close(losses(runs / f"{run}-tp2-pp2-sp", "val_loss"), want, 1e-4, want)
+
+
+@pytest.mark.parametrize("layout", ["ep2-dp2-zero1", "ep2-tp2-sp"])
+def test_expert_lora_trains_like_tp1_pp1_and_exports_to_peft(runs, layout, tmp_path) -> None:
+    """LoRA on attention and on the experts, base frozen, at EP2 x DP2 and EP2 x TP2 (SP) trains as TP1-PP1 does
+    (loss and gradient norm within 1e-4 per step); its expert files hold the adapters only. Exported, PEFT loads the
+    adapter onto the HF Mixtral it was converted from (every key used: target_modules + target_parameters, nested
+    wrappers) and gives the logits of our merged export; its tensors are TP1-PP1's within 5e-5."""
+    from safetensors.torch import load_file as load_safetensors
+    from transformers import MixtralForCausalLM
+
+    run, reference = runs / f"mixtral-lora-{layout}", runs / "mixtral-lora-tp1-pp1"
+    for key in ("loss", "grad_norm"):
+        assert_losses_close(losses(run, key), losses(reference, key), 1e-4, range(1, STEPS + 1))
+    tag_dir = run / "ckpt" / f"global_step{STEPS}"
+    expert_files = sorted(tag_dir.glob("expert_*"))
+    assert len(expert_files) == 4 * 4 * (2 if layout == "ep2-tp2-sp" else 1)  # experts x layers x TP ranks
+    for path in expert_files:
+        assert sorted(k.rsplit(".", 1)[1] for k in load_file(str(path))) == [
+            "A_down_proj", "A_gate_up_proj", "B_down_proj", "B_gate_up_proj"], path.name
+
+    adapters = {}
+    for name, ckpt in (("ours", run / "ckpt"), ("reference", reference / "ckpt")):
+        adapters[name] = str(tmp_path / name)
+        assert cli_main(["export", "--input", str(ckpt), "--output", adapters[name]]) == 0
+    assert cli_main(["export", "--input", str(run / "ckpt"), "--output", str(tmp_path / "merged"), "--merge"]) == 0
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert (config["target_modules"], config["target_parameters"]) == (
+        ["q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    ours, want = (load_safetensors(os.path.join(adapters[n], "adapter_model.safetensors")) for n in ("ours", "reference"))
+    assert ours.keys() == want.keys() and len(ours) == 4 * 4 * 2
+    for key, tensor in want.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=0, atol=5e-5, msg=lambda m, k=key: f"{k}: {m}")
+    assert all(ours[k].abs().max() > 0 for k in ours if ".lora_B." in k)  # trained away from B = 0
+
+    hf_dir = str(runs / "mixtral-hf")
+    model = peft.PeftModel.from_pretrained(MixtralForCausalLM.from_pretrained(hf_dir), adapters["ours"]).eval()
+    loaded = {n.replace(".default.", "."): p for n, p in model.named_parameters() if "lora_" in n}
+    assert loaded.keys() == ours.keys()
+    for key, tensor in ours.items():
+        assert torch.equal(loaded[key], tensor), key
+    merged = MixtralForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-4)
 
 
 def test_flops_count_the_keys_a_window_leaves() -> None:

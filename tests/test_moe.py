@@ -151,7 +151,9 @@ def test_moe_config_checks() -> None:
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pipeline=2", "pipeline.schedule=zb-h1"], "'zb-h1' does not split the experts' weight gradients"),
     (['lora={"rank": 2, "targets": ["q_proj", "down_proj"]}'], "lora.targets down_proj: the mixtral model's MLP"),
-    (["parallel.expert=2", 'lora={"rank": 2, "targets": ["q_proj"]}'], "LoRA with expert parallelism"),
+    (['lora={"rank": 2, "dropout": 0.1, "targets": ["q_proj", "mlp.experts.down_proj"]}'],
+     r"lora.dropout 0.1 with the expert targets mlp.experts.down_proj: .* set lora.dropout 0"),
+    (['lora={"rank": 2, "targets": ["mlp.experts.up_proj"]}'], "unknown target 'mlp.experts.up_proj'"),
 ])
 def test_training_refuses_what_moe_runs_cannot_do_yet(overrides: list[str], message: str) -> None:
     from launch_utils import ROOT
@@ -162,6 +164,22 @@ def test_training_refuses_what_moe_runs_cannot_do_yet(overrides: list[str], mess
     with pytest.raises(ConfigError, match=message):
         TrainingConfig.from_file(f"{ROOT}/tests/configs/e2e_pretrain.json", ['data={"synthetic": true}', *moe,
                                                                              *overrides])
+
+
+def test_expert_lora_targets_need_experts() -> None:
+    """The experts' targets on a dense model are refused; on a mixture of experts they load, with EP too."""
+    from launch_utils import ROOT
+
+    from llama_megatron.training.config import TrainingConfig
+
+    lora = 'lora={"rank": 2, "targets": ["q_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}'
+    with pytest.raises(ConfigError, match="the llama model has no experts; its targets are q_proj"):
+        TrainingConfig.from_file(f"{ROOT}/tests/configs/e2e_pretrain.json", ['data={"synthetic": true}', lora])
+    moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
+    config = TrainingConfig.from_file(f"{ROOT}/tests/configs/e2e_pretrain.json",
+                                      ['data={"synthetic": true}', *moe, "parallel.expert=2", lora])
+    assert config.lora.expert_targets == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config.lora.module_targets == ["q_proj"]
 
 
 def test_deepspeed_settings_expert_parallelism_refuses() -> None:

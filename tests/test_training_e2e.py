@@ -40,20 +40,6 @@ def data_prefix(shakespeare_prefix) -> str:
 
 
 @pytest.fixture(scope="module")
-def short_documents_prefix(tmp_path_factory) -> str:
-    """Every line of the corpus as its own document: most samples pack several documents."""
-    out = tmp_path_factory.mktemp("short-docs")
-    text = out / "lines.txt"
-    with open(os.path.join(ROOT, "data/corpus/shakespeare.jsonl"), encoding="utf-8") as src:
-        lines = [line for record in src for line in json.loads(record)["text"].splitlines() if line.strip()]
-    text.write_text("\n".join(lines[:20000]) + "\n", encoding="utf-8")
-    rc = cli_main(["preprocess", "--input", str(text), "--tokenizer", os.path.join(ROOT, "data/tokenizer"),
-                   "--output-prefix", str(out / "lines"), "--append-eod", "--quiet"])
-    assert rc == 0
-    return str(out / "lines_text_document")
-
-
-@pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")
 

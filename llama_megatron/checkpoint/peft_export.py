@@ -23,7 +23,14 @@ from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, find_base
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
 from llama_megatron.checkpoint.safetensors_stream import SafetensorsShardWriter
 from llama_megatron.errors import CheckpointError
-from llama_megatron.model.lora_layout import LoraConfig, base_weight_name, peft_key
+from llama_megatron.model.lora_layout import (
+    ALL_TARGETS,
+    LoraConfig,
+    base_weight_name,
+    expert_adapter_names,
+    peft_key,
+    to_peft,
+)
 from llama_megatron.progress import TaskProgress
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -33,7 +40,8 @@ ADAPTER_STEM = "adapter_model"  # adapter_model.safetensors, the one file PEFT r
 def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
     """What ``peft.LoraConfig.save_pretrained`` writes for these adapters (defaults for the rest)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": lora.to_dict()["targets"], "bias": "none",
+            "lora_dropout": lora.dropout, "target_modules": lora.module_targets,
+            "target_parameters": lora.expert_targets or None, "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_rslora": False,
             "use_dora": False, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
             "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model, "revision": None}
@@ -41,15 +49,26 @@ def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
 
 def write_peft_adapter(source: MegatronCheckpoint, out_dir: str, dtype: torch.dtype, base_model: str | None,
                        progress: TaskProgress | None = None) -> None:
-    """Fill ``out_dir`` with the adapter files of the LoRA checkpoint ``source``."""
-    plan = [(name, shape, dtype) for name, shape in source.layout.hf_shapes().items()]
-    writer = SafetensorsShardWriter(out_dir, plan, max_shard_bytes=2**62, stem=ADAPTER_STEM)
+    """Fill ``out_dir`` with the adapter files of the LoRA checkpoint ``source``, a layer at a time (the experts'
+    adapters fused into PEFT's per-layer tensors, :func:`~llama_megatron.model.lora_layout.to_peft`)."""
+    by_layer: dict[int, list] = {}
     for spec in source.layout:
-        (name,) = spec.hf_names
-        writer.write(name, *source.get_parts(name))
-        source.release()
-        if progress:
-            progress.advance(1, torch.Size(spec.hf_shapes[0]).numel() * dtype.itemsize)
+        by_layer.setdefault(spec.layers[0], []).append(spec)
+    meta = {name: torch.empty(shape, device="meta") for name, shape in source.layout.hf_shapes().items()}
+    plan = [(name, tuple(t.shape), dtype) for specs in by_layer.values()
+            for name, t in to_peft({n: meta[n] for s in specs for n in s.hf_names}, source.config,
+                                   source.lora).items()]
+    writer = SafetensorsShardWriter(out_dir, plan, max_shard_bytes=2**62, stem=ADAPTER_STEM)
+    for specs in by_layer.values():
+        tensors = {}
+        for spec in specs:
+            for name in spec.hf_names:
+                tensors[name] = source.get(name)
+            source.release()
+            if progress:
+                progress.advance(1, sum(torch.Size(s).numel() for s in spec.hf_shapes) * dtype.itemsize)
+        for name, tensor in to_peft(tensors, source.config, source.lora).items():
+            writer.write(name, tensor)
     writer.close()
     with open(os.path.join(out_dir, ADAPTER_CONFIG_FILE), "w", encoding="utf-8") as fh:
         json.dump(peft_adapter_config(source.lora, base_model), fh, indent=2, sort_keys=True)
@@ -64,8 +83,15 @@ class MergedSource:
         self.base, self.adapters = base, adapters
         lora = adapters.lora
         self.scaling = lora.scaling
+        # each adapted HF weight: the names of its adapter's A and B (an expert's gate and up weights: B's rows for it)
         self.pairs = {base_weight_name(i, t): (peft_key(i, t, "A"), peft_key(i, t, "B"))
-                      for i in range(base.config.num_hidden_layers) for t in lora.targets}
+                      for i in range(base.config.num_hidden_layers) for t in lora.module_targets}
+        for i in range(base.config.num_hidden_layers):
+            for e in range(base.config.num_local_experts):
+                for t in lora.expert_targets:
+                    weights = base.layout[f"layers.{i}.{ALL_TARGETS[t].linear_of(e)}.weight"].hf_names
+                    (a,), bs = expert_adapter_names(i, t, "A", e), expert_adapter_names(i, t, "B", e)
+                    self.pairs.update((weight, (a, b)) for weight, b in zip(weights, bs, strict=True))
 
     def names(self) -> set[str]:
         return self.base.names()

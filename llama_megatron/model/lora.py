@@ -31,12 +31,14 @@ from llama_megatron.model.init import initialize_parameters
 from llama_megatron.model.layers import DecoderLayerPipe, EmbeddingPipe
 from llama_megatron.model.lora_layout import (
     ADAPTER_MODULE,
+    EXPERT_TARGETS,
     LoraConfig,
     adapter_layout,
     adapter_param_name,
     is_adapter_parameter,
     target_shapes,
 )
+from llama_megatron.model.moe import MoEMLP
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.layers import mark_replicated, mark_tensor_parallel
@@ -63,7 +65,7 @@ class ColumnLoRA(nn.Module):
     of ``slots`` ((target, rows per group) in weight order)."""
 
     def __init__(self, in_features: int, slots: list[tuple[str, int]], groups: int, lora: LoraConfig,
-                 pctx: ParallelContext) -> None:
+                 pctx: ParallelContext, b_split: str = "column") -> None:
         super().__init__()
         self.pctx, self.slots, self.groups = pctx, slots, groups
         self.rank, self.scaling, self.dropout = lora.rank, lora.scaling, lora.dropout
@@ -74,7 +76,7 @@ class ColumnLoRA(nn.Module):
                 self.register_parameter(adapter_param_name(name, "A"),
                                         mark_replicated(nn.Parameter(torch.empty(lora.rank, in_features))))
                 self.register_parameter(adapter_param_name(name, "B"), mark_tensor_parallel(
-                    nn.Parameter(torch.empty(groups * rows, lora.rank)), 0, "column"))
+                    nn.Parameter(torch.empty(groups * rows, lora.rank)), 0, b_split))
 
     def _low_rank(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``dropout(x) A_t^T`` per target (one matmul for all targets when nothing is dropped)."""
@@ -137,6 +139,25 @@ def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig
         if target in wanted:  # (a mixture of experts has no down_proj: lora_layout.check_targets refuses it)
             out_features, in_features = target_shapes(config, target)
             setattr(getattr(owner, name), ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
+    if isinstance(mlp, MoEMLP):
+        _attach_experts(mlp, config, lora, pctx, shapes)
+
+
+def _attach_experts(moe: MoEMLP, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext,
+                    shapes: LocalShapes) -> None:
+    """One adapter per expert and adapted parameter (PEFT's ``target_parameters``): gate/up as a column target whose
+    ``B`` splits as the expert's weight (gate rows, up rows), down as a row target. An expert's input is the
+    gathered tokens every TP rank routes alike, so the dense linears' gradient rules hold unchanged; the adapters are
+    expert parameters (reduced over their expert-data-parallel group under EP) like the weights they add to."""
+    gate_up, down = EXPERT_TARGETS
+    for expert in moe.experts.values():
+        if gate_up in lora.targets:
+            setattr(expert.gate_up_proj, ADAPTER_MODULE, ColumnLoRA(
+                config.hidden_size, [(gate_up, 2 * shapes.intermediate)], 1, lora, pctx, b_split="gate_up"))
+        if down in lora.targets:
+            out_features, in_features = target_shapes(config, down)
+            setattr(expert.down_proj, ADAPTER_MODULE, RowLoRA(down, in_features, out_features, lora, pctx))
+    moe.mark_experts()
 
 
 def _embedding_output_requires_grad(module: nn.Module, args, kwargs, output):

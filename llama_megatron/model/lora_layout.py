@@ -2,7 +2,10 @@
 
 Targets use Hugging Face / PEFT module names (``q_proj`` ... ``down_proj``), one (A, B) pair per target even where
 our linear is fused (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), so an exported adapter is a plain
-renaming. ``A`` is ``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's
+renaming. A mixture of experts' MLP has no modules for PEFT to target: its experts are two parameters per layer,
+which PEFT adapts with ``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), one
+(A, B) pair per expert (gate and up share A, as they share the fused weight); the table holds one row per expert and
+matrix, which :func:`to_peft` / :func:`from_peft` fuse into PEFT's per-layer tensors and back. ``A`` is ``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's
 convention). How each matrix splits over TP follows its weight:
 
 - column-parallel targets (q, k, v, gate, up): ``B`` splits on its rows as the weight's rows do; for q/k/v the rows
@@ -22,11 +25,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT's target_parameters of a mixture of experts, in the order MixtralExperts registers them
+EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 PEFT_PREFIX = "base_model.model."
 ADAPTER_MODULE = "lora"  # the attribute of our linear layers that holds a LoRA adapter (parallel/layers.py)
 
@@ -36,9 +43,13 @@ class Target:
     """Where an HF target lives in our model: the (possibly fused) linear, and its HF module path."""
 
     name: str  # q_proj
-    linear: str  # self_attn.qkv_proj
+    linear: str  # self_attn.qkv_proj (an expert's: mlp.experts.{e}.gate_up_proj)
     hf_module: str  # self_attn.q_proj
     parallel: str  # "column" or "row"
+    expert: bool = False  # a parameter of every expert (PEFT's target_parameters), not a module
+
+    def linear_of(self, expert: int | None) -> str:
+        return self.linear.format(e=expert)
 
 
 TARGETS = {t.name: t for t in (
@@ -50,6 +61,11 @@ TARGETS = {t.name: t for t in (
     Target("up_proj", "mlp.gate_up_proj", "mlp.up_proj", "column"),
     Target("down_proj", "mlp.down_proj", "mlp.down_proj", "row"),
 )}
+EXPERT_TARGET_TABLE = {t.name: t for t in (
+    Target(EXPERT_TARGETS[0], "mlp.experts.{e}.gate_up_proj", "mlp.experts", "column", expert=True),
+    Target(EXPERT_TARGETS[1], "mlp.experts.{e}.down_proj", "mlp.experts", "row", expert=True),
+)}
+ALL_TARGETS = TARGETS | EXPERT_TARGET_TABLE
 
 
 @dataclass(frozen=True)
@@ -92,16 +108,32 @@ class LoraConfig:
         if not self.targets:
             raise ConfigError(f"lora.targets is empty: name some of {', '.join(LORA_TARGETS)}")
         for name in self.targets:
-            if name not in TARGETS:
+            if name not in ALL_TARGETS:
                 raise ConfigError(f"lora.targets: unknown target {name!r}; targets are the HF module names "
-                                  f"{', '.join(LORA_TARGETS)}")
+                                  f"{', '.join(LORA_TARGETS)} and a mixture of experts' parameters "
+                                  f"{', '.join(EXPERT_TARGETS)}")
         if len(set(self.targets)) != len(self.targets):
             raise ConfigError(f"lora.targets names a module twice: {list(self.targets)}")
+        experts = [t for t in self.targets if t in EXPERT_TARGETS]
+        if experts and self.dropout:  # PEFT's ParamWrapper refuses it too: a dropped-out input cannot be factored out
+            raise ConfigError(f"lora.dropout {self.dropout} with the expert targets {', '.join(experts)}: their "
+                              "adapters add to the expert weights (PEFT's target_parameters), which takes no dropout; "
+                              "set lora.dropout 0")
 
     def to_dict(self) -> dict[str, Any]:
         """The section as written to ``llama_megatron.json`` (targets in model order)."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
-                "targets": [t for t in LORA_TARGETS if t in self.targets]}
+                "targets": [t for t in (*LORA_TARGETS, *EXPERT_TARGETS) if t in self.targets]}
+
+    @property
+    def module_targets(self) -> list[str]:
+        """PEFT's ``target_modules``: the targets that are linears (model order)."""
+        return [t for t in LORA_TARGETS if t in self.targets]
+
+    @property
+    def expert_targets(self) -> list[str]:
+        """PEFT's ``target_parameters``: the experts' parameters adapted (registration order)."""
+        return [t for t in EXPERT_TARGETS if t in self.targets]
 
     def same_adapters(self, other: LoraConfig) -> bool:
         """Whether checkpoints of ``other`` hold this config's adapters (dropout is a training choice only)."""
@@ -114,39 +146,61 @@ def target_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
     h, ffn = config.hidden_size, config.intermediate_size
     q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     return {"q_proj": (q_rows, h), "k_proj": (kv_rows, h), "v_proj": (kv_rows, h), "o_proj": (h, q_rows),
-            "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn)}[target]
+            "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn),
+            EXPERT_TARGETS[0]: (2 * ffn, h), EXPERT_TARGETS[1]: (h, ffn)}[target]  # one expert's
 
 
 def adapter_param_name(target: str, matrix: str) -> str:
-    """The parameter's name on the adapter module: ``A_q_proj``."""
-    return f"{matrix}_{target}"
+    """The parameter's name on the adapter module: ``A_q_proj`` (an expert's: ``A_gate_up_proj``)."""
+    return f"{matrix}_{target.rpartition('.')[2]}"
 
 
-def peft_key(layer: int, target: str, matrix: str) -> str:
-    """PEFT's key for a saved adapter matrix (adapter name stripped, as ``save_pretrained`` writes it)."""
-    return f"{PEFT_PREFIX}model.layers.{layer}.{TARGETS[target].hf_module}.lora_{matrix}.weight"
+def peft_key(layer: int, target: str, matrix: str, targets: tuple[str, ...] = ()) -> str:
+    """PEFT's key for a saved adapter matrix (adapter name stripped, as ``save_pretrained`` writes it). PEFT wraps
+    each adapted expert parameter of a module around the previous one (in registration order), so the key of one
+    that later ones wrap has a ``base_layer`` per wrapper: ``targets`` are the run's targets."""
+    wrappers = ""
+    if target in EXPERT_TARGETS:
+        wrappers = ".base_layer" * sum(1 for t in EXPERT_TARGETS[EXPERT_TARGETS.index(target) + 1:] if t in targets)
+    return f"{PEFT_PREFIX}model.layers.{layer}.{ALL_TARGETS[target].hf_module}{wrappers}.lora_{matrix}.weight"
+
+
+def expert_adapter_names(layer: int, target: str, matrix: str, expert: int) -> tuple[str, ...]:
+    """The table's names of one expert's slice of PEFT's tensor (``B`` of gate/up as its gate and up rows, so it splits
+    over TP as the expert's weight does)."""
+    stem = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{expert}"
+    if target == EXPERT_TARGETS[0] and matrix == "B":
+        return f"{stem}.gate_proj.lora_B.weight", f"{stem}.up_proj.lora_B.weight"
+    return (f"{stem}.{target.rpartition('.')[2]}.lora_{matrix}.weight",)
 
 
 def base_weight_name(layer: int, target: str) -> str:
-    """HF name of the weight the adapter of ``target`` in ``layer`` adds to."""
+    """HF name of the weight the adapter of the (module) ``target`` in ``layer`` adds to."""
     return f"model.layers.{layer}.{TARGETS[target].hf_module}.weight"
 
 
 def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
     specs = []
+    experts = range(config.num_local_experts) if config.family.moe else ()
     for i in range(config.num_hidden_layers):
-        for target in LORA_TARGETS:
+        for target in (*LORA_TARGETS, *EXPERT_TARGETS):
             if target not in lora.targets:
                 continue
-            t = TARGETS[target]
+            t = ALL_TARGETS[target]
             out_features, in_features = target_shapes(config, target)
             for matrix, shape, init in (("A", (lora.rank, in_features), "lora_a"),
                                         ("B", (out_features, lora.rank), "zeros")):
                 sharded = (matrix == "B") == (t.parallel == "column")  # B of column targets, A of row targets
                 split = ("column" if t.parallel == "column" else "row") if sharded else "replicated"
-                leaf = f"{t.linear}.{ADAPTER_MODULE}.{adapter_param_name(target, matrix)}"
-                specs.append(ParamSpec(f"layers.{i}.{leaf}", (peft_key(i, target, matrix),), (shape,), split,
-                                       (i + 1,), f"{i + 1}.{leaf}", init))
+                for expert in experts if t.expert else (None,):
+                    leaf = f"{t.linear_of(expert)}.{ADAPTER_MODULE}.{adapter_param_name(target, matrix)}"
+                    names, shapes = (peft_key(i, target, matrix),), (shape,)
+                    if t.expert:
+                        names = expert_adapter_names(i, target, matrix, expert)
+                        if len(names) == 2:  # B of gate/up: its gate rows and up rows, split as the weight's
+                            split, shapes = "gate_up", ((out_features // 2, lora.rank),) * 2
+                    specs.append(ParamSpec(f"layers.{i}.{leaf}", names, shapes, split, (i + 1,), f"{i + 1}.{leaf}",
+                                           init, expert))
     return specs
 
 
@@ -157,11 +211,49 @@ def adapter_layout(config: ModelConfig, lora: LoraConfig) -> ParamLayout:
 
 
 def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
-    """A mixture-of-experts model has no dense MLP: its LoRA targets are the attention projections."""
-    mlp = [t for t in lora.targets if TARGETS[t].linear.startswith("mlp.")]
+    """A mixture-of-experts model has no dense MLP (its experts are targeted as parameters), a dense one no experts."""
+    mlp = [t for t in lora.targets if t in TARGETS and TARGETS[t].linear.startswith("mlp.")]
     if config.family.moe and mlp:
-        raise ConfigError(f"lora.targets {', '.join(mlp)}: the {config.model_type} model's MLP is a mixture of experts, "
-                          "whose linears take no adapters yet; choose among q_proj, k_proj, v_proj, o_proj")
+        raise ConfigError(f"lora.targets {', '.join(mlp)}: the {config.model_type} model's MLP is a mixture of experts; "
+                          f"its targets are q_proj, k_proj, v_proj, o_proj and the experts' {', '.join(EXPERT_TARGETS)}")
+    if not config.family.moe and lora.expert_targets:
+        raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: the {config.model_type} model has no "
+                          f"experts; its targets are {', '.join(LORA_TARGETS)}")
+
+
+def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The table's tensors (full, HF names) under PEFT's keys: each adapted expert parameter's per-expert A and B
+    fused as ``ParamWrapper`` holds them, A ``[E x r, in]`` (expert-major rows), B ``[out, r x E]`` (column
+    ``j x E + e`` is rank j of expert e). Module targets are passed through; layers absent from ``tensors`` are
+    skipped (a writer may fuse one layer at a time)."""
+    out = {name: t for name, t in tensors.items() if ".mlp.experts." not in name}
+    experts = range(config.num_local_experts)
+    for i in range(config.num_hidden_layers):
+        for target in lora.expert_targets:
+            if expert_adapter_names(i, target, "A", 0)[0] not in tensors:
+                continue
+            a = [tensors[expert_adapter_names(i, target, "A", e)[0]] for e in experts]
+            b = [torch.cat([tensors[n] for n in expert_adapter_names(i, target, "B", e)]) for e in experts]
+            out[peft_key(i, target, "A", lora.targets)] = torch.cat(a)
+            out[peft_key(i, target, "B", lora.targets)] = torch.stack(b, dim=-1).flatten(1)
+    return out
+
+
+def from_peft(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_peft`: PEFT's adapter tensors under the table's names (views)."""
+    fused = {peft_key(i, t, m, lora.targets) for i in range(config.num_hidden_layers) for t in lora.expert_targets
+             for m in "AB"}
+    out = {name: t for name, t in state.items() if name not in fused}
+    experts = config.num_local_experts
+    for i in range(config.num_hidden_layers):
+        for target in lora.expert_targets:
+            a = state[peft_key(i, target, "A", lora.targets)].view(experts, lora.rank, -1)
+            b = state[peft_key(i, target, "B", lora.targets)].view(-1, lora.rank, experts)
+            for e in range(experts):
+                out[expert_adapter_names(i, target, "A", e)[0]] = a[e]
+                names = expert_adapter_names(i, target, "B", e)
+                out.update(zip(names, b[:, :, e].chunk(len(names))))
+    return out
 
 
 def is_adapter_parameter(module_name: str) -> bool:

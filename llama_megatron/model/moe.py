@@ -86,9 +86,14 @@ class MoEMLP(nn.Module):
         self.router = Router(config, pctx)
         # keyed by global expert id, so parameter names are the same whichever EP rank holds the expert
         self.experts = nn.ModuleDict({str(e): ExpertMLP(config, shapes, kernels) for e in self.local_ids})
-        if pctx.ep_size > 1:  # DeepSpeed's mark of an expert parameter: reduced over its expert-data-parallel group
+        self.mark_experts()
+
+    def mark_experts(self) -> None:
+        """DeepSpeed's mark of an expert parameter (reduced over its expert-data-parallel group), on every parameter
+        of the experts: also on what is added to them after construction (LoRA adapters)."""
+        if self.pctx.ep_size > 1:
             for param in self.experts.parameters():
-                param.allreduce, param.group_name = False, pctx.expert_group_name
+                param.allreduce, param.group_name = False, self.pctx.expert_group_name
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """DeepSpeed's engine calls this on every module that has it, before it reads its expert groups."""

@@ -156,9 +156,11 @@ class LocalLinear(nn.Module):
         super().__init__()
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, in_features)),
                                            1 if split == "row" else 0, split)
+        self.lora: nn.Module | None = None  # (an expert's adapter: its output is local or partial, as the weight's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        y = F.linear(x, self.weight)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class VocabParallelEmbedding(nn.Module):

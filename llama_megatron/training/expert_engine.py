@@ -37,24 +37,22 @@ def global_grad_norm(parameters, pctx: ParallelContext, device: torch.device) ->
     """L2 norm of every gradient of the model, as one process holding all of it computes it: TP shards summed over
     the TP group, a replicated tensor counted once (each TP rank holds all of it), a tied table held by two stages
     counted on the first (DeepSpeed marks the other copy ``ds_pipe_replicated``), the experts of every EP rank
-    (TP shards too) summed over the EP group, and the stages summed."""
+    (their TP shards summed over TP, their replicated LoRA matrices not) summed over the EP group, and the stages
+    summed."""
     sharded = torch.zeros(2, device=device, dtype=torch.float64)  # TP shards: [dense, experts]
-    replicated = torch.zeros((), device=device, dtype=torch.float64)
+    replicated = torch.zeros(2, device=device, dtype=torch.float64)  # [dense, experts]
     for param in parameters:
         if param.grad is None or getattr(param, "ds_pipe_replicated", False):
             continue
         squares = param.grad.detach().double().pow(2).sum()
-        if is_moe_param(param):
-            sharded[1] += squares
-        elif getattr(param, "tensor_model_parallel", False):
-            sharded[0] += squares
-        else:
-            replicated += squares
+        bucket = sharded if getattr(param, "tensor_model_parallel", False) else replicated
+        bucket[1 if is_moe_param(param) else 0] += squares
     if pctx.tp_size > 1:
         dist.all_reduce(sharded, group=pctx.tp_group)
+    experts = sharded[1] + replicated[1]
     if pctx.ep_size > 1:
-        dist.all_reduce(sharded[1:], group=pctx.ep_group)
-    total = sharded.sum() + replicated
+        dist.all_reduce(experts, group=pctx.ep_group)
+    total = sharded[0] + replicated[0] + experts
     if pctx.pp_size > 1:
         dist.all_reduce(total, group=pctx.pp_group)
     return total.sqrt()
@@ -83,9 +81,12 @@ class ExpertLayers:
         if self.pctx.rank == self.pctx.edp_group_ranks[0]:
             for layer, within, module in self._moe_blocks():
                 for expert, mlp in module.experts.items():
-                    # cloned: a bf16 optimizer's parameters are views of one flat buffer, which torch.save would write
+                    # a LoRA run saves the adapters only (DeepSpeed's exclude_frozen_parameters); cloned: a bf16
+                    # optimizer's parameters are views of one flat buffer, which torch.save would write whole
+                    frozen = {n for n, p in mlp.named_parameters() if not p.requires_grad}
                     state = {f"{within}.experts.{expert}.{key}": value.detach().clone()
-                             for key, value in mlp.state_dict().items()}
+                             for key, value in mlp.state_dict().items()
+                             if not (exclude_frozen_parameters and key in frozen)}
                     torch.save(state, expert_file(os.path.join(save_dir, tag), layer, int(expert), self.pctx.tp_rank))
         return saved
 

@@ -111,6 +111,7 @@ class _Layer:
     adapters: list[tuple[int, bool]]  # the same for the LoRA adapters on it
     frozen: bool  # a LoRA run: the model's own parameters do not train
     experts: list[tuple[int, bool]] = field(default_factory=list)  # this EP rank's experts, with expert parallelism
+    expert_adapters: list[tuple[int, bool]] = field(default_factory=list)  # their LoRA adapters
 
     @property
     def model_numels(self) -> list[int]:
@@ -121,7 +122,8 @@ class _Layer:
         """(numel, decayed, trains, an expert's under expert parallelism) of every parameter the engine holds."""
         return ([(n, d, not self.frozen, False) for n, d in self.params]
                 + [(n, d, not self.frozen, True) for n, d in self.experts]
-                + [(n, d, True, False) for n, d in self.adapters])
+                + [(n, d, True, False) for n, d in self.adapters]
+                + [(n, d, True, True) for n, d in self.expert_adapters])
 
 
 def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | None = None,
@@ -131,17 +133,18 @@ def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | N
     n = model.num_hidden_layers
     head = "EmbeddingPipe" if model.tie_word_embeddings else "LMHeadPipe"
     kinds = ["EmbeddingPipe"] + ["DecoderLayerPipe"] * n + ["FinalNormPipe", head]
-    tables = [ParamLayout(model).held_by(0, ep), adapter_layout(model, lora) if lora is not None else []]
-    params: list[list[list[tuple[int, bool]]]] = [[[] for _ in kinds] for _ in tables]
-    experts: list[list[tuple[int, bool]]] = [[] for _ in kinds]
-    for table, rows in zip(tables, params):
+    tables = [ParamLayout(model).held_by(0, ep), adapter_layout(model, lora).held_by(0, ep) if lora else []]
+    # per table, [everything but this EP rank's experts, its experts (EP > 1)], each a list per layer
+    params = [[[[] for _ in kinds] for _ in range(2)] for _ in tables]
+    for table, (rows, experts) in zip(tables, params):
         for spec in table:
             shape = shard_shape(spec, model, tp, padded_vocab)
             held = experts if spec.expert is not None and ep > 1 else rows
             for index in spec.layers:  # a tied table sits on both end layers
                 held[index].append((math.prod(shape), len(shape) >= 2))  # matrices are weight-decayed
-    return [_Layer(kind, own, adapters, lora is not None, mine)
-            for kind, own, adapters, mine in zip(kinds, *params, experts)]
+    (own, experts), (adapters, expert_adapters) = params
+    return [_Layer(kind, *lists[:2], lora is not None, *lists[2:])
+            for kind, *lists in zip(kinds, own, adapters, experts, expert_adapters)]
 
 
 def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:

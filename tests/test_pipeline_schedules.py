@@ -117,39 +117,49 @@ def _lora_runs(prefix: str, work, name: str, base: str, extra: list[str], lora: 
             for schedule in ("1f1b", "zb-h1")]
 
 
-def _launch(prefix: str, work, runs: dict[str, list[str]], nprocs: int, more: tuple[list[str], ...] = ()) -> None:
+def _prefix(name: str, prefixes: tuple[str, str]) -> str:
+    """The corpus of a run: one-line documents (several per sample) for per-document attention, else the plays."""
+    return prefixes[1] if "per-document" in name else prefixes[0]
+
+
+def _launch(prefixes: tuple[str, str], work, runs: dict[str, list[str]], nprocs: int,
+            more: tuple[list[str], ...] = ()) -> None:
     argv = []
     for name, extra in runs.items():
         for schedule in ("1f1b", "zb-h1"):
-            argv.append(train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={work}/{name}-{schedule}",
-                                            "parallel.pipeline=2", "batch.micro_batch_size=1", f"train.steps={STEPS}",
+            argv.append(train_args(CONFIG, [f"data.prefix={_prefix(name, prefixes)}",
+                                            f"output_dir={work}/{name}-{schedule}", "parallel.pipeline=2",
+                                            "batch.micro_batch_size=1", f"train.steps={STEPS}",
                                             f"pipeline.schedule={schedule}", *extra]))
     launch_many(nprocs, [*argv, *more], str(work / f"runs-{nprocs}.json"))
 
 
-def _single_process_runs(prefix: str, work) -> list[list[str]]:
+def _single_process_runs(prefixes: tuple[str, str], work) -> list[list[str]]:
     """TP1-PP1, one process: the runs every layout is compared with (the fp32 run saves the LoRA runs' base at 3)."""
-    common = [f"data.prefix={prefix}", "batch.micro_batch_size=1", f"train.steps={STEPS}"]
+    common = ["batch.micro_batch_size=1", f"train.steps={STEPS}"]
+    plays = f"data.prefix={prefixes[0]}"
     base = work / "tp1-pp1"
-    return [train_args(CONFIG, [*common, f"output_dir={base}", *RUNS["fp32"], f"checkpoint.save={base}/ckpt",
+    return [train_args(CONFIG, [plays, *common, f"output_dir={base}", *RUNS["fp32"], f"checkpoint.save={base}/ckpt",
                                 "checkpoint.interval=3"]),
-            *[train_args(CONFIG, [*common, f"output_dir={work}/tp1-pp1-{name}", *RUNS[name]])
+            *[train_args(CONFIG, [f"data.prefix={_prefix(name, prefixes)}", *common,
+                                  f"output_dir={work}/tp1-pp1-{name}", *RUNS[name]])
               for name in ("bf16", "tied-per-document-recompute")],
             # after the run that saves its base: one process runs them in order
-            train_args(CONFIG, [*common, f"output_dir={work}/tp1-pp1-lora", f"lora={LORA}", *RUNS["fp32"],
+            train_args(CONFIG, [plays, *common, f"output_dir={work}/tp1-pp1-lora", f"lora={LORA}", *RUNS["fp32"],
                                 f"checkpoint.load={base}/ckpt", "checkpoint.tag=global_step3",
                                 "checkpoint.finetune=true"])]
 
 
 @pytest.fixture(scope="module")
-def runs(shakespeare_prefix, tmp_path_factory):
+def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("schedules")
-    launch_many(1, _single_process_runs(shakespeare_prefix, work), str(work / "runs-1.json"))
-    _launch(shakespeare_prefix, work, RUNS, 2, (
+    prefixes = (shakespeare_prefix, short_documents_prefix)
+    launch_many(1, _single_process_runs(prefixes, work), str(work / "runs-1.json"))
+    _launch(prefixes, work, RUNS, 2, (
         *_resumes(shakespeare_prefix, work),
         *_lora_runs(shakespeare_prefix, work, "lora", f"{work}/tp1-pp1/ckpt", [])))
     tp2_base = work / "tp2-base"  # a TP2 checkpoint for the TP2 LoRA runs
-    _launch(shakespeare_prefix, work, FOUR_RANK_RUNS, 4, (
+    _launch(prefixes, work, FOUR_RANK_RUNS, 4, (
         train_args(CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={tp2_base}", *RUNS["fp32"],
                             "parallel.tensor=2", "parallel.pipeline=2", "train.steps=3",
                             f"checkpoint.save={tp2_base}/ckpt", "checkpoint.interval=3"]),

@@ -373,7 +373,8 @@ def test_expert_lora_adapters_are_split_with_their_experts(monkeypatch):
     states are the run's), and an EP rank holds its experts' adapters only: the gradient bytes per stage at EP1 and
     EP4 are in the ratio of the adapter elements a rank holds (8 vs 2 experts' per layer, the attention's alike)."""
     monkeypatch.chdir(ROOT)
-    lora = '{"rank": 16, "alpha": 32, "targets": ["q_proj", "v_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}'
+    lora = ('{"rank": 16, "alpha": 32, "targets": ["q_proj", "v_proj", "mlp.experts.gate_up_proj", '
+            '"mlp.experts.down_proj"]}')
     config = TrainingConfig.from_file(os.path.join(ROOT, "configs", "pretrain", "mixtral-8x7b-16gpu.json"),
                                       [f"lora={lora}"])
     m, r, tp = config.model, 16, config.parallel.tensor

@@ -5,8 +5,9 @@ our linear is fused (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), so an 
 renaming. A mixture of experts' MLP has no modules for PEFT to target: its experts are two parameters per layer,
 which PEFT adapts with ``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), one
 (A, B) pair per expert (gate and up share A, as they share the fused weight); the table holds one row per expert and
-matrix, which :func:`to_peft` / :func:`from_peft` fuse into PEFT's per-layer tensors and back. ``A`` is ``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's
-convention). How each matrix splits over TP follows its weight:
+matrix, which :func:`to_peft` / :func:`from_peft` fuse into PEFT's per-layer tensors and back. ``A`` is
+``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's convention). How each matrix
+splits over TP follows its weight:
 
 - column-parallel targets (q, k, v, gate, up): ``B`` splits on its rows as the weight's rows do; for q/k/v the rows
   of the KV groups a rank owns are one contiguous block of each of q, k, v, so every ``B`` is a plain ``column``
@@ -214,8 +215,9 @@ def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
     """A mixture-of-experts model has no dense MLP (its experts are targeted as parameters), a dense one no experts."""
     mlp = [t for t in lora.targets if t in TARGETS and TARGETS[t].linear.startswith("mlp.")]
     if config.family.moe and mlp:
-        raise ConfigError(f"lora.targets {', '.join(mlp)}: the {config.model_type} model's MLP is a mixture of experts; "
-                          f"its targets are q_proj, k_proj, v_proj, o_proj and the experts' {', '.join(EXPERT_TARGETS)}")
+        raise ConfigError(f"lora.targets {', '.join(mlp)}: the {config.model_type} model's MLP is a mixture of "
+                          "experts; its targets are q_proj, k_proj, v_proj, o_proj and the experts' "
+                          f"{', '.join(EXPERT_TARGETS)}")
     if not config.family.moe and lora.expert_targets:
         raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: the {config.model_type} model has no "
                           f"experts; its targets are {', '.join(LORA_TARGETS)}")

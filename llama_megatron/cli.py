@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from llama_megatron.errors import LlamaMegatronError, print_error
+from llama_megatron.errors import exit_code_of
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -57,14 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help()
         return 2
-    try:
-        return int(_load_verb(args.verb).run(args) or 0)
-    except LlamaMegatronError as exc:
-        print_error(exc)
-        return exc.exit_code
-    except KeyboardInterrupt:  # a second SIGINT while a stop is pending (training), or any SIGINT elsewhere
-        print_error("interrupted")
-        return 130
+    return exit_code_of(lambda: _load_verb(args.verb).run(args))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ input (found before anything runs, wherever it can be known then), 3 when the st
 """
 
 import sys
+from collections.abc import Callable
 
 
 class LlamaMegatronError(Exception):
@@ -50,3 +51,17 @@ def print_error(error: BaseException | str) -> None:
     newline separately (unbuffered), so two ranks' lines could run together."""
     sys.stderr.write(f"error: {error}\n")
     sys.stderr.flush()
+
+
+def exit_code_of(run: Callable[[], int | None]) -> int:
+    """``run()``'s exit code for a command's ``main``: 0 when it returns nothing, a :class:`LlamaMegatronError`'s code
+    after its one line, 130 on an interrupt (a second SIGINT while a stop is pending in training, any SIGINT
+    elsewhere)."""
+    try:
+        return int(run() or 0)
+    except LlamaMegatronError as exc:
+        print_error(exc)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        return 130

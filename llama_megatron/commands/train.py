@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llama_megatron.errors import LlamaMegatronError, print_error
+from llama_megatron.errors import exit_code_of
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,14 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except LlamaMegatronError as exc:
-        print_error(exc)
-        return exc.exit_code
-    except KeyboardInterrupt:  # a second SIGINT while a stop is pending (training), or any SIGINT elsewhere
-        print_error("interrupted")
-        return 130
+    return exit_code_of(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -155,19 +155,25 @@ class LlamaEngine(ExpertLayers, DeepSpeedEngine):
             super().clip_fp32_gradients()
 
 
-def initialize_engine(model: torch.nn.Module, optimizer, lr_scheduler, config: dict, pctx: ParallelContext):
-    """``deepspeed.initialize`` for a plain module with :class:`LlamaEngine`: the same steps (DeepSpeed's config
-    object, optimizer flags, the engine) with our class."""
+def construct_engine(engine_class: type[DeepSpeedEngine], model: torch.nn.Module, optimizer, lr_scheduler,
+                     config: dict, mpu, pctx: ParallelContext):
+    """What ``deepspeed.initialize`` does (DeepSpeed's config object from ``mpu``'s topology, optimizer flags, the
+    engine), with ``engine_class`` one of ours; returns ``deepspeed.initialize``'s four values."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
     deepspeed.zero.partition_parameters.shutdown_init_context()
-    config_class = DeepSpeedConfig(config, pctx)
+    config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
-    engine = LlamaEngine(args=None, model=model, optimizer=optimizer, model_parameters=None, training_data=None,
-                         lr_scheduler=lr_scheduler, mpu=pctx, dist_init_required=False, collate_fn=None,
-                         config=config, config_class=config_class)
+    engine = engine_class(args=None, model=model, optimizer=optimizer, model_parameters=None, training_data=None,
+                          lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=False, collate_fn=None,
+                          config=config, config_class=config_class)
     engine.pctx = pctx
     deepspeed.zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def initialize_engine(model: torch.nn.Module, optimizer, lr_scheduler, config: dict, pctx: ParallelContext):
+    """``deepspeed.initialize`` for a plain module with :class:`LlamaEngine`."""
+    return construct_engine(LlamaEngine, model, optimizer, lr_scheduler, config, pctx, pctx)

@@ -33,7 +33,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
-from llama_megatron.training.expert_engine import ExpertLayers
+from llama_megatron.training.expert_engine import ExpertLayers, construct_engine
 from llama_megatron.training.pipeline_schedules import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
 
 
@@ -137,18 +137,5 @@ def initialize_pipeline_engine(model, optimizer, lr_scheduler, config: dict, pct
     """``deepspeed.initialize`` for a ``PipelineModule`` with our engine class (:class:`ScheduledPipelineEngine` for
     ``zb-h1``, else :class:`GlobalNormPipelineEngine`): the same steps (DeepSpeed's config object from the module's
     topology, optimizer flags, the engine) with our class."""
-    import deepspeed
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    deepspeed.zero.partition_parameters.shutdown_init_context()
-    mpu = model.mpu()
-    config_class = DeepSpeedConfig(config, mpu)
-    deepspeed.set_optimizer_flags(config_class, model)
     engine_class = ScheduledPipelineEngine if schedule == "zb-h1" else GlobalNormPipelineEngine
-    engine = engine_class(args=None, model=model, optimizer=optimizer, model_parameters=None, training_data=None,
-                          lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=False, collate_fn=None,
-                          config=config, config_class=config_class)
-    engine.pctx = pctx
-    deepspeed.zero.partition_parameters.restore_init_context()
-    engine._configure_python_gc()
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    return construct_engine(engine_class, model, optimizer, lr_scheduler, config, model.mpu(), pctx)

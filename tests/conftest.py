@@ -8,18 +8,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "data/corpus/shakespeare.jsonl")
+
+
+def _preprocess(text_file: str, prefix: str) -> str:
+    """``text_file`` tokenised by `llama-megatron preprocess` with the shipped tokenizer (with EOD)."""
+    from llama_megatron.cli import main as cli_main
+
+    assert cli_main(["preprocess", "--input", text_file, "--tokenizer", os.path.join(ROOT, "data/tokenizer"),
+                     "--output-prefix", prefix, "--append-eod", "--quiet"]) == 0
+    return prefix + "_text_document"
+
 
 @pytest.fixture(scope="session")
 def shakespeare_prefix(tmp_path_factory) -> str:
-    """The shipped corpus tokenised by `llama-megatron preprocess` (with EOD), once per test session."""
-    from llama_megatron.cli import main as cli_main
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    prefix = str(tmp_path_factory.mktemp("shakespeare") / "shakespeare")
-    assert cli_main(["preprocess", "--input", os.path.join(root, "data/corpus/shakespeare.jsonl"), "--tokenizer",
-                     os.path.join(root, "data/tokenizer"), "--output-prefix", prefix, "--append-eod",
-                     "--quiet"]) == 0
-    return prefix + "_text_document"
+    """The shipped corpus tokenised, once per test session."""
+    return _preprocess(CORPUS, str(tmp_path_factory.mktemp("shakespeare") / "shakespeare"))
 
 
 @pytest.fixture(scope="session")
@@ -28,17 +33,12 @@ def short_documents_prefix(tmp_path_factory) -> str:
     per-document attention differs from causal attention in almost every sample."""
     import json
 
-    from llama_megatron.cli import main as cli_main
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path_factory.mktemp("short-docs")
     text = out / "lines.txt"
-    with open(os.path.join(root, "data/corpus/shakespeare.jsonl"), encoding="utf-8") as src:
+    with open(CORPUS, encoding="utf-8") as src:
         lines = [line for record in src for line in json.loads(record)["text"].splitlines() if line.strip()]
     text.write_text("\n".join(lines[:20000]) + "\n", encoding="utf-8")
-    assert cli_main(["preprocess", "--input", str(text), "--tokenizer", os.path.join(root, "data/tokenizer"),
-                     "--output-prefix", str(out / "lines"), "--append-eod", "--quiet"]) == 0
-    return str(out / "lines_text_document")
+    return _preprocess(str(text), str(out / "lines"))
 
 
 # The slowest test files on a 2-core CPU (seconds, measured), started first so that the two xdist workers

@@ -124,7 +124,7 @@ class LoraConfig:
     def to_dict(self) -> dict[str, Any]:
         """The section as written to ``llama_megatron.json`` (targets in model order)."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
-                "targets": [t for t in (*LORA_TARGETS, *EXPERT_TARGETS) if t in self.targets]}
+                "targets": [*self.module_targets, *self.expert_targets]}
 
     @property
     def module_targets(self) -> list[str]:
@@ -184,9 +184,7 @@ def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
     specs = []
     experts = range(config.num_local_experts) if config.family.moe else ()
     for i in range(config.num_hidden_layers):
-        for target in (*LORA_TARGETS, *EXPERT_TARGETS):
-            if target not in lora.targets:
-                continue
+        for target in (*lora.module_targets, *lora.expert_targets):
             t = ALL_TARGETS[target]
             out_features, in_features = target_shapes(config, target)
             for matrix, shape, init in (("A", (lora.rank, in_features), "lora_a"),

@@ -143,8 +143,9 @@ def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | N
             for index in spec.layers:  # a tied table sits on both end layers
                 held[index].append((math.prod(shape), len(shape) >= 2))  # matrices are weight-decayed
     (own, experts), (adapters, expert_adapters) = params
-    return [_Layer(kind, *lists[:2], lora is not None, *lists[2:])
-            for kind, *lists in zip(kinds, own, adapters, experts, expert_adapters)]
+    return [_Layer(kind, layer_own, layer_adapters, lora is not None, layer_experts, layer_expert_adapters)
+            for kind, layer_own, layer_adapters, layer_experts, layer_expert_adapters
+            in zip(kinds, own, adapters, experts, expert_adapters)]
 
 
 def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:

@@ -51,9 +51,57 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     "test_universal_conversion.py": 120, "test_sft_e2e.py": 105, "test_zero3_init.py": 95, "test_generate.py": 87,
     "test_context_parallel.py": 80, "test_checkpoint_safety.py": 76, "test_convert_deepspeed.py": 72,
     "test_model_parity.py": 62, "test_doctor.py": 59, "test_init_invariance.py": 47, "test_data_sft.py": 36,
-    "test_sft_model.py": 34, "test_moe.py": 30, "test_parallel_layers.py": 28,
+    "test_sft_model.py": 34, "test_moe.py": 30, "test_parallel_layers.py": 28, "test_launcher_signals.py": 120,
 }
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept
+
+
+# --- stress mode: the suite (or any file) with CPU-bound neighbours, as on a shared CI machine --------------------
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--stress", type=int, default=0, metavar="N",
+                     help="run N CPU-bound neighbour processes (busy loops) for the whole session, as a shared CI "
+                          "machine's neighbours do: a test whose healthy run depends on machine speed fails here "
+                          "first (e.g. bash scripts/test.sh --stress 2 tests/test_multinode.py)")
+
+
+def pytest_configure(config) -> None:
+    # the controller only (not each xdist worker): N neighbours in all
+    count = config.getoption("--stress", 0)
+    if count and not hasattr(config, "workerinput"):
+        import subprocess
+
+        config._stress_neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                                     for _ in range(count)]
+
+
+def pytest_unconfigure(config) -> None:
+    for neighbour in getattr(config, "_stress_neighbours", []):
+        neighbour.kill()
+        neighbour.wait()
+
+
+# --- a fixture that fails shows what its launched runs printed --------------------------------------------------
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    import launch_utils
+
+    item._launched_before = len(launch_utils.LAUNCHED)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup" and report.failed:
+        import launch_utils
+
+        for result in launch_utils.LAUNCHED[getattr(item, "_launched_before", 0):]:
+            report.sections.append((f"launched run (exit {result.returncode}): {' '.join(map(str, result.args))[:300]}",
+                                    f"stdout tail:\n{(result.stdout or '')[-2000:]}\nstderr tail:\n"
+                                    f"{(result.stderr or '')[-4000:]}"))

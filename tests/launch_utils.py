@@ -10,6 +10,14 @@ import sys
 from llama_megatron.parallel.launch import launcher_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# every run started through here (and by files that record theirs): a fixture that fails shows their output tails
+# (conftest.py's report hook)
+LAUNCHED: list[subprocess.CompletedProcess] = []
+
+
+def record(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    LAUNCHED.append(result)
+    return result
 
 
 def train_args(config: str, overrides: list[str]) -> list[str]:
@@ -46,7 +54,7 @@ def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 6
     else:
         module_or_script = ["--module", *entry[1:]] if entry[0] == "-m" else entry
         cmd = [*launcher_command(nprocs), *module_or_script, *args]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = record(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout))
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
                              f"{result.stderr[-4000:]}")

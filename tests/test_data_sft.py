@@ -287,7 +287,8 @@ def test_config_tokenises_jsonl_once_into_the_cache(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("section, message", [
     ({"path": "x.jsonl", "prefix": "p"}, "exactly one of path"),
     ({"path": "nope.jsonl"}, "data.path 'nope.jsonl' not found"),
-    ({"path": "data/chat/chat_messages.jsonl", "masking": "prompt"}, "data.masking 'prompt'"),
+    ({"path": "data/chat/chat_messages.jsonl", "masking": "prompt"},
+     "data.masking 'prompt': choose one of assistant, all, last, assistant_only$"),
     ({"path": "data/chat/chat_messages.jsonl", "overlong": "wrap"}, "data.overlong 'wrap'"),
     ({"path": "data/chat/chat_messages.jsonl", "pack": "yes"}, "data.pack must be true or false"),
     ({"prefix": "p", "masking": "all"}, "data.masking is fixed when the shards are made"),

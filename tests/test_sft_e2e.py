@@ -11,7 +11,9 @@ relative 1e-4. The padded TP1-PP1 run itself equals transformers.LlamaForCausalL
 Against TRL: a random HF LLaMA converted to TP2 is fine-tuned on twelve conversations with a template whose
 generation prompt ends in a space and whose markers leave text after the end of turn untrained, by TRL's
 ``SFTTrainer`` (``assistant_only_loss``, one batch of all twelve per step) and by us at TP2-SP x DP2 and at TP2 x PP2
-(the same twelve per global batch, cut into micro batches): the losses of three steps agree to 1e-4 relative.
+(the same twelve per global batch, cut into micro batches), and on their prompt/completion forms by SFTTrainer's
+default (``completion_only_loss``: the text after the markers trained too) and by us at TP2-SP x DP2 (default
+masking): the losses of three steps agree to 1e-4 relative.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 
 import pytest
 import torch
-from chat_families import TOKENIZER, message_records, write_templates
+from chat_families import TOKENIZER, message_records, prompt_completion_records, write_templates
 from launch_utils import ROOT, assert_losses_close, hf_adamw_twin, launch_many, losses, train_args
 
 from llama_megatron.data.sft_dataset import SFTShards
@@ -42,9 +44,10 @@ LAYOUTS = {  # name -> (reference, overrides)
 
 
 TRL_STEPS, TRL_LR = 3, 2e-3
-TRL_LAYOUTS = {  # global batch 12 = every record, once per step
-    "trl-tp2-dp2-sp-micro3": [*TP2_SP, "batch.micro_batch_size=3"],
-    "trl-tp2-pp2-micro2": ["parallel.tensor=2", "parallel.pipeline=2", "batch.micro_batch_size=2"],
+TRL_LAYOUTS = {  # name -> (records, overrides); global batch 12 = every record, once per step
+    "trl-tp2-dp2-sp-micro3": ("messages", [*TP2_SP, "batch.micro_batch_size=3"]),
+    "trl-tp2-pp2-micro2": ("messages", ["parallel.tensor=2", "parallel.pipeline=2", "batch.micro_batch_size=2"]),
+    "trl-prompt-completion-tp2-dp2-sp-micro3": ("prompt_completion", [*TP2_SP, "batch.micro_batch_size=3"]),
 }
 
 
@@ -67,8 +70,9 @@ def references(work) -> dict:
 
 @pytest.fixture(scope="module")
 def trl_case(work) -> dict:
-    """TRL's SFTTrainer on the twelve conversations from a random HF LLaMA (the e2e model), its per-step losses, and
-    what our runs need: the HF model converted to TP2, the JSONL, the template and the training overrides."""
+    """TRL's SFTTrainer from a random HF LLaMA (the e2e model) on the twelve conversations (``assistant_only_loss``)
+    and on their prompt/completion forms (its default ``completion_only_loss``): per kind of records, its per-step
+    losses and what our runs need (the HF model converted to TP2, the JSONL, the template, the training overrides)."""
     pytest.importorskip("trl")
     import shutil
 
@@ -89,10 +93,6 @@ def trl_case(work) -> dict:
     assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(out / "tp2"), "--tp", "2",
                      "--make-vocab-size-divisible-by", str(config.parallel.make_vocab_size_divisible_by)]) == 0
     template = write_templates(str(out))["bot", "eot"]
-    records = message_records()
-    jsonl = out / "chats.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     tokenizer.chat_template = open(template, encoding="utf-8").read()
     step_losses: list[float] = []
@@ -103,32 +103,39 @@ def trl_case(work) -> dict:
             step_losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
             return loss
 
-    args = SFTConfig(output_dir=str(out / "trainer"), assistant_only_loss=True, max_length=None, report_to=[],
-                     use_cpu=True, bf16=False, disable_tqdm=True, per_device_train_batch_size=len(records),
-                     gradient_accumulation_steps=1, max_steps=TRL_STEPS, learning_rate=TRL_LR,
-                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-                     adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", save_strategy="no",
-                     logging_steps=1, seed=7)
-    trainer = Recording(model=LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32), args=args,
-                        train_dataset=Dataset.from_list(records), processing_class=tokenizer)
-    longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
-    trainer.train()
-    assert len(step_losses) == TRL_STEPS
-    overrides = [f"data.path={jsonl}", f"data.chat_template={template}", "data.split=100,0,0", "data.pack=false",
-                 f"seq_length={-(-longest // 8) * 8}", f"batch.global_batch_size={len(records)}",
-                 f"train.steps={TRL_STEPS}", f"optimizer.lr={TRL_LR}", f"optimizer.min_lr={TRL_LR}",
-                 "optimizer.decay_style=constant", "optimizer.warmup_steps=0", "optimizer.decay_steps=null",
-                 "optimizer.weight_decay=0.0", "optimizer.clip_grad=1.0", "optimizer.betas=[0.9,0.999]",
-                 "optimizer.eps=1e-8", "eval.interval=0", f"checkpoint.load={out / 'tp2'}", "checkpoint.finetune=true",
-                 ZERO1]
-    return {"losses": dict(enumerate(step_losses, start=1)), "overrides": overrides}
+    cases = {}
+    for kind, records in (("messages", message_records()), ("prompt_completion", prompt_completion_records())):
+        jsonl = out / f"{kind}.jsonl"
+        jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        step_losses.clear()
+        args = SFTConfig(output_dir=str(out / "trainer"), assistant_only_loss=kind == "messages", max_length=None,
+                         report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
+                         per_device_train_batch_size=len(records), gradient_accumulation_steps=1, max_steps=TRL_STEPS,
+                         learning_rate=TRL_LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                         max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
+                         save_strategy="no", logging_steps=1, seed=7)
+        trainer = Recording(model=LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32), args=args,
+                            train_dataset=Dataset.from_list(records), processing_class=tokenizer)
+        longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
+        trainer.train()
+        assert len(step_losses) == TRL_STEPS
+        overrides = [f"data.path={jsonl}", f"data.chat_template={template}", "data.split=100,0,0", "data.pack=false",
+                     f"seq_length={-(-longest // 8) * 8}", f"batch.global_batch_size={len(records)}",
+                     f"train.steps={TRL_STEPS}", f"optimizer.lr={TRL_LR}", f"optimizer.min_lr={TRL_LR}",
+                     "optimizer.decay_style=constant", "optimizer.warmup_steps=0", "optimizer.decay_steps=null",
+                     "optimizer.weight_decay=0.0", "optimizer.clip_grad=1.0", "optimizer.betas=[0.9,0.999]",
+                     "optimizer.eps=1e-8", "eval.interval=0", f"checkpoint.load={out / 'tp2'}",
+                     "checkpoint.finetune=true", ZERO1]
+        cases[kind] = {"losses": dict(enumerate(step_losses, start=1)), "overrides": overrides}
+    return cases
 
 
 @pytest.fixture(scope="module")
 def layouts(work, references, trl_case) -> dict[str, dict]:
     runs = [_args(work, name, *overrides, *(["data.pack=true"] if ref == "packed" else []))
             for name, (ref, overrides) in LAYOUTS.items()]
-    runs += [_args(work, name, *trl_case["overrides"], *overrides) for name, overrides in TRL_LAYOUTS.items()]
+    runs += [_args(work, name, *trl_case[kind]["overrides"], *overrides) for name, (kind, overrides) in
+             TRL_LAYOUTS.items()]
     launch_many(4, runs, str(work / "layouts.json"))
     return {name: _metrics(work / name) for name in [*LAYOUTS, *TRL_LAYOUTS]}
 
@@ -192,8 +199,8 @@ def test_padded_reference_equals_hf_with_global_token_mean(references, work) -> 
 
 @pytest.mark.parametrize("name", list(TRL_LAYOUTS))
 def test_whole_batch_steps_equal_trl_sft_trainer(name, layouts, trl_case) -> None:
-    got, want = layouts[name]["loss"], trl_case["losses"]
+    got, want = layouts[name]["loss"], trl_case[TRL_LAYOUTS[name][0]]["losses"]
     print(f"{name}: largest relative difference from SFTTrainer "
           f"{max(abs(got[s] - want[s]) / want[s] for s in want):.2g}")
     assert_losses_close(got, want, REL, range(1, TRL_STEPS + 1))
-    assert trl_case["losses"][TRL_STEPS] < trl_case["losses"][1], "the steps should train"
+    assert want[TRL_STEPS] < want[1], "the steps should train"

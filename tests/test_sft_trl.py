@@ -6,8 +6,11 @@ and its end of turn; around the whole turn), on twelve conversations and their p
 
 - with markers, conversations: our ids and trained tokens equal the ``input_ids`` and ``labels`` of TRL's processed
   dataset with ``assistant_only_loss``;
-- prompt/completion records: equal TRL's ``completion_only_loss`` (and, with markers, ``assistant_only_loss`` too):
-  multi-turn prompts stay untrained, a prompt ending inside a token trains that token;
+- prompt/completion records: equal TRL's default ``completion_only_loss`` whatever the template marks (with
+  ``eot`` markers the text after the end of turn, outside them, is trained too), and under ``masking:
+  assistant_only`` TRL with ``assistant_only_loss`` as well (the intersection): multi-turn prompts stay untrained,
+  a prompt ending inside a token trains that token; ``assistant_only`` on conversations equals ``assistant``, and
+  is refused for a template without markers;
 - without markers, conversations: equal transformers' ``assistant_masks`` of the variant marking the whole turn
   (TRL refuses unmarked templates for assistant-only loss, so transformers is the reference there);
 - ``masking: last`` trains exactly the last marked turn; packed rows carry the same masks.
@@ -62,7 +65,8 @@ def trl_rows(tmp_path_factory):
 
 def _ours(encoder: ChatEncoder, record: dict, masking: str = "assistant"):
     conversation = parse_record(record, "auto", masking)
-    return encoder.encode(conversation.messages, conversation.trained, conversation.prompt_length)
+    return encoder.encode(conversation.messages, conversation.trained, conversation.prompt_length,
+                          conversation.marked_only)
 
 
 def _assert_same(encoded, ids: list, trained: np.ndarray, what: str) -> None:
@@ -74,13 +78,20 @@ def _assert_same(encoded, ids: list, trained: np.ndarray, what: str) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_masks_equal_trl(family, templates, trl_rows) -> None:
     conversations, prompt_completions = message_records(), prompt_completion_records()
-    cases = [("eot", conversations, True), ("plain", prompt_completions, False), ("eot", prompt_completions, True)]
-    for variant, records, assistant_only in cases:
+    cases = [  # (variant, records, TRL's assistant_only_loss, our maskings)
+        ("eot", conversations, True, ("assistant", "assistant_only")),
+        ("plain", prompt_completions, False, ("assistant",)),
+        ("eot", prompt_completions, False, ("assistant",)),  # TRL's default: everything after the prompt
+        ("eot", prompt_completions, True, ("assistant_only",)),  # and what the markers enclose of it
+    ]
+    for variant, records, assistant_only, maskings in cases:
         encoder = ChatEncoder(TOKENIZER, templates[family, variant])
         rows = trl_rows(records, templates[family, variant], assistant_only)
-        for record, (ids, labels) in zip(records, rows):
-            trained = np.asarray(labels) != -100
-            _assert_same(_ours(encoder, record), ids, trained, f"{family}-{variant}: {record}")
+        for masking in maskings:
+            for record, (ids, labels) in zip(records, rows):
+                trained = np.asarray(labels) != -100
+                _assert_same(_ours(encoder, record, masking), ids, trained,
+                             f"{family}-{variant}-{masking}: {record}")
     # the cases these families are here for do occur: an answer's first token straddling the generation prompt,
     # text after the end of turn that markers leave out
     encoder = ChatEncoder(TOKENIZER, templates[family, "eot"])
@@ -90,6 +101,11 @@ def test_masks_equal_trl(family, templates, trl_rows) -> None:
     if family == "bot":
         assert piece == "\u2581Ju", piece
         assert jupiter.trained[-1] == 0 and encoder.tokenizer.decode(jupiter.ids[-1:]) == "\n"
+        # the same answer as a prompt/completion record: the "\n" after the generation block is trained by
+        # default (TRL's completion_only_loss) and not under assistant_only (with assistant_only_loss)
+        record = prompt_completions[4]
+        assert encoder.tokenizer.decode(_ours(encoder, record).ids[-1:]) == "\n"
+        assert _ours(encoder, record).trained[-1] == 1 and _ours(encoder, record, "assistant_only").trained[-1] == 0
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -106,6 +122,23 @@ def test_masks_without_markers_equal_transformers_whole_turn(family, templates) 
                                             return_assistant_tokens_mask=True)
         _assert_same(_ours(plain, record), ref["input_ids"], np.asarray(ref["assistant_masks"]) == 1,
                      f"{family}: {record}")
+
+
+def test_assistant_only_needs_markers(templates, tmp_path) -> None:
+    """masking assistant_only on a template without markers: one line naming the template, at once."""
+    import json
+
+    from llama_megatron.errors import ConfigError
+
+    plain = templates["bot", "plain"]
+    with pytest.raises(ConfigError, match=r"masking assistant_only .*bot-plain\.jinja has none"):
+        _ours(ChatEncoder(TOKENIZER, plain), prompt_completion_records()[0], "assistant_only")
+    jsonl = tmp_path / "pc.jsonl"
+    jsonl.write_text(json.dumps(prompt_completion_records()[0]) + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="has none: add them, or use masking assistant$"):
+        preprocess_sft([str(jsonl)], TOKENIZER, str(tmp_path / "p"), masking="assistant_only", chat_template=plain,
+                       quiet=True)
+    assert not list(tmp_path.glob("p_*"))
 
 
 def test_masking_last_trains_the_last_marked_turn(templates) -> None:

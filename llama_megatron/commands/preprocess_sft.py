@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="outputs are PREFIX_tokens.bin/.idx, PREFIX_mask.bin/.idx, PREFIX_sft.json")
     parser.add_argument("--format", default="auto", choices=FORMATS, help="record format (auto: by each record's keys)")
     parser.add_argument("--masking", default="assistant", choices=MASKING,
-                        help="trained tokens: assistant turns (default), all tokens, or the last assistant turn")
+                        help="trained tokens: assistant turns (default; prompt/completion records: the "
+                             "completion), all tokens, the last assistant turn, or assistant_only: assistant's "
+                             "cut to what the template's {%% generation %%} markers enclose (TRL's assistant_only_loss)")
     parser.add_argument("--chat-template", default=None, help="Jinja file (default: the tokenizer's chat_template)")
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes (1: all in this process)")
     parser.add_argument("--skip-bad-lines", action="store_true", help="count and skip unusable records")

@@ -15,8 +15,9 @@ Which tokens are trained (docs/data.md, "Rendering and masks"), the same rule as
   render up to it with the generation prompt to the end of the render through it: content, end of turn and
   whatever the turn writes after it; never the header);
 - prompt/completion records: every token after the longest common prefix of the tokenised prompt (with the
-  generation prompt) and the tokenised whole record (TRL's ``completion_only_loss``), and, with markers, only
-  what they enclose as well.
+  generation prompt) and the tokenised whole record (TRL's ``completion_only_loss``), whatever the template marks;
+  with ``marked_only`` (``masking: assistant_only``, TRL's ``assistant_only_loss`` as well) only what the markers
+  enclose of it.
 
 Characters become tokens by transformers' rule: from the token holding a span's first character through the token
 holding its last, so a token straddling either end of a span (``"▁Ju"`` after a generation prompt ending in a
@@ -316,6 +317,13 @@ class ChatEncoder:
                 "turn, or use masking: all)")
         return [block for block, i in zip(blocks, assistants) if trained[i]]
 
+    def require_markers(self) -> None:
+        """ConfigError unless the template has ``{% generation %}`` markers (``masking: assistant_only``)."""
+        if not self.has_markers:
+            raise ConfigError(f"masking assistant_only trains what the chat template's {{% generation %}} markers "
+                              f"enclose, and the template of {self.template_file or self.tokenizer_path} has none: "
+                              "add them, or use masking assistant")
+
     def completion_start(self, messages: Sequence[dict], prompt_length: int, ids: Sequence[int]) -> int:
         """TRL's start of the completion in ``ids`` (the whole record's tokens): the length of the common prefix
         of ``ids`` and the tokenised prompt rendered with the generation prompt."""
@@ -329,10 +337,15 @@ class ChatEncoder:
         return common
 
     def encode(self, messages: Sequence[dict], trained: Sequence[bool] | None,
-               prompt_length: int | None = None) -> Encoded:
+               prompt_length: int | None = None, marked_only: bool = False) -> Encoded:
         """Token ids of the rendered conversation and its training mask. ``trained`` flags the assistant messages
         that are targets (None: every token is); ``prompt_length`` makes it a prompt/completion record whose first
-        ``prompt_length`` messages are the prompt (the flags then only say whether every token is trained)."""
+        ``prompt_length`` messages are the prompt (the flags then only say whether every token is trained), trained
+        after the prompt whatever the template marks (TRL's ``completion_only_loss``). ``marked_only`` trains only
+        what the ``{% generation %}`` markers enclose of that (TRL's ``assistant_only_loss``; ConfigError without
+        markers); conversations are cut to the markers whenever the template has them, with or without it."""
+        if marked_only and trained is not None:
+            self.require_markers()
         text, blocks = self.render_with_generation_blocks(messages)
         enc = self.tokenizer(text, add_special_tokens=False)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
@@ -341,7 +354,7 @@ class ChatEncoder:
         elif prompt_length is not None:
             mask = np.zeros(ids.size, dtype=np.uint8)
             mask[self.completion_start(messages, prompt_length, enc["input_ids"]):] = 1
-            if self.has_markers:
+            if marked_only:  # TRL applies both masks: their intersection
                 mask &= _token_mask(enc, blocks, ids.size)
         elif self.has_markers:
             mask = _token_mask(enc, self.marked_spans(messages, trained, blocks), ids.size)

@@ -8,7 +8,13 @@
   the user turn is the instruction, then a blank line and the input when there is one.
 - ``prompt_completion``: ``{"prompt": ..., "completion": ..., "system": ...?}``, strings (one user and one assistant
   turn) or lists of messages (TRL's conversational form). The prompt is context and the completion the target, as
-  TRL's ``completion_only_loss`` (``Conversation.prompt_length``); ``train`` flags do not apply.
+  TRL's ``completion_only_loss`` (``Conversation.prompt_length``), whatever the template marks; ``train`` flags do
+  not apply.
+
+Masking (``MASKING``): ``assistant`` (default) trains the assistant turns (prompt/completion records: the
+completion), ``last`` the last of them, ``all`` every token, and ``assistant_only`` what ``assistant`` does, cut to
+what the template's ``{% generation %}`` markers enclose (TRL's ``assistant_only_loss``; in prompt/completion records
+the completion's marked text; ``Conversation.marked_only``).
 
 ``auto`` picks the format of each record by its keys, in that order. Messages keep their other keys (the template
 may read them); ``train`` is removed before rendering.
@@ -23,7 +29,7 @@ FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "tool": "tool", "observation": "tool"}
-MASKING = ("assistant", "all", "last")
+MASKING = ("assistant", "all", "last", "assistant_only")
 
 
 class RecordError(ValueError):
@@ -133,7 +139,8 @@ def _parse(record: Any, fmt: str) -> tuple[list[dict], int | None]:
 
 
 def trained_turns(messages: list[dict], masking: str) -> list[bool] | None:
-    """Which messages are targets under ``masking`` (None: every token is); RecordError if none is."""
+    """Which messages are targets under ``masking`` (None: every token is); RecordError if none is.
+    ``assistant_only`` picks the messages ``assistant`` does (the markers then cut them)."""
     if masking == "all":
         return None
     for i, m in enumerate(messages):
@@ -158,14 +165,17 @@ def template_messages(messages: list[dict]) -> list[dict]:
 @dataclass
 class Conversation:
     """One record ready to encode: messages as the template sees them, which messages are trained (None: every
-    token) and, for prompt/completion records, how many messages the prompt has."""
+    token), for prompt/completion records how many messages the prompt has, and whether only what the template's
+    generation markers enclose is trained (``masking: assistant_only``)."""
 
     messages: list[dict]
     trained: list[bool] | None
     prompt_length: int | None = None
+    marked_only: bool = False
 
 
 def parse_record(record: Any, fmt: str, masking: str) -> Conversation:
     """The record as a Conversation under ``masking``; RecordError if it is malformed or trains nothing."""
     messages, prompt_length = _parse(record, fmt)
-    return Conversation(template_messages(messages), trained_turns(messages, masking), prompt_length)
+    return Conversation(template_messages(messages), trained_turns(messages, masking), prompt_length,
+                        masking == "assistant_only")

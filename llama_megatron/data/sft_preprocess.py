@@ -27,7 +27,8 @@ from llama_megatron.data.sft_formats import RecordError, parse_record
 from llama_megatron.errors import DataError
 from llama_megatron.progress import Progress
 
-SFT_VERSION = 2  # 2: transformers' token rule at span ends, generation markers, TRL's completion rule
+SFT_VERSION = 3  # 2: transformers' token rule at span ends, generation markers, TRL's completion rule;
+# 3: prompt/completion records trained after the prompt whatever the template marks (masking: assistant_only cuts)
 
 
 def shard_prefixes(prefix: str) -> dict[str, str]:
@@ -62,7 +63,8 @@ def _init_worker(encoder: ChatEncoder, fmt: str, masking: str) -> None:
 def encode_record(record, encoder: ChatEncoder, fmt: str, masking: str):
     """(ids, mask) of one parsed JSON record; RecordError or TemplateRenderError when it cannot be used."""
     conversation = parse_record(record, fmt, masking)
-    encoded = encoder.encode(conversation.messages, conversation.trained, conversation.prompt_length)
+    encoded = encoder.encode(conversation.messages, conversation.trained, conversation.prompt_length,
+                             conversation.marked_only)
     if not encoded.trained.any():
         raise RecordError("no trained token: the trained turns render to no tokens after the first")
     return encoded.ids, encoded.trained
@@ -96,6 +98,8 @@ def preprocess_sft(inputs: list[str], tokenizer: str, output_prefix: str, fmt: s
         if not os.path.isfile(path):
             raise DataError(f"input not found: {path}")
     encoder = ChatEncoder(tokenizer, chat_template)
+    if masking == "assistant_only":
+        encoder.require_markers()
     for path in output_paths(output_prefix):
         if os.path.exists(path) and not overwrite:
             raise DataError(f"{path} exists; pass --overwrite to replace it")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -116,6 +117,8 @@ def adopt_launcher_env(environ: MutableMapping[str, str] | None = None) -> Place
     """
     env = os.environ if environ is None else environ
     where = placement(env)
+    if environ is None:
+        launcher_chain()  # as the process starts: StopRequests watches these launchers
     if "RANK" in env:
         return where
     if where.launcher == "srun":
@@ -262,3 +265,76 @@ def barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+# What a launcher's command line runs (its script's or module's name): the deepspeed runner and its per-node
+# launch.py, torchrun, SLURM's srun and the slurmstepd that starts a step's tasks on each node, MPI's launchers.
+LAUNCHER_PROGRAMS = {"deepspeed": "the deepspeed launcher", "deepspeed.launcher.runner": "the deepspeed launcher",
+                     "deepspeed.launcher.launch": "deepspeed's launch.py", "torchrun": "torchrun",
+                     "torch.distributed.run": "torchrun", "torch.distributed.launch": "torch.distributed.launch",
+                     "srun": "srun", "slurmstepd": "slurmstepd", "mpirun": "mpirun", "mpiexec": "mpiexec"}
+
+
+def launcher_program(cmdline: list[str]) -> str | None:
+    """Which launcher of :data:`LAUNCHER_PROGRAMS` a command line runs (its description), or None: the first word
+    that is not the Python interpreter or one of its options, or the module after ``-m``."""
+    words = iter(cmdline[:8])
+    for word in words:
+        if word == "-m":
+            return LAUNCHER_PROGRAMS.get(next(words, ""))
+        name = os.path.basename(word)
+        if name.startswith("-") or re.fullmatch(r"python[\d.]*", name):
+            continue
+        return LAUNCHER_PROGRAMS.get("slurmstepd" if name.startswith("slurmstepd") else name)
+    return None
+
+
+@dataclass(frozen=True)
+class LauncherProcess:
+    """A process that launched this rank, as it was when the rank started (its start time tells a reused pid)."""
+
+    pid: int
+    program: str
+    started: float
+
+
+@functools.cache
+def launcher_chain() -> tuple[LauncherProcess, ...]:
+    """The launchers above this process, nearest first: its parent and the parent's parents while each is a launcher
+    (``launch.py`` and the runner under the deepspeed launcher; torchrun; slurmstepd). Under a launcher that set
+    RANK the parent is one whatever its command line (a renamed or wrapped launcher). A process started by a shell
+    has none: its shell may end (nohup) while it rightly goes on. Read once, as the process starts
+    (:func:`adopt_launcher_env`), before a launcher that dies early could leave it a shorter chain."""
+    import psutil
+
+    chain: list[LauncherProcess] = []
+    try:
+        parent = psutil.Process().parent()
+        while parent is not None and parent.pid > 1:
+            program = launcher_program(parent.cmdline())
+            if program is None:
+                if not chain and placement().launcher in ("deepspeed", "torchrun"):
+                    chain.append(LauncherProcess(parent.pid, "its launcher", parent.create_time()))
+                break
+            chain.append(LauncherProcess(parent.pid, program, parent.create_time()))
+            parent = parent.parent()
+    except psutil.Error:  # a process it may not read (another user's): the chain ends there
+        pass
+    return tuple(chain)
+
+
+def launcher_gone(chain: tuple[LauncherProcess, ...]) -> LauncherProcess | None:
+    """The first launcher of ``chain`` that has exited (a zombie its own parent has not reaped yet included), or
+    None while all run."""
+    import psutil
+
+    for launcher in chain:
+        try:
+            process = psutil.Process(launcher.pid)
+            if process.create_time() != launcher.started or process.status() == psutil.STATUS_ZOMBIE:
+                return launcher
+        except psutil.NoSuchProcess:
+            return launcher
+        except psutil.Error:
+            continue
+    return None

@@ -7,7 +7,7 @@ import time
 
 from llama_megatron.checkpoint.meta import CheckpointMeta
 from llama_megatron.errors import ConfigError
-from llama_megatron.parallel.launch import barrier, rendezvous_address
+from llama_megatron.parallel.launch import barrier, launcher_chain, rendezvous_address
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig
@@ -79,7 +79,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     )
     train = config.train
     guard = StepGuard(train.max_bad_steps, train.loss_spike_factor, train.loss_spike_window, engine.device)
-    stops = StopRequests(train.stop_signals, train.max_minutes)
+    stops = StopRequests(train.stop_signals, train.max_minutes, launcher_chain())
     watchdog = StallWatchdog(config.distributed.timeout_minutes, pctx.rank, pctx.world_size,
                              (pctx.pp_rank, pctx.pp_size), rendezvous_address())
     last_metrics: dict = {}

@@ -30,8 +30,8 @@ from llama_megatron.model.kernels import resolve_kernels  # noqa: E402
 from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention  # noqa: E402
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
-from llama_megatron.training.flops import training_flops_per_token  # noqa: E402
-from llama_megatron.training.metrics import device_peak_tflops  # noqa: E402
+from llama_megatron.training.diagnostics.flops import training_flops_per_token  # noqa: E402
+from llama_megatron.training.run.metrics import device_peak_tflops  # noqa: E402
 
 SHAPES = {  # name -> (model config file, overrides, seq, micro batch)
     "tinyllama-1.1b": ("configs/models/tinyllama-1.1b.json", {}, 2048, 4),

@@ -26,8 +26,8 @@ from llama_megatron.model.build import build_model  # noqa: E402
 from llama_megatron.model.kernels import resolve_kernels  # noqa: E402
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
-from llama_megatron.training.flops import training_flops_per_token  # noqa: E402
-from llama_megatron.training.metrics import measured_matmul_tflops  # noqa: E402
+from llama_megatron.training.diagnostics.flops import training_flops_per_token  # noqa: E402
+from llama_megatron.training.run.metrics import measured_matmul_tflops  # noqa: E402
 
 
 def time_steps(step, batches, warmup: int) -> float:

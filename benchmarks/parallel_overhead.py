@@ -137,7 +137,7 @@ def _training_config(args: argparse.Namespace, world: int):
     """The worker's training config and DeepSpeed config (ZeRO-0; fp32 unless ``--bf16``)."""
     from llama_megatron.config import ModelConfig, ParallelConfig
     from llama_megatron.training.config import BatchConfig, TrainingConfig
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
     dp = world // (args.tp * args.pp * args.cp)
     config = TrainingConfig(
@@ -162,8 +162,8 @@ def worker(args: argparse.Namespace) -> None:
     from llama_megatron.model.kernels import resolve_kernels
     from llama_megatron.parallel.context import ParallelContext
     from llama_megatron.parallel.launch import init_distributed
-    from llama_megatron.training.batches import build_datasets, step_batches
-    from llama_megatron.training.engine import TrainingEngine
+    from llama_megatron.training.engine.training_engine import TrainingEngine
+    from llama_megatron.training.run.batches import build_datasets, step_batches
 
     init_distributed()
     config, ds = _training_config(args, int(os.environ["WORLD_SIZE"]))
@@ -215,7 +215,7 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx) -> None:
     writes per stage busy/idle (the mean over the steps), the mean pass times and the activation peaks."""
     import torch
 
-    from llama_megatron.training.pipeline_timeline import ActivationMeter, InstructionTimeline, bubble
+    from llama_megatron.training.pipeline.timeline import ActivationMeter, InstructionTimeline, bubble
 
     ds_engine = engine.engine
     meter = ActivationMeter(ds_engine.module, getattr(ds_engine, "weight_grads", None))
@@ -250,9 +250,9 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx) -> None:
 def schedules(args: argparse.Namespace) -> None:
     """``--schedules``: 1F1B and ZB-H1 at PP2 and PP4 with 1..16 micro batches, each stage's instructions timed:
     measured busy and idle per stage, tokens/s, activation peaks per stage, next to the analytic bubbles and a replay
-    of both orders with the measured pass times (training/pipeline_schedules.simulate)."""
-    from llama_megatron.training.memory_estimate import estimate
-    from llama_megatron.training.pipeline_schedules import analytic_bubble, simulate
+    of both orders with the measured pass times (training/pipeline/schedules.simulate)."""
+    from llama_megatron.training.diagnostics.memory_estimate import estimate
+    from llama_megatron.training.pipeline.schedules import analytic_bubble, simulate
 
     if not args.model:
         args.model = os.path.join(tempfile.mkdtemp(), "model.json")

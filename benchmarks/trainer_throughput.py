@@ -28,7 +28,7 @@ from gpu_throughput import have_liger  # noqa: E402  (this directory is the scri
 
 from llama_megatron.parallel.launch import launcher_command, skip_cpu_shared_memory_op  # noqa: E402
 from llama_megatron.training.config import TrainingConfig  # noqa: E402
-from llama_megatron.training.deepspeed_config import load_deepspeed_json, precision, zero_stage  # noqa: E402
+from llama_megatron.training.engine.deepspeed_config import load_deepspeed_json, precision, zero_stage  # noqa: E402
 
 DEFAULT_CONFIG = "configs/pretrain/tinyllama-1.1b-1gpu.json"
 SMOKE_OVERRIDES = ["model=configs/models/tiny.json", "seq_length=64", "batch.micro_batch_size=2",

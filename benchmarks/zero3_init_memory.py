@@ -67,7 +67,7 @@ def worker(path: str, out: str) -> None:
     """One rank: RSS before and the peak while building and filling its model."""
     from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.setup import load_model, preflight, start_process_groups
+    from llama_megatron.training.run.setup import load_model, preflight, start_process_groups
 
     adopt_launcher_env()
     with open(path, encoding="utf-8") as fh:
@@ -102,8 +102,8 @@ def main() -> None:
         worker(*args.worker)
         return
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
-    from llama_megatron.training.memory_estimate import construction_bytes
+    from llama_megatron.training.diagnostics.memory_estimate import construction_bytes
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
     with tempfile.TemporaryDirectory() as work:
         args.work = work

@@ -41,7 +41,7 @@ class SaveFailed(LlamaMegatronError):
 
 
 class Stalled(LlamaMegatronError):
-    """No progress for ``distributed.timeout_minutes`` (training/watchdog.py): a rank stopped or a collective hangs."""
+    """No progress for ``distributed.timeout_minutes`` (training/faults/watchdog.py): a rank stopped or a collective hangs."""
 
     exit_code = 5
 

@@ -90,9 +90,9 @@ def hf_adamw_twin(config, eod_id: int | None = None):
     from llama_megatron.model.build import build_model
     from llama_megatron.model.tp_slicing import rank_state_dicts_to_hf
     from llama_megatron.parallel.context import ParallelContext
-    from llama_megatron.training.batches import build_datasets
-    from llama_megatron.training.optimizer import parameter_groups
-    from llama_megatron.training.schedule import build_scheduler
+    from llama_megatron.training.engine.lr_schedule import build_scheduler
+    from llama_megatron.training.engine.optimizer import parameter_groups
+    from llama_megatron.training.run.batches import build_datasets
 
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -115,7 +115,7 @@ def assert_run_replays_hf(run_dir, config, rel: float = 1e-4, norm_rel: float = 
     import torch.nn.functional as F
 
     from llama_megatron.parallel.context import ParallelContext
-    from llama_megatron.training.batches import step_batches
+    from llama_megatron.training.run.batches import step_batches
 
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         ours = {r["step"]: r for r in map(json.loads, fh) if "loss" in r}

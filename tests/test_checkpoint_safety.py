@@ -27,9 +27,9 @@ from test_convert_roundtrip import save_hf_bin, save_meta
 from llama_megatron import train
 from llama_megatron.checkpoint.manifest import MANIFEST_FILE, file_digest, read_manifest, write_manifest
 from llama_megatron.checkpoint.safe_load import load_file, verify_checkpoint_dir
+from llama_megatron.checkpoint.universal_conversion import ensure_universal
 from llama_megatron.cli import main as cli
 from llama_megatron.errors import CheckpointError
-from llama_megatron.training.universal_conversion import ensure_universal
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 COMMON = ['data={"type": "synthetic"}', "tokenizer=null", "train.steps=2",
@@ -212,8 +212,8 @@ def _engine_worker(rank: int, world_size: int, cases: dict, out_dir: str) -> Non
     from llama_megatron.parallel.launch import init_distributed
     from llama_megatron.training import checkpointing as ckpt
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
-    from llama_megatron.training.engine import TrainingEngine
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.training_engine import TrainingEngine
 
     init_distributed()  # DeepSpeed's own communication backend over the gloo group
     results = {}

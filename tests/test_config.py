@@ -143,7 +143,7 @@ TRAINING_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "pretrain", "*
 def test_shipped_training_configs_load(path: str, monkeypatch) -> None:
     """Every shipped training config parses, validates and yields a DeepSpeed config for its own layout."""
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
     monkeypatch.chdir(ROOT)
     config = TrainingConfig.from_file(path)
@@ -156,7 +156,7 @@ def test_shipped_training_configs_load(path: str, monkeypatch) -> None:
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))))
 def test_shipped_deepspeed_configs_load(path: str) -> None:
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
     config = TrainingConfig.from_dict({"model": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                                                  "num_hidden_layers": 2, "num_attention_heads": 2}})

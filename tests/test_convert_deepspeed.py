@@ -27,8 +27,8 @@ from llama_megatron.cli import main as cli
 from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.run.batches import build_datasets, step_batches
 
 REL = 1e-5
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}

@@ -22,8 +22,8 @@ from llama_megatron.model.kernels import resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.deepspeed_config import build_deepspeed_config
-from llama_megatron.training.memory_estimate import estimate
+from llama_megatron.training.diagnostics.memory_estimate import estimate
+from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
@@ -159,7 +159,7 @@ def _activation_estimate(config: TrainingConfig, bf16: bool, world_size: int) ->
 
 def _states_worker(rank: int, world_size: int, cases: list, activation_cases: list, out_dir: str) -> None:
     from llama_megatron.parallel.launch import init_distributed
-    from llama_megatron.training.engine import TrainingEngine
+    from llama_megatron.training.engine.training_engine import TrainingEngine
 
     init_distributed()
     results = []

@@ -13,7 +13,7 @@ out once the run has logged step 3:
 - SIGTERM to scripts/train_node.sh (the per-node script of multi-node jobs, which execs the runner).
 
 srun forwards SIGTERM and SIGINT to its tasks itself, and a task whose slurmstepd is gone stops as under the
-runner above (the watch of llama_megatron/training/preemption.py); neither runs here without SLURM.
+runner above (the watch of llama_megatron/training/faults/preemption.py); neither runs here without SLURM.
 """
 
 from __future__ import annotations

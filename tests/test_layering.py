@@ -1,7 +1,8 @@
 """The package's floors, bottom up: config/families/errors/progress, parallel, model, data, checkpoint, training, commands.
 
-A module may import only from its own floor or a lower one, and no two modules (or folders) import each other
-in a loop. Imports are read from the source (every ``import`` statement, also those inside functions), so a
+Inside training/ the rooms have floors too, bottom up: config, faults/ and pipeline/ (schedules); checkpointing
+and engine/; diagnostics/; run/ (the setup path and the loop). A module may import only from its own floor or a
+lower one, and no two modules, folders or training rooms import each other in a loop. Imports are read from the source (every ``import`` statement, also those inside functions), so a
 lazy import cannot hide a cycle.
 """
 
@@ -17,6 +18,10 @@ FLOORS = {  # top-level module or folder -> floor
     "errors": 0, "config": 0, "families": 0, "progress": 0,
     "parallel": 1, "model": 2, "data": 3, "checkpoint": 4, "training": 5,
     "commands": 6, "cli": 6, "train": 7, "__main__": 7, "__init__": 0,
+}
+TRAINING_ROOMS = {  # module or folder inside training/ -> floor; nothing below run/ imports the run loop
+    "__init__": 0, "config": 0, "faults": 0, "pipeline": 0,
+    "checkpointing": 1, "engine": 1, "diagnostics": 2, "run": 3,
 }
 
 
@@ -44,6 +49,13 @@ def _module_imports() -> dict[str, set[str]]:
 def _floor(module: str) -> int:
     part = module.split(".")[1] if "." in module else "__init__"
     return FLOORS[part]
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[1:2] != ["training"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -92,3 +104,22 @@ def test_no_import_cycles_between_modules_or_folders() -> None:
 def test_the_checker_sees_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_training_module_has_a_room() -> None:
+    unknown = sorted(m for m in _module_imports() if (room := _room(m)) is not None and room not in TRAINING_ROOMS)
+    assert not unknown, f"add these to TRAINING_ROOMS: {unknown}"
+
+
+def test_no_training_room_imports_a_higher_one() -> None:
+    upward = [f"{m} -> {t}" for m, ts in _module_imports().items() for t in ts
+              if _room(m) is not None and _room(t) is not None and TRAINING_ROOMS[_room(m)] < TRAINING_ROOMS[_room(t)]]
+    assert not upward, "imports that go up a room in training/:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles_between_training_rooms() -> None:
+    rooms: dict[str, set[str]] = {}
+    for module, targets in _module_imports().items():
+        if (src := _room(module)) is not None:
+            rooms.setdefault(src, set()).update(r for t in targets if (r := _room(t)) not in (None, src))
+    assert _cycle(rooms) is None, f"training room import cycle: {' -> '.join(_cycle(rooms))}"

@@ -36,7 +36,7 @@ from llama_megatron.model.lora_layout import (
 from llama_megatron.model.param_layout import as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards, shard_for_rank
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.training.optimizer import parameter_groups
+from llama_megatron.training.engine.optimizer import parameter_groups
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 
@@ -245,8 +245,8 @@ def _full_parameters(model, pctx) -> dict[str, torch.Tensor]:
 def _engine_worker(rank: int, world_size: int, out_dir: str) -> None:
     from llama_megatron.parallel.launch import init_distributed
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
-    from llama_megatron.training.engine import TrainingEngine
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.training_engine import TrainingEngine
 
     init_distributed()
     results = {}
@@ -429,8 +429,8 @@ def test_exported_adapters_agree_across_layouts(exported) -> None:
 
 
 def _validation_batches(prefix: str) -> list:
-    from llama_megatron.training.batches import build_datasets, step_batches
     from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.run.batches import build_datasets, step_batches
 
     config = TrainingConfig.from_file(CONFIG, [f"data.prefix={prefix}", f"train.steps={RUN_STEPS}", "eval.interval=10"])
     cwd = os.getcwd()

@@ -168,7 +168,7 @@ def test_tp1_pp1_trains_like_the_transformers_class(runs, family, shakespeare_pr
 @pytest.mark.parametrize("family, layout", RUNS)
 def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
     """Losses (1e-5; observed 1.2e-7) and gradient norms (1e-4; observed 8.6e-6): the pipeline engine clips by the
-    whole model's norm, later stages' norms and biases included (training/pipeline_engine.py). A bf16 layout against
+    whole model's norm, later stages' norms and biases included (training/engine/pipeline.py). A bf16 layout against
     the bf16 TP1-PP1 run: 1e-4 and 1e-2 (observed 4e-5 and 3e-3), expert loads 2e-2 (near ties route a few of a
     step's 2048 assignments differently in bf16: observed 9e-3 at step 6)."""
     bf16 = layout.endswith("bf16")
@@ -315,7 +315,7 @@ def test_flops_count_the_keys_a_window_leaves() -> None:
     """MFU's model FLOPs: a windowed layer's queries each see min(s, window) keys (QK^T and AV: 2 x 2 FLOPs per key
     and query channel), full layers s; nothing else changes."""
     from llama_megatron.config import ModelConfig
-    from llama_megatron.training.flops import forward_flops_per_token
+    from llama_megatron.training.diagnostics.flops import forward_flops_per_token
 
     shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
     seq, q_dim = 100, 64

@@ -121,7 +121,7 @@ def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
 
 def test_moe_flops_count_the_active_experts() -> None:
     """MFU's model FLOPs count the router and the k experts a token passes through, not the experts it skips."""
-    from llama_megatron.training.flops import forward_flops_per_token
+    from llama_megatron.training.diagnostics.flops import forward_flops_per_token
 
     shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
     dense = forward_flops_per_token(ModelConfig(**shape, model_type="mistral"), 100)
@@ -188,7 +188,7 @@ def test_deepspeed_settings_expert_parallelism_refuses() -> None:
     from launch_utils import ROOT
 
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
     moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
 

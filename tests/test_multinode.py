@@ -239,7 +239,7 @@ def test_launcher_environments() -> None:
 
 def test_tensor_groups_across_nodes_are_warned_about_in_preflight(monkeypatch, shakespeare_prefix, tmp_path) -> None:
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.setup import preflight
+    from llama_megatron.training.run.setup import preflight
 
     config = TrainingConfig.from_file(CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={tmp_path}",
                                                *TP2_PP2])

@@ -1,4 +1,4 @@
-"""The ZB-H1 pipeline schedule (training/pipeline_schedules.py, training/pipeline_engine.py).
+"""The ZB-H1 pipeline schedule (training/pipeline/schedules.py, training/engine/pipeline.py).
 
 The order: every stage runs each micro batch's F, B and W once, in micro-batch order, B after F and W after B; with
 equal costs the replayed bubble is 1F1B's analytic (p - 1) / (m + p - 1) for 1F1B and (p - 1) / (3m + p - 1) for
@@ -22,8 +22,8 @@ import pytest
 from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
 
 from llama_megatron.errors import ConfigError
-from llama_megatron.training import pipeline_schedules as schedules
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.pipeline import schedules as schedules
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 STEPS = 6

@@ -9,7 +9,7 @@ import pytest
 
 from llama_megatron.cli import main as cli
 from llama_megatron.errors import ConfigError
-from llama_megatron.training.plot import legend_label, plot_runs, read_run
+from llama_megatron.training.diagnostics.plot import legend_label, plot_runs, read_run
 
 INFO = {"world_size": 4, "tensor": 2, "pipeline": 2, "data_parallel": 1, "sequence_parallel": True,
         "zero_stage": 1, "precision": "bf16", "micro_batch_size": 2, "global_batch_size": 8, "seq_length": 32,

@@ -28,8 +28,8 @@ from launch_utils import ROOT, assert_losses_close, hf_adamw_twin, launch_many, 
 
 from llama_megatron.data.sft_dataset import SFTShards
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.training.batches import step_batches
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.run.batches import step_batches
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_sft.json")
 REL = 1e-4

@@ -23,8 +23,8 @@ from llama_megatron.model.build import build_model
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
-from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.run.batches import build_datasets, step_batches
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_sft.json")
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -159,8 +159,8 @@ def test_packed_samples_equal_their_unpacked_runs_tp1(tmp_path, family) -> None:
 
 def _distributed_worker(rank: int, world_size: int, cache_dir: str) -> None:
     from llama_megatron.parallel.launch import init_distributed
-    from llama_megatron.training.deepspeed_config import build_deepspeed_config
-    from llama_megatron.training.engine import TrainingEngine
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.training_engine import TrainingEngine
 
     init_distributed()
     # TP2 x DP2 with SP: padded rows, loss and gradients against HF (both DP replicas check the same batch)

@@ -11,7 +11,7 @@ import pytest
 
 from llama_megatron.errors import CheckpointError, ConfigError, LlamaMegatronError
 from llama_megatron.training.config import TrainingConfig, apply_override
-from llama_megatron.training.setup import preflight
+from llama_megatron.training.run.setup import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")

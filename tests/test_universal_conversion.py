@@ -1,4 +1,4 @@
-"""Universal-checkpoint conversion for a resume at another ZeRO partition count (training/universal_conversion.py),
+"""Universal-checkpoint conversion for a resume at another ZeRO partition count (checkpoint/universal_conversion.py),
 with faults injected into real 2-process runs (tests/scripts/inject_faults.py, deepspeed launcher, gloo):
 
 - a ZeRO-1 checkpoint saved by one process resumed by two: rank 0 converts with several workers and logs its
@@ -19,9 +19,9 @@ import shutil
 import pytest
 from launch_utils import ROOT, assert_losses_close, losses, run_command, train_args
 
+from llama_megatron.checkpoint import universal_conversion
 from llama_megatron.checkpoint.manifest import verify_tag
-from llama_megatron.training import universal_conversion
-from llama_megatron.training.universal_conversion import conversion_workers
+from llama_megatron.checkpoint.universal_conversion import conversion_workers
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 SAVED_AT, STEPS = 3, 6

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.doctor import run_doctor
+    from llama_megatron.training.diagnostics.doctor import run_doctor
 
     if not args.timeout_minutes > 0:
         raise ConfigError(f"--timeout-minutes must be > 0, got {args.timeout_minutes}")

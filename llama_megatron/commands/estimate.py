@@ -7,14 +7,14 @@ import math
 
 from llama_megatron.commands.train import add_config_arguments
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.deepspeed_config import build_deepspeed_config
-from llama_megatron.training.memory_estimate import (
+from llama_megatron.training.diagnostics.memory_estimate import (
     Estimate,
     construction_bytes,
     estimate,
     largest_micro_batch,
     parse_bytes,
 )
+from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
 ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
         ("activations", "activations"), ("logits + loss", "logits")]

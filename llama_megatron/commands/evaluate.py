@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.loop import run_evaluation
+    from llama_megatron.training.run.loop import run_evaluation
 
     adopt_launcher_env()
     config = TrainingConfig.from_file(args.config, args.overrides)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from llama_megatron.training.plot import plot_runs
+from llama_megatron.training.diagnostics.plot import plot_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ every TP rank gets the same micro batch; under SP the embedding output is what i
 positions, segments and labels stay as they are (attention and the loss see the rank's whole sequence or shard). Pipeline parallelism: the first stage consumes ``(input_ids, position_ids[,
 segment_ids])``, the ids travel with the hidden states to every stage, and the last stage consumes ``labels``.
 The loss of a step is the mean over the unmasked tokens of its whole global batch, whatever the micro batch
-count, DP and PP (training/engine.py, "the loss rule").
+count, DP and PP (training/engine/training_engine.py, "the loss rule").
 """
 
 from __future__ import annotations

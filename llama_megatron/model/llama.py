@@ -43,7 +43,7 @@ class CausalLMLoss:
 
     ``labels`` is a tensor (the micro batch's token mean, HF's reduction) or ``(labels, divisor)``: the sum of the
     micro batch's token losses divided by ``divisor``, which the training engine sets so that the step's loss is the
-    token mean over its whole global batch (training/engine.py, "the loss rule").
+    token mean over its whole global batch (training/engine/training_engine.py, "the loss rule").
 
     A mixture-of-experts model adds the load-balancing loss when its config says so (``output_router_logits``, as
     HF's MixtralForCausalLM does), computed per micro batch (:func:`~llama_megatron.model.moe.router_aux_loss`).

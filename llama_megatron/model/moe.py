@@ -166,7 +166,7 @@ def router_aux_loss(stats: torch.Tensor, config: ModelConfig, pctx: ParallelCont
 
     Under context parallelism each rank holds a sequence shard: the counts are summed over the CP group (they carry
     no gradient) and each rank returns CP times its share of the probability term, which is what the loss rule
-    (training/engine.py) averages over DP x CP ranks. Every TP rank computes the whole term from the same tokens,
+    (training/engine/training_engine.py) averages over DP x CP ranks. Every TP rank computes the whole term from the same tokens,
     but their router gradients are summed over TP (:class:`Router`), so its gradient is scaled by 1 / TP.
     """
     counts, prob_sums = stats[0].detach(), stats[1]

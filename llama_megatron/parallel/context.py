@@ -16,7 +16,7 @@ Megatron-Core). Everything DeepSpeed does over "data parallel" (averaging gradie
 pipeline engine's loss average, the broadcast of the initial weights) then runs over DP x CP, in both engines:
 DeepSpeed's own sequence-parallel hooks (an mpu's ``get_sequence_parallel_*``) are honoured only by the
 non-pipeline engine, so they are deliberately not offered. The gradient over DP x CP is right because the loss of
-every CP rank is its shard's share of the global token sum (training/engine.py, "the loss rule"): averaging over
+every CP rank is its shard's share of the global token sum (training/engine/training_engine.py, "the loss rule"): averaging over
 DP x CP ranks is then the sum over the CP shards of each sample. Our own code keeps the pure groups: ``dp_*`` (which
 samples a rank reads) and ``cp_*`` (the Ulysses all-to-all).
 """

@@ -39,7 +39,7 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 @dataclass
 class TrainConfig:
-    """How long a run goes and when it stops early (training/guard.py, training/preemption.py)."""
+    """How long a run goes and when it stops early (training/faults/guard.py, training/faults/preemption.py)."""
 
     steps: int = 100
     max_minutes: float | None = None   # wall-clock budget: save and exit 0 once a step ends past it
@@ -102,7 +102,7 @@ class ActivationCheckpointConfig:
 @dataclass
 class PipelineConfig:
     partition_method: str = "type:DecoderLayerPipe"
-    # "1f1b" (DeepSpeed's) or "zb-h1" (zero bubble, training/pipeline_schedules.py)
+    # "1f1b" (DeepSpeed's) or "zb-h1" (zero bubble, training/pipeline/schedules.py)
     schedule: str = "1f1b"
 
 

@@ -25,8 +25,9 @@ import signal
 import sys
 
 from llama_megatron import train
-from llama_megatron.training import checkpointing, universal_conversion
-from llama_megatron.training.engine import TrainingEngine
+from llama_megatron.checkpoint import universal_conversion
+from llama_megatron.training import checkpointing
+from llama_megatron.training.engine.training_engine import TrainingEngine
 
 RANK = int(os.environ.get("RANK", "0"))
 FAULTS: dict = {}

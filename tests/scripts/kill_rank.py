@@ -9,7 +9,7 @@ import signal
 import sys
 
 from llama_megatron import train
-from llama_megatron.training.engine import TrainingEngine
+from llama_megatron.training.engine.training_engine import TrainingEngine
 
 if os.environ.get("KILL_AT_STEP") and os.environ.get("RANK") == os.environ.get("KILL_RANK", "1"):
     kill_at = int(os.environ["KILL_AT_STEP"])

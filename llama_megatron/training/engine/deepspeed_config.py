@@ -84,7 +84,7 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
         # bf16 gradients accumulated over micro batches drift; keep the accumulation in fp32 under PP.
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     if pp > 1 and (config.parallel.sequence_parallel or config.pipeline.schedule != "1f1b" or config.model.family.moe):
-        # ZB-H1's asynchronous sends (training/pipeline_engine.py) send each rank's payload whole too, and so does
+        # ZB-H1's asynchronous sends (training/engine/pipeline.py) send each rank's payload whole too, and so does
         # an MoE model (the engine's single backward over several sent tensors does not rebuild partitioned ones)
         _unpartitioned_pipe_payloads(ds)
     return ds

@@ -15,7 +15,7 @@ Under any launcher (the same one the training job will use), every rank reports 
 - the environment that decides NCCL's transport (NCCL_* variables, InfiniBand devices, the NCCL version), which
   should agree across ranks.
 
-A rank that stops during the checks ends them within the timeout (training/watchdog.py: one line per live rank
+A rank that stops during the checks ends them within the timeout (training/faults/watchdog.py: one line per live rank
 naming the silent one, exit 5). Rank 0 prints a table and writes the same as JSON; exit 0 when every check passes,
 2 with one ``error:`` line naming the failed checks otherwise.
 """
@@ -43,7 +43,7 @@ from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import Placement, rendezvous_address, skip_cpu_shared_memory_op
 from llama_megatron.training.checkpointing import all_gather_objects
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.watchdog import StallWatchdog
+from llama_megatron.training.faults.watchdog import StallWatchdog
 
 SLOW = 1.25  # a rank this much slower than the median at the same matmul is a straggler
 

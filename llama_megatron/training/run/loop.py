@@ -1,4 +1,4 @@
-"""The pretraining loop on a session from :mod:`llama_megatron.training.setup`: train, evaluate, log, save."""
+"""The pretraining loop on a session from :mod:`llama_megatron.training.run.setup`: train, evaluate, log, save."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from llama_megatron.checkpoint.meta import CheckpointMeta
 from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.launch import barrier, launcher_chain, rendezvous_address
 from llama_megatron.training import checkpointing as ckpt
-from llama_megatron.training.batches import build_datasets, step_batches
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.deepspeed_config import zero_stage
-from llama_megatron.training.flops import training_flops_per_token
-from llama_megatron.training.guard import StepGuard
-from llama_megatron.training.metrics import device_peak_tflops, format_eta
-from llama_megatron.training.pipeline_schedules import analytic_bubble
-from llama_megatron.training.preemption import StopRequests
-from llama_megatron.training.setup import Session, open_session
-from llama_megatron.training.watchdog import StallWatchdog
+from llama_megatron.training.diagnostics.flops import training_flops_per_token
+from llama_megatron.training.engine.deepspeed_config import zero_stage
+from llama_megatron.training.faults.guard import StepGuard
+from llama_megatron.training.faults.preemption import StopRequests
+from llama_megatron.training.faults.watchdog import StallWatchdog
+from llama_megatron.training.pipeline.schedules import analytic_bubble
+from llama_megatron.training.run.batches import build_datasets, step_batches
+from llama_megatron.training.run.metrics import device_peak_tflops, format_eta
+from llama_megatron.training.run.setup import Session, open_session
 
 
 def evaluate(session: Session, valid_ds) -> dict:

@@ -1,6 +1,6 @@
 """Stopping a run on request: the signals of ``train.stop_signals`` (SIGTERM, which SLURM and Kubernetes send before
 they kill a job, SIGUSR1, SIGINT) and the wall-clock budget ``train.max_minutes`` make every rank finish its
-current step; the run then saves a checkpoint and exits 0 (training/loop.py), and the same command with
+current step; the run then saves a checkpoint and exits 0 (training/run/loop.py), and the same command with
 ``checkpoint.load: "auto"`` continues exactly where it stopped.
 
 A handler only notes the signal: it may reach some ranks only, or reach them during different steps. At the end

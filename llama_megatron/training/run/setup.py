@@ -3,7 +3,7 @@
 config -> :func:`preflight` (every check that needs no process group) -> :func:`start` (process groups and
 seeds: :func:`start_process_groups`; run logger, ``run.json``) -> :func:`load_model` (seeded init, or weights read
 from a checkpoint) -> :func:`open_session` (DeepSpeed engine, optimizer and the checkpoint's full state).
-``train`` and ``evaluate`` use the whole path; ``generate`` (training/generate.py) needs only the model: process
+``train`` and ``evaluate`` use the whole path; ``generate`` (training/run/generate.py) needs only the model: process
 groups, then :func:`load_model`.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llama_megatron.checkpoint import universal_conversion as universal
 from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, check_lora_start, checkpoint_lora_section
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.checkpoint.megatron_reader import load_model_weights
@@ -30,12 +31,11 @@ from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import init_distributed, placement
 from llama_megatron.parallel.zero3 import is_partitioned
 from llama_megatron.training import checkpointing as ckpt
-from llama_megatron.training import universal_conversion as universal
 from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
-from llama_megatron.training.deepspeed_config import build_deepspeed_config, precision, zero_stage
-from llama_megatron.training.engine import TrainingEngine
-from llama_megatron.training.metrics import RunLogger
-from llama_megatron.training.pipeline_schedules import analytic_bubble
+from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config, precision, zero_stage
+from llama_megatron.training.engine.training_engine import TrainingEngine
+from llama_megatron.training.pipeline.schedules import analytic_bubble
+from llama_megatron.training.run.metrics import RunLogger
 
 RUN_INFO_FILE = "run.json"
 

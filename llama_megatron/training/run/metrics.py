@@ -1,7 +1,7 @@
 """Rank-0 progress: one line per logged step on stdout, ``metrics.jsonl`` in the output dir, TensorBoard scalars.
 
 Throughput figures: tokens/s over the logging window; TFLOP/s per device from the model FLOP formula in
-:mod:`llama_megatron.training.flops` (recomputation not counted); MFU against ``logging.peak_tflops`` or, when
+:mod:`llama_megatron.training.diagnostics.flops` (recomputation not counted); MFU against ``logging.peak_tflops`` or, when
 unset, a measured fp32 matmul peak (CPU) or the device's published dense bf16 peak (known GPUs).
 """
 

@@ -25,10 +25,10 @@ from llama_megatron.data.batch import MicroBatch, to_device
 from llama_megatron.model.build import build_model
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.expert_engine import global_grad_norm, initialize_engine
-from llama_megatron.training.optimizer import build_optimizer
-from llama_megatron.training.pipeline_engine import initialize_pipeline_engine
-from llama_megatron.training.schedule import build_scheduler
+from llama_megatron.training.engine.experts import global_grad_norm, initialize_engine
+from llama_megatron.training.engine.lr_schedule import build_scheduler
+from llama_megatron.training.engine.optimizer import build_optimizer
+from llama_megatron.training.engine.pipeline import initialize_pipeline_engine
 
 
 class TrainingEngine:

@@ -5,7 +5,7 @@ A step is bad when its loss or its gradient norm is not finite, when the optimiz
 check: fp16 loss scaling, ZeRO's inf/NaN check in fp32 and bf16), or, with ``train.loss_spike_factor`` set, when
 its loss exceeds that factor times the mean of the last ``train.loss_spike_window`` good losses (Megatron's
 spiky-loss check, without its re-run). ``train.max_bad_steps`` consecutive bad steps stop the run (exit code 3);
-a checkpoint is written only while the latest step is good (training/loop.py). A single fp16 loss-scale skip is
+a checkpoint is written only while the latest step is good (training/run/loop.py). A single fp16 loss-scale skip is
 normal, so the default allows two in a row.
 
 The values stay on the device as the step leaves them; :meth:`StepGuard.check` reads every step recorded since the

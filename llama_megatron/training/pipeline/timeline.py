@@ -24,7 +24,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from torch import nn
 
 from llama_megatron.parallel.weight_grad import WeightGradStore
-from llama_megatron.training.pipeline_schedules import BackwardInputPass, WeightPass
+from llama_megatron.training.pipeline.schedules import BackwardInputPass, WeightPass
 
 # compute instructions: a stage is busy while it runs one
 PASSES = (ds_schedule.ForwardPass, ds_schedule.BackwardPass, BackwardInputPass, WeightPass)

@@ -1,7 +1,7 @@
 """PNG of one or more runs: training loss, validation loss, learning rate and tokens/s, against step and tokens.
 
 A run directory holds ``metrics.jsonl`` (one record per logged step) and, when written by this version,
-``run.json`` (its layout and batch shape, :mod:`llama_megatron.training.setup`). The legend names each run and
+``run.json`` (its layout and batch shape, :mod:`llama_megatron.training.run.setup`). The legend names each run and
 its layout; without ``run.json`` it names the directory only, and the token axis is left out for that run.
 """
 

@@ -1,5 +1,5 @@
 """DeepSpeed's pipeline engine with the whole model's gradient norm, and running a schedule of ours
-(``pipeline.schedule``, training/pipeline_schedules.py).
+(``pipeline.schedule``, training/pipeline/schedules.py).
 
 :class:`GlobalNormPipelineEngine` (every pipeline run) clips plain fp32 (ZeRO-0) gradients by the norm one process
 holding the whole model computes. DeepSpeed's ``clip_grad_norm_`` counts a parameter that is not tensor-parallel
@@ -33,8 +33,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
-from llama_megatron.training.expert_engine import ExpertLayers, construct_engine
-from llama_megatron.training.pipeline_schedules import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
+from llama_megatron.training.engine.experts import ExpertLayers, construct_engine
+from llama_megatron.training.pipeline.schedules import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
 
 
 class GlobalNormPipelineEngine(ExpertLayers, PipelineEngine):

@@ -40,8 +40,8 @@ from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
 from llama_megatron.training.config import BatchConfig, TrainingConfig
-from llama_megatron.training.deepspeed_config import precision, zero_stage
-from llama_megatron.training.pipeline_schedules import op_order
+from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
+from llama_megatron.training.pipeline.schedules import op_order
 
 GiB = 1024**3
 _ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}

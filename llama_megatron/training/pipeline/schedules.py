@@ -12,7 +12,7 @@ p micro batches whose W has not run (1F1B's stage 0 holds p; stage s held p - s)
 needs (the linears' inputs and output gradients) after its B.
 
 Sends in this order must not block until the receiver is ready (a stage sends while its neighbour works on
-another micro batch): :class:`llama_megatron.training.pipeline_engine.ScheduledPipelineEngine` sends asynchronously.
+another micro batch): :class:`llama_megatron.training.engine.pipeline.ScheduledPipelineEngine` sends asynchronously.
 :func:`op_order` is the order, :func:`simulate` replays it with given costs (the bubble figures and the tests).
 """
 

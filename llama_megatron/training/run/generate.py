@@ -21,7 +21,7 @@ from llama_megatron.errors import ConfigError
 from llama_megatron.model.generation import Sampling, generate
 from llama_megatron.parallel.launch import placement
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.setup import (
+from llama_megatron.training.run.setup import (
     load_model,
     preflight,
     start_process_groups,

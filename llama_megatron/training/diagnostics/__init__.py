@@ -1,0 +1,1 @@
+"""Tools that inspect a run or a cluster: doctor, memory estimate, FLOP count, loss-curve plots."""

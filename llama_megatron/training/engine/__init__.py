@@ -1,0 +1,1 @@
+"""The DeepSpeed engine of a run: its JSON, optimizer, LR schedule, the MoE-aware and pipeline engines, and the one interface over them."""

@@ -1,0 +1,1 @@
+"""Pipeline-parallel schedules (1F1B, interleaved, zero-bubble) and their per-rank timeline."""

@@ -1,0 +1,1 @@
+"""A run from config to exit: the setup path, batches, metrics, the training loop, generation."""

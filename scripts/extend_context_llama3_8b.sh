@@ -2,7 +2,7 @@
 # LLaMA-3-8B (8k context) extended to 32k tokens on one 8-GPU node: llama3 RoPE scaling (factor 4, chosen in
 # configs/pretrain/llama3-8b-long-32k.json), tensor parallel 4 x context parallel 2 with SP, bf16 ZeRO-1,
 # recomputation, per-document attention on packed long documents; then exported back to Hugging Face.
-# Preprocess your long-document corpus to data/processed/long_text_document first (see README, "Data").
+# Preprocess your long-document corpus to data/processed/long_text_document first (see docs/data.md).
 # HF_DIR: the Hugging Face checkpoint (default models/Meta-Llama-3-8B).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 """Benchmark scripts run end to end (tiny shapes on CPU): the GPU one cannot be exercised otherwise here, and the
-context-parallel byte count is a claim of the README."""
+context-parallel byte count is a claim of docs/benchmarks.md."""
 
 from __future__ import annotations
 

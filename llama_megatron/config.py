@@ -281,12 +281,14 @@ class ParallelConfig:
     of a TP rank need not divide by it: they are repeated until they do (:func:`kv_head_repeats`).
     """
 
-    tensor: int = 1
-    pipeline: int = 1
+    tensor: int = 1  # tensor-parallel degree (TP)
+    pipeline: int = 1  # pipeline-parallel degree (PP)
+    # context-parallel degree (CP, DeepSpeed-Ulysses): every sample's sequence cut into this many shards
     context: int = 1
     expert: int = 1  # expert parallelism: the MoE experts split over this many ranks of the data axis
+    # sequence parallelism: norms and residuals on sequence shards of the TP group
     sequence_parallel: bool = False
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = 128  # the vocabulary is padded to a multiple of this x TP
 
     def validate(self, model: ModelConfig) -> None:
         for name in ("tensor", "pipeline", "context", "expert", "make_vocab_size_divisible_by"):

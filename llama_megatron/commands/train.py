@@ -23,8 +23,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+class _HelpConfig(argparse.Action):
+    """``--help-config``: print every key of the training JSON (type, default, meaning) and exit, as --help does."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from llama_megatron.commands.config_reference import render
+
+        sys.stdout.write(render())
+        parser.exit()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    parser.add_argument("--help-config", action=_HelpConfig,
+                        help="print every key of the training JSON: type, default, meaning (docs/configuration.md)")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate checkpoint.load on the validation split (= llama-megatron evaluate)")
 

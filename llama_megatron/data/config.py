@@ -59,12 +59,14 @@ class DataConfig(Protocol):
 @dataclass
 class PretrainData:
     type: ClassVar[str] = "pretrain"
-    prefix: str | None = None
+    prefix: str | None = None  # the .bin/.idx prefix of one tokenised corpus
+    # [[weight, prefix], ...]: corpora mixed by Megatron's greedy rule (instead of prefix)
     blend: list | None = None
-    split: str = DEFAULT_SPLIT
+    split: str = DEFAULT_SPLIT  # train, validation, test proportions by documents
+    # position_ids and segment_ids restart at each document of a packed sample
     per_document_attention: bool = False
-    cache_dir: str | None = None
-    eod_id: int | None = None
+    cache_dir: str | None = None  # where the sample index is cached (default: index-cache/ beside the data)
+    eod_id: int | None = None  # a token that also ends a document inside a sequence (per-document attention)
 
     def to_dict(self) -> dict[str, Any]:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -91,7 +93,7 @@ class PretrainData:
 @dataclass
 class SyntheticData:
     type: ClassVar[str] = "synthetic"
-    per_document_attention: bool = False
+    per_document_attention: bool = False  # position_ids and segment_ids restart at each synthetic document
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type, "per_document_attention": self.per_document_attention}

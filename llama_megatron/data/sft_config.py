@@ -40,17 +40,19 @@ PREPROCESS_KEYS = ("format", "masking", "chat_template", "workers", "skip_bad_re
 @dataclass
 class SFTData:
     type: ClassVar[str] = "sft"
+    # chat / instruction JSONL file(s), tokenised on first use into a cache
     path: str | list[str] | None = None
-    prefix: str | None = None
+    prefix: str | None = None  # shards written by llama-megatron preprocess-sft (instead of path)
     format: str | None = None            # default "auto"
     masking: str | None = None           # default "assistant"
     chat_template: str | None = None     # a Jinja file; default: the tokenizer's chat_template
+    # pack whole conversations first-fit into rows (false: one conversation per row, padded)
     pack: bool = False
-    overlong: str = "truncate"
-    split: str = DEFAULT_SPLIT
-    cache_dir: str | None = None
+    overlong: str = "truncate"  # a conversation longer than seq_length + 1 tokens: truncate or drop
+    split: str = DEFAULT_SPLIT  # train, validation, test proportions by records
+    cache_dir: str | None = None  # where the tokenised cache is kept (default: sft-cache/ beside the JSONL)
     workers: int | None = None           # default: min(8, CPUs)
-    skip_bad_records: bool = False
+    skip_bad_records: bool = False  # count and skip malformed records instead of stopping with one line
     _shards: SFTShards | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -73,9 +73,10 @@ ALL_TARGETS = TARGETS | EXPERT_TARGET_TABLE
 class LoraConfig:
     """The training JSON's ``lora`` section."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = 8  # rank r of each adapter pair
+    alpha: float = 16.0  # scaling: delta W = B @ A * alpha / rank
+    dropout: float = 0.0  # dropout on the adapter input (not on expert targets)
+    # HF module names (and mlp.experts.gate_up_proj / down_proj for experts) that get adapters
     targets: tuple[str, ...] = LORA_TARGETS
 
     @property

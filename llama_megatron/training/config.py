@@ -26,8 +26,8 @@ from llama_megatron.model.lora_layout import LoraConfig, check_targets
 
 @dataclass
 class BatchConfig:
-    micro_batch_size: int = 1
-    global_batch_size: int = 1
+    micro_batch_size: int = 1  # samples per micro batch on each data-parallel rank
+    global_batch_size: int = 1  # samples per optimizer step; gradient accumulation = global / (micro x DP)
 
     def accumulation_steps(self, data_parallel: int) -> int:
         """Micro batches per optimizer step on each data-parallel rank (the one place this is computed)."""
@@ -41,31 +41,31 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 class TrainConfig:
     """How long a run goes and when it stops early (training/faults/guard.py, training/faults/preemption.py)."""
 
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the run
     max_minutes: float | None = None   # wall-clock budget: save and exit 0 once a step ends past it
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")  # finish the step, save, exit 0
     max_bad_steps: int = 3             # stop (exit 3) after this many consecutive bad steps
     loss_spike_factor: float | None = None  # a loss above factor x the mean of the last window good ones is bad
-    loss_spike_window: int = 20
+    loss_spike_window: int = 20  # good losses averaged for loss_spike_factor
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    decay_style: str = "cosine"
-    decay_steps: int | None = None
+    lr: float = 3e-4  # peak learning rate of AdamW
+    min_lr: float = 0.0  # the learning rate the decay ends at
+    weight_decay: float = 0.1  # AdamW weight decay (not on norms and biases)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    clip_grad: float = 1.0  # clip the gradient norm (of the whole model) to this; 0: no clipping
+    warmup_steps: int = 0  # linear warm-up steps
+    decay_style: str = "cosine"  # cosine, linear or constant
+    decay_steps: int | None = None  # steps of the decay (default: train.steps - warmup)
 
 
 @dataclass
 class EvalConfig:
-    interval: int = 0
-    iters: int = 1
+    interval: int = 0  # steps between evaluations; 0: never
+    iters: int = 1  # global batches of the validation split per evaluation
 
 
 AUTO_LOAD = "auto"  # checkpoint.load: resume from checkpoint.save when it holds a checkpoint, else start fresh
@@ -73,12 +73,13 @@ AUTO_LOAD = "auto"  # checkpoint.load: resume from checkpoint.save when it holds
 
 @dataclass
 class CheckpointConfig:
-    save: str | None = None
-    interval: int = 0
-    keep_last: int = 0
+    save: str | None = None  # the directory checkpoints are saved to
+    interval: int = 0  # steps between saves (and one at the last step); 0: no periodic saves
+    keep_last: int = 0  # keep the newest saves by save time; 0: all
+    # a checkpoint directory to load, or "auto": resume from save if it holds a checkpoint, else start fresh
     load: str | None = None
-    tag: str | None = None
-    finetune: bool = False
+    tag: str | None = None  # the tag to load (default: the one latest names); a plain name
+    finetune: bool = False  # load weights only: step, optimizer and LR schedule reset
     overwrite: bool = False  # a run that does not continue checkpoint.save may replace the checkpoints there
     verify: str = "checksum"  # what a load checks against each tag's manifest: "checksum" or "size"
     # worker processes of a universal-checkpoint conversion (a resume at another DP x CP degree); 0: twice the
@@ -88,19 +89,21 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    interval: int = 1
-    tensorboard_dir: str | None = None
-    wandb_project: str | None = None
+    interval: int = 1  # steps between log lines
+    tensorboard_dir: str | None = None  # TensorBoard directory (null: no TensorBoard logs)
+    wandb_project: str | None = None  # a Weights & Biases project to log to
+    # peak TFLOP/s per device for MFU (default: known GPUs' dense bf16 peak, or a measured CPU peak)
     peak_tflops: float | None = None
 
 
 @dataclass
 class ActivationCheckpointConfig:
-    interval: int = 0
+    interval: int = 0  # decoder layers per recomputed span; 0: no recomputation
 
 
 @dataclass
 class PipelineConfig:
+    # how layers are split over stages: type:DecoderLayerPipe, uniform or parameters
     partition_method: str = "type:DecoderLayerPipe"
     # "1f1b" (DeepSpeed's) or "zb-h1" (zero bubble, training/pipeline/schedules.py)
     schedule: str = "1f1b"
@@ -134,25 +137,41 @@ _SECTIONS = {
 
 @dataclass
 class TrainingConfig:
+    # path to a model config / HF config.json (or its directory), the config inline, or {"path": ..., key:
+    # value} (the file with keys replaced, e.g. rope_scaling for a longer context)
     model: ModelConfig
+    # degrees of parallelism: the `parallel` section below; DP = world / (TP x PP x CP)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # the training data, typed by `type`: pretrain, sft or synthetic (the `data` sections below; docs/data.md)
     data: DataConfig = field(default_factory=SyntheticData)
+    # tokenizer.model or an HF tokenizer directory; checked against the model vocab at start
     tokenizer: str | None = None
-    seq_length: int = 128
-    batch: BatchConfig = field(default_factory=BatchConfig)
+    seq_length: int = 128  # tokens per sample
+    batch: BatchConfig = field(default_factory=BatchConfig)  # batch sizes: the `batch` section below
+    # run length and early stops: the `train` section below
     train: TrainConfig = field(default_factory=TrainConfig)
+    # AdamW and its LR schedule: the `optimizer` section below
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # validation: the `eval` section below
+    # saving, loading and resuming: the `checkpoint` section below
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # log lines, TensorBoard, W&B, MFU peak: the `logging` section below
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # activation recomputation: the `activation_checkpointing` section below
     activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    # pipeline partitioning and schedule: the `pipeline` section below
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # stall timeout and ZeRO-3 construction: the `distributed` section below
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # a ds_configs/*.json path or an inline object; no optimizer/scheduler sections, batch keys only when they
+    # agree
     deepspeed_config: str | dict | None = None
+    # auto (compiled on CUDA, reference elsewhere), reference, compiled or liger (docs/kernels-and-gpu.md)
     kernels: str = "auto"
+    # LoRA adapters on a frozen base: the `lora` section below (null: full training)
     lora: LoraConfig | None = None
-    seed: int = 1234
-    output_dir: str = "runs/default"
+    seed: int = 1234  # seed of initialisation, data order and dropout
+    output_dir: str = "runs/default"  # run.json, metrics.jsonl and doctor.json go here
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainingConfig:

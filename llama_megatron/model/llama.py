@@ -32,6 +32,7 @@ from llama_megatron.model.moe import router_aux_loss
 from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
+from llama_megatron.parallel.launch import without_deepspeed_prints
 from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
 
 TIED_KEY = "embed"
@@ -173,12 +174,14 @@ def _run_layers(layers: list, x):
 def build_pipeline_module(config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                           partition_method: str = "type:DecoderLayerPipe",
                           activation_checkpoint_interval: int = 0, kernels: Kernels = REFERENCE) -> PipelineModule:
-    """The PP>1 form over ``pctx.topology``; only decoder layers are ever recomputed."""
-    return PipelineModule(
-        layers=layer_specs(config, pctx, shapes, kernels),
-        loss_fn=CausalLMLoss(config, pctx),
-        topology=pctx.topology,
-        partition_method=partition_method,
-        activation_checkpoint_interval=activation_checkpoint_interval,
-        checkpointable_layers=["DecoderLayerPipe"],
-    )
+    """The PP>1 form over ``pctx.topology``; only decoder layers are ever recomputed. DeepSpeed's prints of its seed
+    settings and of every stage's layers are dropped (``LLAMA_MEGATRON_VERBOSE=1`` keeps them)."""
+    with without_deepspeed_prints():
+        return PipelineModule(
+            layers=layer_specs(config, pctx, shapes, kernels),
+            loss_fn=CausalLMLoss(config, pctx),
+            topology=pctx.topology,
+            partition_method=partition_method,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+            checkpointable_layers=["DecoderLayerPipe"],
+        )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import random
 import re
 import socket
 import sys
-from collections.abc import MutableMapping
+import warnings
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -243,6 +246,46 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", nodelist[:end].strip())
 
 
+VERBOSE_ENV = "LLAMA_MEGATRON_VERBOSE"  # "1": keep DeepSpeed's start-up prints and torch's deprecation warnings
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def quiet_library_warnings() -> None:
+    """Torch deprecates ``all_gather_into_tensor``, which DeepSpeed calls from many places, each warning once per
+    rank; nothing a user can change, so it is filtered (once per process) unless ``LLAMA_MEGATRON_VERBOSE=1``."""
+    if not verbose():
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                                category=FutureWarning)
+
+
+# What DeepSpeed's PipelineModule prints on rank 0 as it is built: its seed settings, the topology and the layers
+# of each stage (the last one's with its loss function)
+_DEEPSPEED_PRINTS = re.compile(r"^(SEED_LAYERS=\S* BASE_SEED=\S* SEED_FN=\S*|Using topology: .*|stage=\d+ layers=\d+"
+                               r"| +\d+: \S+|  loss: \S+)$")
+
+
+@contextlib.contextmanager
+def without_deepspeed_prints() -> Iterator[None]:
+    """Drop DeepSpeed's start-up prints (``_DEEPSPEED_PRINTS``) from stdout inside the block, unless
+    ``LLAMA_MEGATRON_VERBOSE=1``; any other line printed there passes through, after the block."""
+    if verbose():
+        yield
+        return
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        kept = [line for line in buffer.getvalue().splitlines(keepends=True)
+                if not _DEEPSPEED_PRINTS.match(line.rstrip("\n"))]
+        if kept:
+            sys.stdout.write("".join(kept))
+            sys.stdout.flush()
+
+
 def init_distributed(timeout_minutes: float = 30) -> None:
     """Initialise DeepSpeed's communication layer (gloo on CPU, NCCL on GPU: DeepSpeed picks).
 
@@ -254,6 +297,7 @@ def init_distributed(timeout_minutes: float = 30) -> None:
 
     import deepspeed
 
+    quiet_library_warnings()
     if skip_cpu_shared_memory_op() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(placement().local_world_size, 1)))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -27,6 +27,8 @@ import time
 
 import psutil
 
+from llama_megatron.parallel.launch import RENDEZVOUS_VARS
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -47,7 +49,11 @@ def main(path: str) -> int:
         spec = json.load(fh)
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
-    env = dict(os.environ, **spec.get("env", {}))
+    # a job of its own: no rendezvous or scheduler variables inherited (an in-process run of the test worker may
+    # have set RANK and MASTER_PORT in its environment)
+    env = {k: v for k, v in os.environ.items()
+           if k not in RENDEZVOUS_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(spec.get("env", {}))
     with open(spec["log"] + ".out", "w") as out, open(spec["log"] + ".err", "w") as err:
         launcher = subprocess.Popen(spec["command"], env=env, stdout=out, stderr=err, start_new_session=True)
     while _step(spec["metrics"]) < spec["step"]:

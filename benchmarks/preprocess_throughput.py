@@ -29,8 +29,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from llama_megatron.commands.preprocess import add_arguments  # noqa: E402
 from llama_megatron.data.indexed_dataset import MMapIndexedDataset  # noqa: E402
-from llama_megatron.data.preprocess import add_arguments, preprocess  # noqa: E402
+from llama_megatron.data.preprocess import preprocess  # noqa: E402
 from llama_megatron.data.tokenizer import load_tokenizer  # noqa: E402
 
 

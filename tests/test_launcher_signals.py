@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -63,8 +64,6 @@ def _command(case: str, args: list[str], work) -> tuple[list[str], dict]:
 @pytest.fixture(scope="module")
 def stopped(shakespeare_prefix, tmp_path_factory) -> tuple[object, dict]:
     """Each case's job signalled at step SIGNAL_AT (what signal_launcher.py reports, and the job's stdout/stderr)."""
-    import subprocess
-
     work = tmp_path_factory.mktemp("launcher-signals")
     reports = {}
     for case, target, name, _, _ in CASES:

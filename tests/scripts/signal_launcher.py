@@ -40,10 +40,6 @@ def _step(metrics: str) -> int:
         return 0
 
 
-def _exit_code(status: int) -> int:
-    return os.waitstatus_to_exitcode(status)
-
-
 def main(path: str) -> int:
     with open(path, encoding="utf-8") as fh:
         spec = json.load(fh)
@@ -80,7 +76,7 @@ def main(path: str) -> int:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
             break
-        code = _exit_code(status)
+        code = os.waitstatus_to_exitcode(status)
         if pid == launcher.pid:
             launcher_code = code
         reaped.append({"pid": pid, "command": tree.get(pid, ["?"])[:6], "code": code})

@@ -49,15 +49,12 @@ class StopRequests:
         self._gone: LauncherProcess | None = None
         self._launchers = launchers
         self._closed = threading.Event()
-        self._watcher = None
         if launchers:
-            self._watcher = threading.Thread(target=self._watch, args=(launchers,), name="launcher-watch",
-                                             daemon=True)
-            self._watcher.start()
+            threading.Thread(target=self._watch, name="launcher-watch", daemon=True).start()
 
-    def _watch(self, launchers: tuple[LauncherProcess, ...]) -> None:
+    def _watch(self) -> None:
         while not self._closed.wait(LAUNCHER_CHECK_S):
-            gone = launcher_gone(launchers)
+            gone = launcher_gone(self._launchers)
             if gone is not None:
                 self._gone = gone  # a request of its own: a first SIGINT after it is still the first
                 return

@@ -162,7 +162,7 @@ def time_attention(fn, q, k, v, repeats: int, device: torch.device) -> tuple[flo
 
 
 def bench_attention(seq: int, args, device: torch.device, dtype: torch.dtype) -> dict:
-    """Packed documents of ~1k tokens (32 heads, 4 KV heads, head_dim 64, batch 1), as gpu-performance.md."""
+    """Packed documents of ~1k tokens (32 heads, 4 KV heads, head_dim 64, batch 1), as docs/benchmarks.md describes."""
     heads, kv_heads, head_dim = (32, 4, 64) if not args.smoke else (4, 2, 16)
     segments = _documents(seq, max(seq // 32, 1) if args.smoke else 1024, device)
     gen = torch.Generator(device=device).manual_seed(0)

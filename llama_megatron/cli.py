@@ -39,7 +39,7 @@ def _load_verb(verb: str):
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-megatron",
-        description="Megatron-style TP/SP/PP LLaMA training on DeepSpeed, exact against HF transformers.",
+        description="Megatron-style TP/SP/PP/CP/EP LLaMA training on DeepSpeed, exact against HF transformers.",
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for name, (_, help_text) in VERBS.items():

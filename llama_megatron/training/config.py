@@ -45,7 +45,7 @@ class TrainConfig:
     max_minutes: float | None = None   # wall-clock budget: save and exit 0 once a step ends past it
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")  # finish the step, save, exit 0
     max_bad_steps: int = 3             # stop (exit 3) after this many consecutive bad steps
-    loss_spike_factor: float | None = None  # a loss above factor x the mean of the last window good ones is bad
+    loss_spike_factor: float | None = None  # a loss above factor x the mean of the last loss_spike_window good ones is bad
     loss_spike_window: int = 20  # good losses averaged for loss_spike_factor
 
 

@@ -7,7 +7,7 @@ functions; they hold no device or library branches. Choices (the training JSON's
   every parity test pins.
 - ``compiled``: ``torch.compile``-fused elementwise kernels (residual add + RMSNorm, RoPE on the fused QKV
   output, SwiGLU), attention without K/V copies (flash-attn, SDPA ``enable_gqa``, FlexAttention for packed
-  documents) and the chunked linear + cross-entropy loss that never holds the full logits.
+  documents on CUDA: on CPU the dense document mask) and the chunked linear + cross-entropy loss that never holds the full logits.
 - ``liger``: as ``compiled`` with Liger-Kernel's Triton kernels for the elementwise work (CUDA, optional extra).
 - ``auto``: ``compiled`` on CUDA, ``reference`` elsewhere.
 """

@@ -106,7 +106,7 @@ def fast_attention_route(device_type: str, dtype: torch.dtype, packed: bool, hav
     ``flash`` (flash-attn, dense or varlen) for CUDA fp16/bf16 when installed; ``sdpa-causal`` without documents;
     for packed documents ``flex`` (compiled FlexAttention, document block mask) on CUDA and ``sdpa-dense-mask``
     everywhere else. FlexAttention never runs on CPU: torch 2.13's compiled ``flex_attention`` returns wrong values
-    there on AVX2-only CPUs (observed 1.9 abs off, and NaN, on an AMD EPYC without AVX-512; eager is right), and the
+    there on AVX2-only CPUs (observed 2.8 off at sequence 24 and NaN at 56, head_dim 8, on an AMD EPYC without AVX-512; eager is right), and the
     eager fallback is 7-8x slower than SDPA with the dense mask (``benchmarks/cpu_document_attention.py``).
     """
     if have_flash and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):

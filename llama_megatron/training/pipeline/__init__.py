@@ -1,1 +1,1 @@
-"""Pipeline-parallel schedules (1F1B, interleaved, zero-bubble) and their per-rank timeline."""
+"""Pipeline-parallel schedules (1F1B and zero-bubble ZB-H1) and their per-rank timeline."""

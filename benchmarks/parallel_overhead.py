@@ -18,7 +18,7 @@ send/recv) during the timed steps, and prints one JSON line:
 
     python benchmarks/parallel_overhead.py                 # all configurations (a few minutes on CPU)
     python benchmarks/parallel_overhead.py --only cp       # the configurations whose name contains "cp"
-    python benchmarks/parallel_overhead.py --schedules       # 1F1B vs ZB-H1, PP2/PP4 x 1..16 micro batches
+    python benchmarks/parallel_overhead.py --schedules       # the four schedules, PP2/PP4 x 1..16 micro batches
     python benchmarks/parallel_overhead.py --schedules --schedule-hidden 1024 --schedule-stages 4 \
         --schedule-micro-batches 8                         # the PP4 x 8 point where W costs what B does
     python benchmarks/parallel_overhead.py --context-scaling --seq 32768 --model configs/models/llama-50m.json \
@@ -149,6 +149,7 @@ def _training_config(args: argparse.Namespace, world: int):
     config.train.steps = args.steps + 1
     config.activation_checkpointing.interval = int(args.recompute)
     config.pipeline.schedule = args.schedule
+    config.pipeline.virtual_stages = VIRTUAL_STAGES.get(args.schedule, 1)
     ds = build_deepspeed_config(config, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": args.bf16}}, world)
     return config, ds
 
@@ -170,14 +171,15 @@ def worker(args: argparse.Namespace) -> None:
     pctx = ParallelContext.build(args.tp, args.pp, args.sp, args.cp, args.ep)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(config.model, config.parallel, pctx, activation_checkpoint_interval=int(args.recompute),
-                        kernels=resolve_kernels(config.kernels, device))
+                        kernels=resolve_kernels(config.kernels, device),
+                        placement=config.pipeline.placement(args.pp))
     engine = TrainingEngine(config, ds, pctx, model)
     train, _, _ = build_datasets(config)
     batches = list(step_batches(train, config, pctx, 0, args.steps + 1))
     engine.train_step(batches[0])  # warm-up, not counted
     counter.clear()
     if args.timeline:
-        _timed_steps(args, engine, batches[1:], pctx)
+        _timed_steps(args, engine, batches[1:], pctx, counter)
         return
     start = time.perf_counter()
     for step in batches[1:]:
@@ -210,9 +212,10 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx) -> None:
+def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx, counter: dict) -> None:
     """``--timeline``: every instruction of every stage timed and each stage's activation bytes after it; rank 0
-    writes per stage busy/idle (the mean over the steps), the mean pass times and the activation peaks."""
+    writes per stage busy/idle (the mean over the steps), the mean pass times, the activation peaks and the bytes
+    each stage sends to the others per step."""
     import torch
 
     from llama_megatron.training.pipeline.timeline import ActivationMeter, InstructionTimeline, bubble
@@ -220,7 +223,7 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx) -> None:
     ds_engine = engine.engine
     meter = ActivationMeter(ds_engine.module, getattr(ds_engine, "weight_grads", None))
     timeline = InstructionTimeline(ds_engine, meter)
-    steps, elapsed = [], 0.0
+    steps, elapsed, metering = [], 0.0, []
     for step in batches:
         timeline.clear()
         start = time.perf_counter()
@@ -229,7 +232,13 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx) -> None:
         elapsed += time.perf_counter() - start
         stages: list = [None] * pctx.world_size
         torch.distributed.all_gather_object(stages, (pctx.pp_rank, list(timeline.records), meter.peak))
+        metering.append(timeline.metering)
         steps.append(stages)
+    metered: list = [None] * pctx.world_size  # seconds a step spent sampling the activation meter, per rank
+    torch.distributed.all_gather_object(metered, (pctx.pp_rank, sum(metering) / len(metering)))
+    sent: list = [None] * pctx.world_size  # point-to-point bytes of this rank per step (headers included)
+    torch.distributed.all_gather_object(sent, sum(v for (name, _), v in counter.items() if name in ("send", "isend"))
+                                        / len(batches))
     if pctx.rank == 0:  # with TP1 x PP only, rank i is stage i
         ordered = [sorted(stages, key=lambda r: r[0]) for stages in steps]
         summaries = [bubble([records for _, records, _ in stages]) for stages in ordered]
@@ -240,19 +249,30 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx) -> None:
                   "idle_s": [mean([s["idle_s"][i] for s in summaries]) for i in range(args.pp)],
                   "idle_share": mean([s["idle_share"] for s in summaries]),
                   "pass_s": {k: mean([s["pass_s"][k] for s in summaries]) for k in summaries[0]["pass_s"]},
-                  "activation_peak_bytes": [max(stages[i][2] for stages in ordered) for i in range(args.pp)]}
+                  "activation_peak_bytes": [max(stages[i][2] for stages in ordered) for i in range(args.pp)],
+                  "sent_bytes_per_step": sent,
+                  "metering_s": [m for _, m in sorted(metered)],
+                  # seconds per step in each kind of instruction, per stage (receives include their waits)
+                  "instruction_s": [{name: round(mean([sum(r[3] - r[2] for r in stages[i][1] if r[0] == name)
+                                                      for stages in ordered]), 4)
+                                     for name in sorted({r[0] for r in ordered[0][i][1]})} for i in range(args.pp)]}
         with open(args.result, "w") as fh:
             json.dump(result, fh)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
+VIRTUAL_STAGES = {"interleaved-1f1b": 2, "zb-v": 2}  # --schedules runs the virtual-stage schedules at v = 2
+SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+
+
 def schedules(args: argparse.Namespace) -> None:
-    """``--schedules``: 1F1B and ZB-H1 at PP2 and PP4 with 1..16 micro batches, each stage's instructions timed:
-    measured busy and idle per stage, tokens/s, activation peaks per stage, next to the analytic bubbles and a replay
-    of both orders with the measured pass times (training/pipeline/schedules.simulate)."""
+    """``--schedules``: 1F1B, ZB-H1, interleaved 1F1B and ZB-V (v = 2) at PP2 and PP4 with 1..16 micro batches (those
+    each schedule runs), each stage's instructions timed: measured busy and idle per stage, tokens/s, activation
+    peaks per stage next to ``estimate``'s, bytes sent per step, next to the analytic bubbles and a replay of every
+    order with the measured pass times (training/pipeline/schedules.simulate)."""
     from llama_megatron.training.diagnostics.memory_estimate import estimate
-    from llama_megatron.training.pipeline.schedules import analytic_bubble, simulate
+    from llama_megatron.training.pipeline.schedules import analytic_bubble, micro_batch_rule, simulate
 
     if not args.model:
         args.model = os.path.join(tempfile.mkdtemp(), "model.json")
@@ -261,16 +281,20 @@ def schedules(args: argparse.Namespace) -> None:
     model = _model(args)
     for pp in args.schedule_stages:
         for m in args.schedule_micro_batches:
+            names = [n for n in args.schedule_names
+                     if micro_batch_rule(n, pp, VIRTUAL_STAGES.get(n, 1), m) is None]
             cfg = {"tp": 1, "pp": pp, "sp": False, "micro_batches": m}
-            measured = {name: _launch(cfg, args, schedule=name, timeline=True) for name in ("1f1b", "zb-h1")}
-            costs = measured["zb-h1"]["pass_s"]
-            forward, b, w = costs["ForwardPass"], costs["BackwardInputPass"], costs["WeightPass"]
+            measured = {name: _launch(cfg, args, schedule=name, timeline=True) for name in names}
             line = {"benchmark": "pipeline_schedules", "pp": pp, "micro_batches": m, "seq": args.seq,
                     "hidden": model["hidden_size"], "layers": model["num_hidden_layers"],
-                    "analytic_idle_share": {name: round(analytic_bubble(name, pp, m), 3) for name in ("1f1b", "zb-h1")},
-                    "replayed_idle_share_with_measured_passes": {
-                        name: round(simulate(pp, m, name, forward, b, w)["idle_share"], 3)
-                        for name in ("1f1b", "zb-h1")}}
+                    "analytic_idle_share": {name: round(analytic_bubble(name, pp, m, VIRTUAL_STAGES.get(name, 1)), 3)
+                                            for name in names}}
+            if "zb-h1" in measured:  # a whole stage's F, B and W, measured under ZB-H1: every order replayed
+                costs = measured["zb-h1"]["pass_s"]
+                forward, b, w = costs["ChunkForward"], costs["ChunkBackwardInput"], costs["ChunkWeight"]
+                line["replayed_idle_share_with_measured_passes"] = {
+                    name: round(simulate(name, pp, m, VIRTUAL_STAGES.get(name, 1), forward, b, w)["idle_share"], 3)
+                    for name in names}
             for name, result in measured.items():
                 config, ds = _training_config(argparse.Namespace(**{**vars(args), "tp": 1, "pp": pp, "cp": 1,
                                                                     "sp": False, "micro_batches": m,
@@ -284,10 +308,16 @@ def schedules(args: argparse.Namespace) -> None:
                               "idle_s": [round(x, 4) for x in result["idle_s"]],
                               "pass_s": {k: round(v, 5) for k, v in result["pass_s"].items()},
                               "activation_peak_mib": [round(x / 2**20, 2) for x in result["activation_peak_bytes"]],
-                              "estimate_activation_mib": [round(st.activations / 2**20, 2) for st in stages]}
-            line["idle_share_zb_h1_over_1f1b"] = round(line["zb-h1"]["idle_share"] / line["1f1b"]["idle_share"], 3)
-            line["tokens_per_s_zb_h1_over_1f1b"] = round(
-                line["zb-h1"]["tokens_per_s"] / line["1f1b"]["tokens_per_s"], 3)
+                              "estimate_activation_mib": [round(st.activations / 2**20, 2) for st in stages],
+                              "sent_mib_per_step": round(sum(result["sent_bytes_per_step"]) / 2**20, 3),
+                              "metering_s": [round(x, 4) for x in result["metering_s"]],
+                              "instruction_s": result["instruction_s"]}
+            for name in names[1:]:
+                if "1f1b" in measured:
+                    line[f"{name}_over_1f1b"] = {
+                        "idle_share": round(line[name]["idle_share"] / line["1f1b"]["idle_share"], 3),
+                        "tokens_per_s": round(line[name]["tokens_per_s"] / line["1f1b"]["tokens_per_s"], 3),
+                        "sent_bytes": round(line[name]["sent_mib_per_step"] / line["1f1b"]["sent_mib_per_step"], 3)}
             print(json.dumps(line), flush=True)
 
 
@@ -420,6 +450,8 @@ def main() -> None:
                         help="with --schedules: the 8-layer model's hidden size (default 512; 1024: W costs what B does)")
     parser.add_argument("--schedule-micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                         help="with --schedules")
+    parser.add_argument("--schedule-names", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
+                        help="with --schedules: which schedules (default: all four)")
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     parser.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None)

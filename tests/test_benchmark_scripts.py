@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from launch_utils import ROOT
 
 
@@ -111,10 +112,12 @@ def test_zero3_init_memory_smoke() -> None:
 
 
 def test_pipeline_schedules_smoke(tmp_path) -> None:
-    """`parallel_overhead.py --schedules` at PP2 with 4 micro batches (one timed step, a small model): each stage's
-    busy and idle time add up to the span, ZB-H1 ran its B and W passes, and the activation peaks are what the
-    schedules hold (stage 0 the same under both, the last stage more under ZB-H1: its pending W passes) and within
-    10% of `estimate`'s."""
+    """`parallel_overhead.py --schedules` at PP2 with 4 micro batches (one timed step, a small model), the four
+    schedules: each stage's busy and idle time add up to the span, each ran its passes (B and W for the split ones),
+    the activation peaks are what the schedules hold (stage 0 the same under 1F1B and ZB-H1, the last stage more
+    under ZB-H1: its pending W passes) and within 10% of `estimate`'s, and the virtual stages send what their
+    boundaries carry: 3 crossings of a rank boundary per micro batch and direction for interleaved 1F1B at v = 2,
+    2 for ZB-V (its turn stays on the last rank), against 1F1B's 1."""
     model = tmp_path / "model.json"
     model.write_text(json.dumps({"vocab_size": 256, "hidden_size": 128, "intermediate_size": 352,
                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -125,15 +128,19 @@ def test_pipeline_schedules_smoke(tmp_path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert line["analytic_idle_share"] == {"1f1b": 0.2, "zb-h1": 0.077}
-    one, zero = line["1f1b"], line["zb-h1"]
-    for run in (one, zero):
+    assert line["analytic_idle_share"] == {"1f1b": 0.2, "zb-h1": 0.077, "interleaved-1f1b": 0.111, "zb-v": 0.04}
+    passes = {"1f1b": {"ForwardPass", "BackwardPass"}, "interleaved-1f1b": {"ChunkForward", "ChunkBackward"},
+              **{name: {"ChunkForward", "ChunkBackwardInput", "ChunkWeight"} for name in ("zb-h1", "zb-v")}}
+    for name, names in passes.items():
+        run = line[name]
+        assert set(run["pass_s"]) == names
         assert len(run["busy_s"]) == 2 and 0 < run["idle_share"] < 1 and run["tokens_per_s"] > 0
         for busy, idle in zip(run["busy_s"], run["idle_s"]):
             assert abs(busy + idle - run["span_s"]) < 1e-3
         for measured, estimated in zip(run["activation_peak_mib"], run["estimate_activation_mib"]):
-            assert abs(measured / estimated - 1) < 0.1, run
-    assert set(one["pass_s"]) == {"ForwardPass", "BackwardPass"}
-    assert set(zero["pass_s"]) == {"ForwardPass", "BackwardInputPass", "WeightPass"}
+            assert abs(measured / estimated - 1) < 0.1, (name, run)
+    one, zero = line["1f1b"], line["zb-h1"]
     assert zero["activation_peak_mib"][0] == one["activation_peak_mib"][0]
     assert zero["activation_peak_mib"][1] > one["activation_peak_mib"][1]
+    assert line["interleaved-1f1b_over_1f1b"]["sent_bytes"] == pytest.approx(3, rel=0.02)
+    assert line["zb-v_over_1f1b"]["sent_bytes"] == pytest.approx(2, rel=0.02)

@@ -54,6 +54,14 @@ LAYOUTS = {
     "ep2-dp2-zero1": ["parallel.expert=2", "deepspeed_config=ds_configs/zero1_fp32.json"],
     "ep2-pp2-bf16": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json",
                      "model.output_router_logits=false"],
+    # the MoE layer under our pipeline engine's schedules: the experts' and router's weight gradients split into W
+    # (zb-h1, zb-v), the router statistics sent between chunks with the hidden states (the aux loss on)
+    "ep2-pp2-zb-h1": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json",
+                      "pipeline.schedule=zb-h1"],
+    "ep2-pp2-interleaved": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json",
+                            "pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2"],
+    "ep2-pp2-zb-v-bf16": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json",
+                          "model.output_router_logits=false", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"],
     "ep2-tp2-pp2-sp-recompute-documents": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2",
                                            "parallel.sequence_parallel=true", "activation_checkpointing.interval=1",
                                            "data.per_document_attention=true"],

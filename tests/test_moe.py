@@ -149,7 +149,6 @@ def test_moe_config_checks() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.pipeline=2", "pipeline.schedule=zb-h1"], "'zb-h1' does not split the experts' weight gradients"),
     (['lora={"rank": 2, "targets": ["q_proj", "down_proj"]}'], "lora.targets down_proj: the mixtral model's MLP"),
     (['lora={"rank": 2, "dropout": 0.1, "targets": ["q_proj", "mlp.experts.down_proj"]}'],
      r"lora.dropout 0.1 with the expert targets mlp.experts.down_proj: .* set lora.dropout 0"),

@@ -63,6 +63,9 @@ class CheckpointMeta:
     format_version: int = FORMAT_VERSION
     lora: dict[str, Any] | None = None  # adapter-only checkpoint: rank, alpha, dropout, targets, base
     saved_at: float | None = None  # wall-clock time of the save (retention keeps the newest saves by it)
+    # which layers each pipeline rank holds (training.config.PipelineConfig.layer_placement; None: PP 1, or an
+    # older checkpoint: DeepSpeed's one block per rank)
+    layer_placement: dict[str, Any] | None = None
     tag: str = ""
 
     @property

@@ -36,7 +36,8 @@ def format_table(est: Estimate) -> str:
     lines = [f"world size {est.world_size} | data parallel {est.data_parallel} | context {est.context} | "
              f"ZeRO {est.zero} | "
              f"{est.precision} | optimizer {est.optimizer_wrapper} | micro batch {est.micro_batch_size} x "
-             f"{est.micro_batches} per step | kernels {est.kernels} | schedule {est.schedule}",
+             f"{est.micro_batches} per step | kernels {est.kernels} | schedule {est.schedule}"
+             + (f" ({est.virtual_stages} virtual stages per rank)" if est.virtual_stages > 1 else ""),
              f"{_unit(est)[0]} per rank (GPU; CPU where offloaded)"]
     scale = _unit(est)[1]
     header = f"{'':18}" + "".join(f"{f'stage {s.stage} ({s.decoder_layers} layers)':>24}" for s in est.stages)
@@ -48,10 +49,15 @@ def format_table(est: Estimate) -> str:
             cpu_cell = f" +cpu {cpu / scale:.3f}" if cpu else ""
             cells.append(f"{f'{getattr(s, attr) / scale:.3f}{cpu_cell}':>24}")
         lines.append(f"{label:18}" + "".join(cells))
-    lines.append(f"{'  micro batches':18}" + "".join(f"{s.in_flight:>24}" for s in est.stages))
-    if any(s.deferred_micro_batches for s in est.stages):  # zb-h1: micro batches whose W has not run, included
-        lines.append(f"{'  + W pending':18}" + "".join(
-            f"{f'{s.deferred_micro_batches} x {s.deferred_per_micro_batch / scale:.3f}':>24}" for s in est.stages))
+    # virtual stages: chunk passes (a micro batch through one chunk) held at the rank's peak
+    held = "  micro batches" if est.virtual_stages == 1 else "  chunk passes"
+    lines.append(f"{held:18}" + "".join(f"{s.in_flight:>24}" for s in est.stages))
+    if any(s.deferred_micro_batches for s in est.stages):  # zb-h1, zb-v: passes whose W has not run, included
+        if est.virtual_stages == 1:
+            cells = [f"{s.deferred_micro_batches} x {s.deferred_per_micro_batch / scale:.3f}" for s in est.stages]
+        else:
+            cells = [str(s.deferred_micro_batches) for s in est.stages]
+        lines.append(f"{'  + W pending':18}" + "".join(f"{cell:>24}" for cell in cells))
     lines.append(f"{'total GPU':18}" + "".join(f"{s.gpu_total / scale:>24.3f}" for s in est.stages))
     if any(s.cpu_total for s in est.stages):
         lines.append(f"{'total CPU':18}" + "".join(f"{s.cpu_total / scale:>24.3f}" for s in est.stages))

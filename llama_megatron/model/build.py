@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from llama_megatron.config import ModelConfig, ParallelConfig
@@ -11,20 +13,23 @@ from llama_megatron.model.llama import LlamaCausalLM, build_pipeline_module
 from llama_megatron.model.lora import attach_lora
 from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.pipeline_stages import StagePlacement
 
 
 def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelContext, seed: int = 1234,
                 activation_checkpoint_interval: int = 0, partition_method: str = "type:DecoderLayerPipe",
-                initialize: bool = True, kernels: Kernels = REFERENCE, lora: LoraConfig | None = None) -> nn.Module:
+                initialize: bool = True, kernels: Kernels = REFERENCE, lora: LoraConfig | None = None,
+                placement: StagePlacement | None = None, stage_layers: Sequence[int] | None = None) -> nn.Module:
     """This rank's model; ``kernels`` (see :func:`llama_megatron.model.kernels.resolve_kernels`) is the one
     place its operator implementations are chosen. With ``lora`` the base weights are frozen and LoRA adapters
-    (seeded, B = 0) sit on the target linears."""
+    (seeded, B = 0) sit on the target linears. ``placement`` (PP > 1): the virtual stages of this rank, for the
+    schedules our pipeline engine runs (None: DeepSpeed's one block per rank)."""
     shapes = parallel.local_shapes(config)  # derived once; every layer reads its sizes from it
     if pctx.pp_size == 1:
         model: nn.Module = LlamaCausalLM(config, pctx, shapes, activation_checkpoint_interval, kernels)
     else:
         model = build_pipeline_module(config, pctx, shapes, partition_method, activation_checkpoint_interval,
-                                      kernels)
+                                      kernels, placement, stage_layers)
     if initialize:
         initialize_weights(model, config, pctx, shapes.padded_vocab_size, seed)
     if lora is not None:

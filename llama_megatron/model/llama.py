@@ -9,6 +9,7 @@ mapping and initialisation are shared by both forms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llama_megatron.config import LocalShapes, ModelConfig
+from llama_megatron.model.chunked_pipeline import ChunkedPipelineModule
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import KVCache
 from llama_megatron.model.layers import (
@@ -34,6 +36,7 @@ from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
 from llama_megatron.parallel.launch import without_deepspeed_prints
 from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
+from llama_megatron.parallel.pipeline_stages import StagePlacement
 
 TIED_KEY = "embed"
 
@@ -173,15 +176,17 @@ def _run_layers(layers: list, x):
 
 def build_pipeline_module(config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                           partition_method: str = "type:DecoderLayerPipe",
-                          activation_checkpoint_interval: int = 0, kernels: Kernels = REFERENCE) -> PipelineModule:
-    """The PP>1 form over ``pctx.topology``; only decoder layers are ever recomputed. DeepSpeed's prints of its seed
-    settings and of every stage's layers are dropped (``LLAMA_MEGATRON_VERBOSE=1`` keeps them)."""
+                          activation_checkpoint_interval: int = 0, kernels: Kernels = REFERENCE,
+                          placement: StagePlacement | None = None,
+                          stage_layers: Sequence[int] | None = None) -> PipelineModule:
+    """The PP>1 form over ``pctx.topology``; only decoder layers are ever recomputed. With a ``placement`` (the
+    schedules of our engine) a :class:`ChunkedPipelineModule` holding this rank's virtual stages. DeepSpeed's prints
+    of its seed settings and of every stage's layers are dropped (``LLAMA_MEGATRON_VERBOSE=1`` keeps them)."""
+    kwargs = dict(layers=layer_specs(config, pctx, shapes, kernels), loss_fn=CausalLMLoss(config, pctx),
+                  topology=pctx.topology, partition_method=partition_method,
+                  activation_checkpoint_interval=activation_checkpoint_interval,
+                  checkpointable_layers=["DecoderLayerPipe"])
     with without_deepspeed_prints():
-        return PipelineModule(
-            layers=layer_specs(config, pctx, shapes, kernels),
-            loss_fn=CausalLMLoss(config, pctx),
-            topology=pctx.topology,
-            partition_method=partition_method,
-            activation_checkpoint_interval=activation_checkpoint_interval,
-            checkpointable_layers=["DecoderLayerPipe"],
-        )
+        if placement is None:
+            return PipelineModule(**kwargs)
+        return ChunkedPipelineModule(placement=placement, stage_layers=stage_layers, **kwargs)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from llama_megatron.config import LocalShapes, ModelConfig
@@ -40,6 +39,7 @@ from llama_megatron.parallel.layers import (
     mark_replicated,
     row_parallel_output,
 )
+from llama_megatron.parallel.weight_grad import WeightGradStore, linear
 
 
 class ExpertMLP(nn.Module):
@@ -68,10 +68,12 @@ class Router(nn.Module):
         self.weight = mark_replicated(nn.Parameter(torch.empty(config.num_local_experts, config.hidden_size)))
         if pctx.tp_size > 1:
             self.weight.sequence_parallel = True
+        # a zero-bubble schedule's W computes the weight's gradient (and its TP sum) later (weight_grad.py)
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = all_reduce_grad_in_tp(self.weight, self.pctx) if self.pctx.tp_size > 1 else self.weight
-        return F.linear(x, weight)
+        return linear(x, weight, None, self.weight_grad_store)
 
 
 class MoEMLP(nn.Module):

@@ -311,6 +311,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def end_process_groups() -> None:
+    """After a command's last collective: wait for every rank, then take the process groups down in order. Left
+    to the interpreter's exit, a rank whose peer had already gone could abort in gloo's teardown ("terminate called
+    without an active exception", exit -6: seen once at the end of a 2-rank `generate`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # What a launcher's command line runs (its script's or module's name): the deepspeed runner and its per-node
 # launch.py, torchrun, SLURM's srun and the slurmstepd that starts a step's tasks on each node, MPI's launchers.
 LAUNCHER_PROGRAMS = {"deepspeed": "the deepspeed launcher", "deepspeed.launcher.runner": "the deepspeed launcher",

@@ -157,9 +157,10 @@ class LocalLinear(nn.Module):
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, in_features)),
                                            1 if split == "row" else 0, split)
         self.lora: nn.Module | None = None  # (an expert's adapter: its output is local or partial, as the weight's)
+        self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.weight_grad_store)
         return y if self.lora is None else y + self.lora(x)
 
 

@@ -10,11 +10,11 @@ the embedding lookup's gradient (the first stage sends nothing back, so nothing 
 loss's head weight, whose gradient that loss computes in its forward pass so as never to hold the logits.
 
 Inside :meth:`WeightGradStore.input_gradients_only` a backward pass queues each linear's weight-gradient work (its
-input and the gradient of its output) as one group instead of computing it; :meth:`WeightGradStore.run_oldest`
-computes the oldest group and accumulates it through each parameter's own
+input and the gradient of its output) as one group instead of computing it; :meth:`WeightGradStore.run` computes
+a group and accumulates it through each parameter's own
 autograd accumulation, so gradient hooks (DeepSpeed's ZeRO and bf16 bookkeeping) see it as they see any backward.
-Groups run in the order their backward passes ran, so each parameter's gradient sums its micro batches in the same
-order as without the split.
+A schedule runs each chunk's groups in the order their backward passes ran, so each parameter's gradient sums its
+micro batches in the same order as without the split.
 
 Outside that context the linears' backward computes everything at once, with the same matrix products autograd
 uses for ``F.linear`` (``grad @ W`` for the input, ``grad^T @ x`` for the weight, the sum over rows for the bias):
@@ -24,7 +24,6 @@ the gradients are bit for bit those of the unsplit model, and a split backward's
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
@@ -36,22 +35,29 @@ _Deferred = tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, 
 
 
 class WeightGradStore:
-    """The queued weight-gradient work of the backward passes run with :meth:`input_gradients_only`."""
+    """The queued weight-gradient work of the backward passes run with :meth:`input_gradients_only`, one group per
+    backward pass, under a key (a pipeline chunk's micro batch) or in order."""
 
     def __init__(self) -> None:
-        self._groups: deque[list[_Deferred]] = deque()
+        self._groups: dict[object, list[_Deferred]] = {}  # in the order the backward passes ran
         self._open: list[_Deferred] | None = None
+        self._count = 0
 
     @contextlib.contextmanager
-    def input_gradients_only(self) -> Iterator[None]:
-        """B: backward passes inside compute input gradients; their weight-gradient work becomes one group."""
+    def input_gradients_only(self, key: object = None) -> Iterator[None]:
+        """B: backward passes inside compute input gradients; their weight-gradient work becomes one group, under
+        ``key`` (default: a number of its own)."""
         if self._open is not None:
             raise RuntimeError("input_gradients_only is not reentrant")
+        if key is None:
+            key, self._count = ("pass", self._count), self._count + 1
+        if key in self._groups:
+            raise RuntimeError(f"weight-gradient work of {key!r} is queued already")
         self._open = []
         try:
             yield
         finally:
-            self._groups.append(self._open)
+            self._groups[key] = self._open
             self._open = None
 
     def defer(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor],
@@ -65,15 +71,19 @@ class WeightGradStore:
 
     def pending_tensors(self) -> list[torch.Tensor]:
         """The tensors the queued work keeps alive (its memory: ``ActivationMeter``)."""
-        return [t for group in self._groups for _, _, keeps in group for t in keeps]
+        return [t for group in self._groups.values() for _, _, keeps in group for t in keeps]
 
     @property
     def pending(self) -> int:
         return len(self._groups)
 
     def run_oldest(self) -> None:
-        """W: the oldest group's weight gradients, accumulated into ``.grad`` through autograd."""
-        group = self._groups.popleft()
+        """W: the oldest group's weight gradients."""
+        self.run(next(iter(self._groups)))
+
+    def run(self, key: object) -> None:
+        """W: the weight gradients of the group queued under ``key``, accumulated into ``.grad`` through autograd."""
+        group = self._groups.pop(key)
         if not group:
             return
         # one backward call, as the unsplit backward: a weight used twice in a micro batch gets the sum of its

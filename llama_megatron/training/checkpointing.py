@@ -209,20 +209,44 @@ def check_resume_experts(meta: CheckpointMeta, expert: int, partitions: int, loa
         )
 
 
-def needs_universal(meta: CheckpointMeta, partitions: int) -> bool:
-    """ZeRO partitions optimizer state over DeepSpeed's data-parallel group (DP x CP); another DP x CP degree needs
-    DeepSpeed's universal checkpoint."""
-    return meta.zero_partitions != partitions and meta.zero_stage >= 1
+def placement_changes(meta: CheckpointMeta, layer_placement: dict | None) -> bool:
+    """The run places the layers on other pipeline ranks than the checkpoint's run did (another schedule's
+    placement, virtual stages or split; an older checkpoint placed them as DeepSpeed's 1F1B does)."""
+    if meta.pipeline == 1 or layer_placement is None:
+        return False
+    saved = meta.layer_placement or {"shape": "loop", "virtual_stages": 1, "split": layer_placement["split"]}
+    return saved != layer_placement
 
 
-def verify_load(load_dir: str, meta: CheckpointMeta, partitions: int | None) -> None:
+def needs_universal(meta: CheckpointMeta, partitions: int, layer_placement: dict | None = None) -> bool:
+    """ZeRO partitions each pipeline rank's optimizer state over DeepSpeed's data-parallel group (DP x CP); another
+    DP x CP degree, or the layers on other pipeline ranks, needs DeepSpeed's universal checkpoint (its state per
+    parameter, by name: a layer's names do not depend on where it sits)."""
+    return meta.zero_stage >= 1 and (meta.zero_partitions != partitions or placement_changes(meta, layer_placement))
+
+
+def check_resume_placement(meta: CheckpointMeta, layer_placement: dict | None, load_dir: str) -> None:
+    """Without ZeRO the optimizer state is each rank's own, in its parameters' order: it resumes only where every
+    layer sits where it sat."""
+    if meta.zero_stage == 0 and placement_changes(meta, layer_placement):
+        saved = meta.layer_placement or "DeepSpeed's one block per rank"
+        raise CheckpointError(
+            f"checkpoint {load_dir}/{meta.tag} placed the layers on the pipeline ranks as {saved}, this run as "
+            f"{layer_placement}, and its optimizer state (ZeRO-0) is per rank: resume with the schedule it was saved "
+            "with, save under ZeRO-1 (resumed through a universal checkpoint), or start from its weights with "
+            "checkpoint.finetune true"
+        )
+
+
+def verify_load(load_dir: str, meta: CheckpointMeta, partitions: int | None,
+                layer_placement: dict | None = None) -> None:
     """Check every file this load may open, weights-only, before any process group or output exists: the tag,
     and the universal checkpoint beside it when a resume at another DP x CP degree (``partitions``; None for
     fine-tuning) will load it. DeepSpeed reads universal checkpoints, and ``ds_to_universal`` the tag, with its
     own ``torch.load(weights_only=False)``: this check is what stands before those."""
     verify_checkpoint_dir(os.path.join(load_dir, meta.tag))
     universal = os.path.join(load_dir, universal_tag(meta.tag))
-    if partitions is not None and needs_universal(meta, partitions) and os.path.isdir(universal):
+    if partitions is not None and needs_universal(meta, partitions, layer_placement) and os.path.isdir(universal):
         verify_checkpoint_dir(universal)
 
 

@@ -22,6 +22,8 @@ from llama_megatron.data.config import DataConfig, SyntheticData, data_config_fr
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
+from llama_megatron.parallel.pipeline_stages import StagePlacement
+from llama_megatron.training.pipeline.schedules import SCHEDULE_PLACEMENT, micro_batch_rule, placement_of
 
 
 @dataclass
@@ -105,11 +107,28 @@ class ActivationCheckpointConfig:
 class PipelineConfig:
     # how layers are split over stages: type:DecoderLayerPipe, uniform or parameters
     partition_method: str = "type:DecoderLayerPipe"
-    # "1f1b" (DeepSpeed's) or "zb-h1" (zero bubble, training/pipeline/schedules.py)
+    # "1f1b" (DeepSpeed's engine), "zb-h1" (zero bubble), "interleaved-1f1b" (Megatron's, virtual_stages >= 2) or
+    # "zb-v" (zero bubble V, virtual_stages 2): training/pipeline/schedules.py, docs/pipeline-schedules.md
     schedule: str = "1f1b"
+    # chunks of the layer list per pipeline rank (virtual stages): 1, or >= 2 for interleaved-1f1b, 2 for zb-v
+    virtual_stages: int = 1
+    # decoder layers per virtual stage (parallel.pipeline x virtual_stages counts, 0 allowed; the embedding goes
+    # with the first, the final norm and head with the last), e.g. fewer on the first and last stages; null: the
+    # partition_method's split
+    stage_layers: tuple[int, ...] | None = None
+
+    def layer_placement(self) -> dict[str, Any]:
+        """What decides which layers a pipeline rank holds, for a checkpoint's metadata: two runs of one model and
+        PP degree with equal ones place every layer on the same rank (1f1b and zb-h1 alike)."""
+        split = list(self.stage_layers) if self.stage_layers is not None else self.partition_method
+        return {"shape": SCHEDULE_PLACEMENT[self.schedule], "virtual_stages": self.virtual_stages, "split": split}
+
+    def placement(self, ranks: int) -> StagePlacement | None:
+        """The virtual stages of the schedules our pipeline engine runs (None: DeepSpeed's 1F1B)."""
+        return None if self.schedule == "1f1b" else placement_of(self.schedule, ranks, self.virtual_stages)
 
 
-PIPELINE_SCHEDULES = ("1f1b", "zb-h1")
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 
 
 @dataclass
@@ -249,22 +268,43 @@ class TrainingConfig:
         if self.pipeline.schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"pipeline.schedule {self.pipeline.schedule!r} is not one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
-        if self.pipeline.schedule != "1f1b" and self.parallel.pipeline == 1:
-            raise ConfigError(f"pipeline.schedule {self.pipeline.schedule!r} schedules pipeline stages: it needs "
-                              "parallel.pipeline > 1")
+        self._validate_pipeline()
         if not self.distributed.timeout_minutes > 0:
             raise ConfigError(f"distributed.timeout_minutes must be > 0, got {self.distributed.timeout_minutes}")
         self._validate_experts()
 
     def _validate_experts(self) -> None:
-        """LoRA targets that fit the model's MLP; what training cannot do with a mixture of experts yet."""
+        """LoRA targets that fit the model's MLP."""
         if self.lora is not None:
             check_targets(self.model, self.lora)
-        if not self.model.family.moe:
-            return
-        if self.pipeline.schedule == "zb-h1":
-            raise ConfigError("pipeline.schedule 'zb-h1' does not split the experts' weight gradients yet: use "
-                              "'1f1b' for a mixture-of-experts model")
+
+    def _validate_pipeline(self) -> None:
+        """The schedule, its virtual stages and their split of the layers (the micro-batch count is checked
+        where the world size is known: :meth:`check_world_size`)."""
+        pipe, ranks = self.pipeline, self.parallel.pipeline
+        if pipe.schedule != "1f1b" and ranks == 1:
+            raise ConfigError(f"pipeline.schedule {pipe.schedule!r} schedules pipeline stages: it needs "
+                              "parallel.pipeline > 1")
+        chunks = {"zb-v": (2,), "interleaved-1f1b": None}.get(pipe.schedule, (1,))
+        if chunks is None and pipe.virtual_stages < 2:
+            raise ConfigError(f"pipeline.schedule 'interleaved-1f1b' places several chunks on each rank: set "
+                              f"pipeline.virtual_stages >= 2 (got {pipe.virtual_stages})")
+        if chunks is not None and pipe.virtual_stages not in chunks:
+            raise ConfigError(f"pipeline.schedule {pipe.schedule!r} runs {chunks[0]} virtual stage(s) per rank, "
+                              f"got pipeline.virtual_stages {pipe.virtual_stages}")
+        stages = ranks * pipe.virtual_stages
+        if pipe.stage_layers is not None:
+            if pipe.schedule == "1f1b":
+                raise ConfigError("pipeline.stage_layers places layers on the virtual stages of our engine's "
+                                  "schedules: DeepSpeed's 1f1b takes pipeline.partition_method")
+            layers = self.model.num_hidden_layers
+            if (len(pipe.stage_layers) != stages or sum(pipe.stage_layers) != layers
+                    or min(pipe.stage_layers) < 0):
+                raise ConfigError(f"pipeline.stage_layers {list(pipe.stage_layers)}: {stages} counts (parallel.pipeline x "
+                                  f"pipeline.virtual_stages) of decoder layers, each >= 0, adding up to {layers}")
+        elif stages > self.model.num_hidden_layers:
+            raise ConfigError(f"{stages} virtual stages (parallel.pipeline {ranks} x pipeline.virtual_stages "
+                              f"{pipe.virtual_stages}) exceed num_hidden_layers {self.model.num_hidden_layers}")
 
     def _validate_train(self) -> None:
         train = self.train
@@ -283,7 +323,8 @@ class TrainingConfig:
             raise ConfigError(f"train.stop_signals: {unknown[0]!r} is not one of {', '.join(STOP_SIGNALS)}")
 
     def check_world_size(self, world_size: int) -> None:
-        """What the launch adds to :meth:`validate`: TP x PP divides the world, and the batch divides over DP."""
+        """What the launch adds to :meth:`validate`: TP x PP divides the world, the batch divides over DP, and
+        the pipeline schedule can run the micro batches of a step."""
         self.parallel.check_world_size(world_size)
         b, dp = self.batch, self.data_parallel_size(world_size)
         if b.global_batch_size % (b.micro_batch_size * dp):
@@ -291,6 +332,11 @@ class TrainingConfig:
                 f"batch.global_batch_size {b.global_batch_size} is not divisible by micro_batch_size "
                 f"{b.micro_batch_size} x data parallel {dp}"
             )
+        if self.parallel.pipeline > 1:  # the pipeline schedule can run this many micro batches per step
+            why = micro_batch_rule(self.pipeline.schedule, self.parallel.pipeline, self.pipeline.virtual_stages,
+                                   self.gradient_accumulation_steps(world_size))
+            if why is not None:
+                raise ConfigError(f"pipeline.schedule {self.pipeline.schedule!r}: {why}")
 
     def data_parallel_size(self, world_size: int) -> int:
         return self.parallel.data_parallel_size(world_size)

@@ -39,9 +39,10 @@ from llama_megatron.model.lora_layout import TARGETS, LoraConfig, adapter_layout
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
+from llama_megatron.parallel.pipeline_stages import StagePlacement, split_layers
 from llama_megatron.training.config import BatchConfig, TrainingConfig
 from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
-from llama_megatron.training.pipeline.schedules import op_order
+from llama_megatron.training.pipeline.schedules import rank_actions
 
 GiB = 1024**3
 _ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -65,14 +66,21 @@ class StageEstimate:
     # (0 under 1F1B)
     deferred_per_micro_batch: int = 0
     deferred_micro_batches: int = 0
+    # virtual stages: the peak of what the rank's chunks hold (each chunk's micro batches in flight and W pending,
+    # at their own sizes); ``in_flight`` and ``deferred_micro_batches`` then count chunk passes at that peak, and the
+    # per-micro-batch sizes are one micro batch through all the rank's chunks
+    held_bytes: int | None = None
     cpu_parameters: int = 0
     cpu_gradients: int = 0
     cpu_optimizer: int = 0
 
     @property
     def activations(self) -> int:
-        return (self.activations_per_micro_batch * self.in_flight + self.recompute
-                + self.deferred_per_micro_batch * self.deferred_micro_batches)
+        held = self.held_bytes
+        if held is None:
+            held = (self.activations_per_micro_batch * self.in_flight
+                    + self.deferred_per_micro_batch * self.deferred_micro_batches)
+        return held + self.recompute
 
     @property
     def gpu_total(self) -> int:
@@ -95,6 +103,7 @@ class Estimate:
     micro_batches: int
     kernels: str = "reference"
     schedule: str = "1f1b"  # pipeline.schedule
+    virtual_stages: int = 1  # pipeline.virtual_stages (chunks per rank)
     stages: list[StageEstimate] = field(default_factory=list)
 
     @property
@@ -302,18 +311,19 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
     return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
 
 
-def _pending_peak(schedule: str, stages: int, stage: int, micro_batches: int, per_micro_batch: int,
-                  deferred: int) -> tuple[int, int]:
-    """(micro batches in flight, micro batches with W pending) at the stage's peak under ``schedule``."""
-    if schedule != "zb-h1":
-        return min(stages - stage, micro_batches), 0
-    in_flight = pending = 0
+def _held_peak(schedule: str, ranks: int, rank: int, micro_batches: int, saved: list[int],
+               deferred: list[int]) -> tuple[int, int, int]:
+    """(bytes, chunk passes in flight, chunk passes with W pending) at the rank's peak under ``schedule``: its list
+    of actions replayed, each chunk's micro batch holding ``saved[chunk]`` from its F to its backward (B or BW),
+    and ``deferred[chunk]`` from its B to its W."""
+    in_flight, pending = [0] * len(saved), [0] * len(saved)
     peak = (0, 0, 0)
-    for op, _ in op_order(stages, stage, micro_batches):
-        in_flight += {"F": 1, "B": -1, "W": 0}[op]
-        pending += {"F": 0, "B": 1, "W": -1}[op]
-        peak = max(peak, (in_flight * per_micro_batch + pending * deferred, in_flight, pending))
-    return peak[1], peak[2]
+    for op, chunk, _ in rank_actions(schedule, ranks, rank, micro_batches, len(saved)):
+        in_flight[chunk] += {"F": 1, "B": -1, "BW": -1, "W": 0}[op]
+        pending[chunk] += {"F": 0, "B": 1, "BW": 0, "W": -1}[op]
+        held = sum(n * b for n, b in zip(in_flight, saved)) + sum(n * b for n, b in zip(pending, deferred))
+        peak = max(peak, (held, sum(in_flight), sum(pending)))
+    return peak
 
 
 def _norm_bytes(tokens: int, h: int, shard: int, e: int, fast: bool, feeds_linear: bool = True) -> int:
@@ -401,24 +411,41 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     layers = _layers(config.model, config.local_shapes.padded_vocab_size, tp, config.lora, par.expert)
     kernels = kernel_choice(config.kernels, "cuda")  # a GPU's kernels: what the estimate is for
     fast = kernels != "reference"
-    bounds = [0, len(layers)] if pp == 1 else _stage_bounds(layers, pp, config.pipeline.partition_method)
+    pipe = config.pipeline
+    placement = pipe.placement(pp) or StagePlacement(pp)  # 1f1b: DeepSpeed's blocks, one per rank
+    bounds = ([0, len(layers)] if pp == 1 else _stage_bounds(layers, placement.stages, pipe.partition_method)
+              if pipe.stage_layers is None
+              else split_layers([layer.kind == "DecoderLayerPipe" for layer in layers], placement.stages,
+                                pipe.stage_layers))
     result = Estimate(world_size, dp, par.context, zero_stage(ds), prec, wrapper, b, micro_batches, kernels,
-                      config.pipeline.schedule)
-    for stage in range(pp):
-        mine = layers[bounds[stage]:bounds[stage + 1]]
+                      pipe.schedule, placement.chunks)
+    for rank in range(pp):
+        chunks = [layers[bounds[s]:bounds[s + 1]] for s in (placement.stage(rank, c) for c in range(placement.chunks))]
         if pp == 1 and config.model.tie_word_embeddings:
-            mine = mine[:-1]  # one shared table in a single-stage model
-        params = [p for layer in mine for p in layer.states_params()]
-        kinds = [layer.kind for layer in mine]
-        saved, recompute, logits = _activations(config, kinds, b, e, pp > 1, fast)
-        deferred = deferred_weight_grad_bytes(config, kinds, b, e, fast)
-        in_flight, pending = _pending_peak(config.pipeline.schedule, pp, stage, micro_batches, saved, deferred)
+            chunks[0] = chunks[0][:-1]  # one shared table in a single-stage model
+        # a tied table held twice by one rank (the V's first and last stages) is one parameter
+        params = [p for layer in _distinct_tables(chunks) for p in layer.states_params()]
+        kinds = [[layer.kind for layer in chunk] for chunk in chunks]
+        per_chunk = [_activations(config, chunk_kinds, b, e, pp > 1, fast) for chunk_kinds in kinds]
+        saved = [a for a, _, _ in per_chunk]
+        deferred = [deferred_weight_grad_bytes(config, chunk_kinds, b, e, fast) for chunk_kinds in kinds]
+        held, in_flight, pending = _held_peak(pipe.schedule, pp, rank, micro_batches, saved, deferred)
         result.stages.append(StageEstimate(
-            stage=stage, decoder_layers=kinds.count("DecoderLayerPipe"),
-            activations_per_micro_batch=saved, in_flight=in_flight, recompute=recompute, logits=logits,
-            deferred_per_micro_batch=deferred, deferred_micro_batches=pending,
+            stage=rank, decoder_layers=sum(k.count("DecoderLayerPipe") for k in kinds),
+            activations_per_micro_batch=sum(saved), in_flight=in_flight,
+            recompute=max(r for _, r, _ in per_chunk), logits=max(lg for _, _, lg in per_chunk),
+            deferred_per_micro_batch=sum(deferred), deferred_micro_batches=pending,
+            held_bytes=held if placement.chunks > 1 else None,
             **_states(params, ds, wrapper, partitions, e, par.expert)))
     return result
+
+
+def _distinct_tables(chunks: list[list[_Layer]]) -> list[_Layer]:
+    """The layers of a rank's chunks, a tied embedding table counted once (ZB-V's rank 0 holds both ends)."""
+    layers = [layer for chunk in chunks for layer in chunk]
+    if layers and layers[0].kind == "EmbeddingPipe" and layers[-1].kind == "EmbeddingPipe" and len(layers) > 1:
+        return layers[:-1]
+    return layers
 
 
 def construction_bytes(config: TrainingConfig, ds: dict, world_size: int) -> int:

@@ -84,7 +84,7 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
         # bf16 gradients accumulated over micro batches drift; keep the accumulation in fp32 under PP.
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     if pp > 1 and (config.parallel.sequence_parallel or config.pipeline.schedule != "1f1b" or config.model.family.moe):
-        # ZB-H1's asynchronous sends (training/engine/pipeline.py) send each rank's payload whole too, and so does
+        # our engine's schedules (training/engine/pipeline.py) send each rank's payload whole too, and so does
         # an MoE model (the engine's single backward over several sent tensors does not rebuild partitioned ones)
         _unpartitioned_pipe_payloads(ds)
     return ds
@@ -105,7 +105,7 @@ def _unpartitioned_pipe_payloads(ds: dict[str, Any]) -> None:
         if pipeline.get(key, False) is not False:
             raise ConfigError(
                 f"DeepSpeed config pipeline.{key}={pipeline[key]!r} cannot be combined with sequence_parallel "
-                "(each TP rank holds a different sequence shard), pipeline.schedule zb-h1 (asynchronous sends) or "
+                "(each TP rank holds a different sequence shard), a pipeline.schedule other than 1f1b (our engine's sends) or "
                 "a mixture-of-experts model (router statistics sent with the hidden states) under pipeline "
                 "parallelism: remove the key"
             )

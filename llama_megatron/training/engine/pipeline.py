@@ -12,12 +12,21 @@ DeepSpeed runs one backward per tensor, which goes through the shared part of th
 reentrant activation checkpoint; one scalar, sum_i <output_i, received gradient_i>, hands every output exactly its
 gradient in a single pass.
 
-:class:`ScheduledPipelineEngine` is its subclass: its ``_train_schedule`` returns our schedule, its
-instruction map adds B (:class:`BackwardInputPass`: DeepSpeed's backward pass with the linears' weight gradients
-queued, parallel/weight_grad.py) and W (:class:`WeightPass`), and its sends are asynchronous (ZB-H1 sends while
-the neighbouring stage works on another micro batch; a blocking send would wait for it, or deadlock), completed
-when each batch's schedule ends. Nothing of DeepSpeed's module state is replaced: :func:`initialize_pipeline_engine`
-builds the engine as ``deepspeed.initialize`` builds a ``PipelineEngine``, with our class.
+
+:class:`ActionPipelineEngine` is its subclass that runs the schedules of our own (``zb-h1``, ``interleaved-1f1b``,
+``zb-v``; DeepSpeed's engine runs ``1f1b``): a rank holds one or more chunks of the layer list
+(model/chunked_pipeline.py), its step is its list of actions (training/pipeline/schedules.py) lowered to
+instructions (training/pipeline/instructions.py), and the engine runs each through DeepSpeed's own forward,
+backward, loss and optimizer machinery with the chunk's place told to it (first or last virtual stage: data,
+loss, the last stage's backward from the loss). Every micro batch of every chunk has its own buffer, so any order
+a schedule gives runs. Sends are asynchronous (a rank sends while its neighbour works on another micro batch; a
+blocking send would wait for it, or deadlock) and completed when the step's schedule ends; each message is tagged
+with its kind, the stage boundary it crosses and its micro batch, so the order a neighbour receives in need not be
+the order it was sent in; activations go with a small header of shapes and dtypes (gradients have their output's).
+B (``ChunkBackwardInput``) is DeepSpeed's backward pass with the linears' weight gradients queued under the chunk's
+micro batch (parallel/weight_grad.py), W (``ChunkWeight``) runs that group. Nothing of DeepSpeed's module state is
+replaced: :func:`initialize_pipeline_engine` builds the engine as ``deepspeed.initialize`` builds a
+``PipelineEngine``, with our class.
 
 With the bf16 optimizer each W is bracketed as DeepSpeed brackets a backward pass on a stage (clear the bf16
 gradients, accumulate them into the fp32 ones after): a parameter's fp32 gradient receives its micro batches in
@@ -25,6 +34,10 @@ the same order, with zeros added where B left it nothing, so the sums are those 
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -34,7 +47,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from llama_megatron.training.engine.experts import ExpertLayers, construct_engine
-from llama_megatron.training.pipeline.schedules import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
+from llama_megatron.training.pipeline import instructions as ins
+from llama_megatron.training.pipeline.schedules import SPLIT_BACKWARD, forward_actions, rank_actions
 
 
 class GlobalNormPipelineEngine(ExpertLayers, PipelineEngine):
@@ -42,6 +56,10 @@ class GlobalNormPipelineEngine(ExpertLayers, PipelineEngine):
     backward pass whatever they send (module docstring), and that knows our expert layers (:class:`ExpertLayers`)."""
 
     pctx: ParallelContext  # set by initialize_pipeline_engine
+
+    def holds_loss(self) -> bool:
+        """This rank computes the loss (holds the head)."""
+        return self.is_last_stage()
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -62,80 +80,252 @@ class GlobalNormPipelineEngine(ExpertLayers, PipelineEngine):
         self.clip_by_global_norm()
 
 
-class ScheduledPipelineEngine(GlobalNormPipelineEngine):
-    """``PipelineEngine`` with the ZB-H1 schedule, its B and W passes and asynchronous sends."""
+# the dtypes an activation header names (by position)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
+           torch.uint8)
+_MAX_TENSORS, _MAX_DIMS = 8, 6
+_ACTIVATION, _GRADIENT = 0, 1
+
+
+@lru_cache(maxsize=64)
+def _actions(schedule: str, ranks: int, rank: int, micro_batches: int, chunks: int) -> tuple:
+    return tuple(rank_actions(schedule, ranks, rank, micro_batches, chunks))
+
+
+class ActionPipelineEngine(GlobalNormPipelineEngine):
+    """``PipelineEngine`` running a list of actions per rank over its chunks (module docstring)."""
+
+    schedule = "zb-h1"  # set by initialize_pipeline_engine
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.placement = self.module.placement
         self.weight_grads = WeightGradStore()
-        attach_weight_grad_store(self.module, self.weight_grads)
+        attach_weight_grad_store(self.module, self.weight_grads if self.schedule in SPLIT_BACKWARD else None)
         self._sends: list[tuple[object, torch.Tensor]] = []
+        self._local: dict[tuple[int, int], tuple] = {}  # (kind, buffer) -> what a chunk hands its neighbour
+        self._grads: dict[int, tuple] = {}  # buffer -> the received gradient of its outputs
+        self._losses: dict[int, torch.Tensor] = {}  # buffer -> the last stage's loss, for its backward
+        self._flags: tuple[bool, bool] | None = None
+        self._buffers_per_chunk = self.micro_batches
+        self.sent_bytes = 0  # by this rank's sends since the engine was made (the benchmark's)
 
-    def _train_schedule(self):
-        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+    # ---- where the running chunk sits: DeepSpeed's code asks is_first_stage / is_last_stage ----
+    def is_first_stage(self) -> bool:
+        flags = getattr(self, "_flags", None)
+        return super().is_first_stage() if flags is None else flags[0]
 
-    def _exec_backward_input_pass(self, buffer_id: int) -> None:
-        # DeepSpeed receives every output gradient into one reused buffer; the deferred weight gradient of the
-        # stage's last linear may hold that very tensor (a residual add passes it through), so B gets a copy
-        received = self.grad_layer
-        if received is not None and not self.is_last_stage():
-            self.grad_layer = (received.clone() if isinstance(received, torch.Tensor)
-                               else [t.clone() for t in received])
+    def is_last_stage(self) -> bool:
+        flags = getattr(self, "_flags", None)
+        return super().is_last_stage() if flags is None else flags[1]
+
+    def holds_loss(self) -> bool:
+        return self.placement.loss_rank == self.stage_id
+
+    @contextlib.contextmanager
+    def _as_stage(self, first: bool, last: bool) -> Iterator[None]:
+        outer, self._flags = self._flags, (first, last)
         try:
-            with self.weight_grads.input_gradients_only():
+            yield
+        finally:
+            self._flags = outer
+
+    def _chunk_stage(self, chunk: int) -> tuple[bool, bool]:
+        stage = self.placement.stage(self.stage_id, chunk)
+        return stage == 0, stage == self.placement.stages - 1
+
+    def _rank_stage(self):
+        """The rank as a whole: it reads data if it holds the first virtual stage, reports the loss if the last."""
+        return self._as_stage(self.placement.holds(self.stage_id, 0), self.holds_loss())
+
+    def _loss_stage_global_rank(self) -> int:
+        return self.grid.stage_to_global(self.placement.loss_rank)
+
+    def _aggregate_total_loss(self):
+        with self._rank_stage():
+            return super()._aggregate_total_loss()
+
+    def eval_batch(self, *args, **kwargs):
+        with self._rank_stage():
+            return super().eval_batch(*args, **kwargs)
+
+    # ---- the schedules ----
+    def _train_schedule(self) -> ins.ActionSchedule:
+        actions = _actions(self.schedule, self.placement.ranks, self.stage_id, self.micro_batches,
+                           self.placement.chunks)
+        return self._lowered(list(actions), self.micro_batches, True)
+
+    def _inference_schedule(self, micro_batches: int) -> ins.ActionSchedule:
+        return self._lowered(forward_actions(self.placement, self.stage_id, micro_batches), micro_batches, False)
+
+    def _lowered(self, actions, micro_batches: int, training: bool) -> ins.ActionSchedule:
+        self._buffers_per_chunk = micro_batches
+        return ins.ActionSchedule(actions, self.placement, self.stage_id, micro_batches, training)
+
+    def _exec_schedule(self, pipe_schedule) -> None:
+        try:
+            super()._exec_schedule(pipe_schedule)
+        finally:
+            self._complete_sends()  # training and evaluation steps alike end with every send completed
+        assert self.weight_grads.pending == 0, "a W pass is missing from the schedule"
+        assert not (self._local or self._grads or self._losses), "a pass is missing from the schedule"
+
+    # ---- data, passes ----
+    def _exec_load_batch(self, buffer_id: int, chunk: int, micro_batch: int, inputs: bool, labels: bool,
+                         label_buffer: int) -> None:
+        with self._as_stage(inputs, labels):
+            self._exec_load_micro_batch(buffer_id)
+        if labels and label_buffer != buffer_id:
+            self.pipe_buffers["labels"][label_buffer] = self.pipe_buffers["labels"][buffer_id]
+            self.pipe_buffers["labels"][buffer_id] = None
+
+    def _exec_chunk_forward(self, buffer_id: int, chunk: int, micro_batch: int) -> None:
+        self.module.current_chunk = chunk
+        first, last = self._chunk_stage(chunk)
+        with self._as_stage(first, last):
+            self._exec_forward_pass(buffer_id)
+        if last and self.module.training:
+            self._losses[buffer_id] = self.loss
+        if last:
+            self.pipe_buffers["labels"][buffer_id] = None
+
+    def _exec_chunk_backward(self, buffer_id: int, chunk: int, micro_batch: int) -> None:
+        first, last = self._chunk_stage(chunk)
+        if last:
+            self.loss = self._losses.pop(buffer_id)
+        else:
+            grads = self._grads.pop(buffer_id)
+            self.grad_layer = grads if isinstance(self.pipe_buffers["outputs"][buffer_id], tuple) else grads[0]
+        try:
+            with self._as_stage(first, last):
                 self._exec_backward_pass(buffer_id)
         finally:
-            self.grad_layer = received
+            self.grad_layer = None
 
-    def _exec_weight_pass(self) -> None:
+    def _exec_chunk_backward_input(self, buffer_id: int, chunk: int, micro_batch: int) -> None:
+        with self.weight_grads.input_gradients_only(buffer_id):
+            self._exec_chunk_backward(buffer_id, chunk, micro_batch)
+
+    def _exec_chunk_weight(self, buffer_id: int, chunk: int, micro_batch: int) -> None:
         bf16 = self.using_bf16_optimizer
         if bf16:
             self.optimizer.clear_lp_grads()
-        self.weight_grads.run_oldest()
+        self.weight_grads.run(buffer_id)
         if bf16 and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    # ---- asynchronous sends: DeepSpeed's p2p.send blocks ----
-    def _isend(self, tensor: torch.Tensor, stage: int) -> None:
+    # ---- communication ----
+    def _neighbour_buffer(self, chunk: int, micro_batch: int, step: int) -> int:
+        """The buffer of the same micro batch on the chunk holding the virtual stage ``step`` away (this rank's)."""
+        _, other = self.placement.owner(self.placement.stage(self.stage_id, chunk) + step)
+        return other * self._buffers_per_chunk + micro_batch
+
+    def _tag(self, kind: int, boundary: int, micro_batch: int, index: int) -> int:
+        """Each message's own tag: a neighbour receives by tag, in its own order."""
+        return ((kind * self.placement.stages + boundary) * self._buffers_per_chunk + micro_batch) * (
+            _MAX_TENSORS + 1) + index
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=stage)), tensor))
+        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=peer), tag=tag), tensor))
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+
+    def _recv(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        dist.recv(tensor, self.grid.stage_to_global(stage_id=peer), tag=tag)
+        return tensor
 
     def _complete_sends(self) -> None:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
 
-    def _exec_send_activations(self, buffer_id: int) -> None:
+    def _exec_send_activation(self, buffer_id: int, chunk: int, micro_batch: int, peer: int | None) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        if self.dynamic_shape or self.first_output_send:
-            self.first_output_send = False
-            self._send_tensor_meta(outputs, self.next_stage)
-        for tensor in outputs if isinstance(outputs, tuple) else (outputs,):
-            self._isend(tensor, self.next_stage)
+        tensors = outputs if isinstance(outputs, tuple) else (outputs,)
+        if not self.module.training:
+            self.pipe_buffers["outputs"][buffer_id] = None
+        if peer is None:
+            self._local[(_ACTIVATION, self._neighbour_buffer(chunk, micro_batch, 1))] = (
+                tuple(t.detach() for t in tensors), isinstance(outputs, tuple))
+            return
+        boundary = self.placement.stage(self.stage_id, chunk)
+        if len(tensors) > _MAX_TENSORS or max(t.dim() for t in tensors) > _MAX_DIMS:
+            raise ValueError(f"a pipeline stage sends at most {_MAX_TENSORS} tensors of {_MAX_DIMS} dimensions")
+        header = torch.zeros(2 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64)
+        header[0], header[1] = len(tensors), isinstance(outputs, tuple)
+        for i, t in enumerate(tensors):
+            at = 2 + i * (2 + _MAX_DIMS)
+            header[at], header[at + 1] = _DTYPES.index(t.dtype), t.dim()
+            header[at + 2:at + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        self._isend(header.to(self.device), peer, self._tag(_ACTIVATION, boundary, micro_batch, 0))
+        for i, t in enumerate(tensors):
+            self._isend(t.detach(), peer, self._tag(_ACTIVATION, boundary, micro_batch, i + 1))
 
-    def _exec_send_grads(self, buffer_id: int) -> None:
+    def _exec_recv_activation(self, buffer_id: int, chunk: int, micro_batch: int, peer: int | None) -> None:
+        if peer is None:
+            tensors, was_tuple = self._local.pop((_ACTIVATION, buffer_id))
+        else:
+            boundary = self.placement.stage(self.stage_id, chunk) - 1
+            header = self._recv(torch.zeros(2 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64,
+                                            device=self.device), peer, self._tag(_ACTIVATION, boundary, micro_batch, 0))
+            header = header.tolist()
+            tensors = []
+            for i in range(header[0]):
+                at = 2 + i * (2 + _MAX_DIMS)
+                shape = header[at + 2:at + 2 + header[at + 1]]
+                empty = torch.empty(shape, dtype=_DTYPES[header[at]], device=self.device)
+                tensors.append(self._recv(empty, peer, self._tag(_ACTIVATION, boundary, micro_batch, i + 1)))
+            was_tuple = bool(header[1])
+        received = []
+        for t in tensors:  # a leaf, as DeepSpeed's receive makes it: the chunk's backward leaves its gradient here
+            t = t.detach()
+            t.requires_grad = t.is_floating_point()
+            received.append(t)
+        self.pipe_buffers["inputs"][buffer_id] = tuple(received) if was_tuple else received[0]
+
+    def _exec_recv_grad(self, buffer_id: int, chunk: int, micro_batch: int, peer: int | None) -> None:
+        if peer is None:
+            self._grads[buffer_id] = self._local.pop((_GRADIENT, buffer_id))
+            return
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        floats = [t for t in (outputs if isinstance(outputs, tuple) else (outputs,)) if t.is_floating_point()]
+        boundary = self.placement.stage(self.stage_id, chunk)
+        self._grads[buffer_id] = tuple(
+            self._recv(torch.empty_like(t), peer, self._tag(_GRADIENT, boundary, micro_batch, i))
+            for i, t in enumerate(floats))
+
+    def _exec_send_grad(self, buffer_id: int, chunk: int, micro_batch: int, peer: int | None) -> None:
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        for tensor in inputs if isinstance(inputs, tuple) else (inputs,):
-            if tensor.is_floating_point():
-                assert tensor.grad is not None
-                self._isend(tensor.grad, self.prev_stage)
+        grads = []
+        for t in inputs if isinstance(inputs, tuple) else (inputs,):
+            if t.is_floating_point():
+                assert t.grad is not None, "a pipeline stage's input received no gradient"
+                grads.append(t.grad)
         self.pipe_buffers["inputs"][buffer_id] = None
-
-    def _exec_schedule(self, pipe_schedule) -> None:
-        super()._exec_schedule(pipe_schedule)
-        self._complete_sends()  # training and evaluation batches alike end with every send completed
-        assert self.weight_grads.pending == 0, "a W pass is missing from the schedule"
+        if peer is None:
+            self._local[(_GRADIENT, self._neighbour_buffer(chunk, micro_batch, -1))] = tuple(grads)
+            return
+        boundary = self.placement.stage(self.stage_id, chunk) - 1
+        for i, grad in enumerate(grads):
+            self._isend(grad, peer, self._tag(_GRADIENT, boundary, micro_batch, i))
 
     # DeepSpeed's map holds its functions, not methods looked up on the instance: ours are named here
-    _INSTRUCTION_MAP = {**GlobalNormPipelineEngine._INSTRUCTION_MAP, BackwardInputPass: _exec_backward_input_pass,
-                        WeightPass: _exec_weight_pass, ds_schedule.SendActivation: _exec_send_activations,
-                        ds_schedule.SendGrad: _exec_send_grads}
+    _INSTRUCTION_MAP = {
+        **GlobalNormPipelineEngine._INSTRUCTION_MAP,
+        ins.LoadBatch: _exec_load_batch, ins.RecvActivation: _exec_recv_activation,
+        ins.SendActivation: _exec_send_activation, ins.RecvGrad: _exec_recv_grad, ins.SendGrad: _exec_send_grad,
+        ins.ChunkForward: _exec_chunk_forward, ins.ChunkBackward: _exec_chunk_backward,
+        ins.ChunkBackwardInput: _exec_chunk_backward_input, ins.ChunkWeight: _exec_chunk_weight,
+    }
 
 
 def initialize_pipeline_engine(model, optimizer, lr_scheduler, config: dict, pctx: ParallelContext,
                                schedule: str = "1f1b"):
-    """``deepspeed.initialize`` for a ``PipelineModule`` with our engine class (:class:`ScheduledPipelineEngine` for
-    ``zb-h1``, else :class:`GlobalNormPipelineEngine`): the same steps (DeepSpeed's config object from the module's
-    topology, optimizer flags, the engine) with our class."""
-    engine_class = ScheduledPipelineEngine if schedule == "zb-h1" else GlobalNormPipelineEngine
+    """``deepspeed.initialize`` for a ``PipelineModule`` with our engine class (:class:`ActionPipelineEngine` for
+    the schedules it runs, over a ``ChunkedPipelineModule``; else :class:`GlobalNormPipelineEngine`): the same
+    steps (DeepSpeed's config object from the module's topology, optimizer flags, the engine) with our class."""
+    if schedule == "1f1b":
+        engine_class: type = GlobalNormPipelineEngine
+    else:
+        engine_class = type(f"ActionPipelineEngine[{schedule}]", (ActionPipelineEngine,), {"schedule": schedule})
     return construct_engine(engine_class, model, optimizer, lr_scheduler, config, model.mpu(), pctx)

@@ -44,6 +44,7 @@ class TrainingEngine:
                 config.model, config.parallel, pctx, seed=config.seed,
                 activation_checkpoint_interval=config.activation_checkpointing.interval,
                 partition_method=config.pipeline.partition_method, lora=config.lora,
+                placement=config.pipeline.placement(pctx.pp_size), stage_layers=config.pipeline.stage_layers,
             )
         model.to(self.device)
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
@@ -110,7 +111,7 @@ class TrainingEngine:
     def _loss_divisor(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """N / (M x DP x CP) of the loss rule (module docstring), on the device; None on pipeline stages without
         the loss (a DP x CP group lies within one stage, so skipping its all-reduce there is safe)."""
-        if self.pipelined and not self.engine.is_last_stage():
+        if self.pipelined and not self.engine.holds_loss():
             return None
         count = to_device(torch.tensor(sum(mb.num_targets() for mb in micro_batches), dtype=torch.int64),
                           self.device)

@@ -1,123 +1,198 @@
-"""Pipeline schedules (``pipeline.schedule``): DeepSpeed's 1F1B, and ZB-H1, the zero-bubble schedule of Qi et al.
-("Zero Bubble Pipeline Parallelism", ICLR 2024).
+"""Pipeline schedules (``pipeline.schedule``) as per-rank lists of actions, and their replay.
 
-ZB-H1 splits each backward pass in two (parallel/weight_grad.py): B, the gradient of the stage's input, on the
-critical path (the previous stage waits for it), and W, the gradients of the weights, needed only by the optimizer
-step. Stage s of p runs 1F1B's order (p - s - 1 warm-up forward passes, then one forward and one B per micro batch)
-and keeps the W passes of its last s micro batches pending, running the oldest after each B and the rest before
-the gradient reduction. The backward wave then travels at the speed of B instead of B + W and the W passes fill
-the waits of 1F1B's warm-up and cool-down: with equal F, B and W costs the idle share per stage drops from
-(p - 1) / (m + p - 1) to (p - 1) / (3m + p - 1), a third of 1F1B's for m >> p. The price: every stage holds up to
-p micro batches whose W has not run (1F1B's stage 0 holds p; stage s held p - s), each keeping only what its W
-needs (the linears' inputs and output gradients) after its B.
+An action is a pass of one chunk (virtual stage, parallel/pipeline_stages.py) over one micro batch: F (forward),
+BW (the whole backward), or the backward split in two (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
+parallel/weight_grad.py): B, the gradient of the chunk's input, on the critical path (the previous stage waits for
+it), and W, the weights' gradients, needed only by the optimizer step. The engine
+(training/engine/pipeline.py) lowers a list to receives and sends to the owners of the neighbouring virtual stages
+and runs it; :func:`simulate` replays the lists of all ranks with given pass costs (a list that cannot proceed is
+an error: no deadlock reaches a run), which gives each schedule's bubble and the micro batches each rank holds.
 
-Sends in this order must not block until the receiver is ready (a stage sends while its neighbour works on
-another micro batch): :class:`llama_megatron.training.engine.pipeline.ScheduledPipelineEngine` sends asynchronously.
-:func:`op_order` is the order, :func:`simulate` replays it with given costs (the bubble figures and the tests).
+- ``1f1b`` (v = 1): DeepSpeed's engine runs it (its own instructions); the list here is its order, for the replay.
+- ``zb-h1`` (v = 1): 1F1B's order with B and W; stage s keeps the W of its last s micro batches pending and runs
+  the oldest after each B, so the backward wave travels at the speed of B and the W passes fill 1F1B's warm-up and
+  cool-down waits: the idle share falls from (p - 1) / (m + p - 1) to (p - 1) / (3m + p - 1) at equal costs, for
+  up to p micro batches held per stage (1F1B's stage 0 holds p too).
+- ``interleaved-1f1b`` (v >= 2, chunks in a loop): Megatron's order. Virtual micro batch j of a rank's forward
+  sequence is micro batch (j // pv) p + j % p of chunk (j // p) % v (groups of p micro batches per chunk), its
+  backward sequence the same with the chunks reversed; rank r runs (p - r - 1) 2 + (v - 1) p warm-up forwards, then
+  one forward and one backward, then the rest of the backwards. Idle share (p - 1) / (vm + p - 1) for v times the
+  sends. Needs m to be a multiple of p (the groups), as Megatron's classic interleaving does.
+- ``zb-v`` (v = 2, chunks in a V): built by list scheduling at equal F, B and W costs: a rank that is free runs a
+  ready B first (it releases the previous stage), else a forward (the later chunk first, so a micro batch leaves
+  the rank's memory sooner) while it holds fewer than 2p chunk passes, else its oldest pending W. Any m >= 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import NamedTuple
 
-from deepspeed.runtime.pipe import schedule as ds_schedule
+from llama_megatron.parallel.pipeline_stages import StagePlacement
 
-
-class BackwardInputPass(ds_schedule.BufferOpInstruction):
-    """B: backpropagate the buffer's micro batch to the stage's input; the linears' weight-gradient work is queued
-    for a later :class:`WeightPass`."""
+SCHEDULE_PLACEMENT = {"1f1b": "loop", "zb-h1": "loop", "interleaved-1f1b": "loop", "zb-v": "v"}
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # schedules whose backward is B + W
 
 
-class WeightPass(ds_schedule.PipeInstruction):
-    """W: the queued weight gradients of the oldest micro batch whose B has run (micro batches in order, so each
-    parameter's gradient sums them in 1F1B's order)."""
+class Action(NamedTuple):
+    op: str  # "F", "BW" (whole backward), "B" (input gradient), "W" (weight gradients)
+    chunk: int
+    micro_batch: int
 
 
-def op_order(stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """ZB-H1's order of ("F" | "B" | "W", micro batch) on ``stage``."""
-    warm_up = min(stages - stage - 1, micro_batches)
-    order = [("F", k) for k in range(warm_up)]
+def placement_of(schedule: str, ranks: int, chunks: int = 1) -> StagePlacement:
+    return StagePlacement(ranks, chunks, SCHEDULE_PLACEMENT[schedule])
+
+
+def micro_batch_rule(schedule: str, ranks: int, chunks: int, micro_batches: int) -> str | None:
+    """Why ``schedule`` cannot run this many micro batches (None: it can)."""
+    if micro_batches < 1:
+        return "needs at least one micro batch"
+    if schedule == "interleaved-1f1b" and micro_batches % ranks:
+        return (f"interleaved-1f1b runs micro batches in groups of parallel.pipeline ({ranks}): "
+                f"{micro_batches} micro batches per step is not a multiple of it")
+    return None
+
+
+def _one_f_one_b(ranks: int, rank: int, micro_batches: int, split: bool) -> list[Action]:
+    """1F1B's order (ZB-H1's with ``split``: W passes of the last ``rank`` micro batches kept pending)."""
+    warm_up = min(ranks - rank - 1, micro_batches)
+    order = [Action("F", 0, k) for k in range(warm_up)]
     forwards, backwards, weights = warm_up, 0, 0
     while backwards < micro_batches:
         if forwards < micro_batches:
-            order.append(("F", forwards))
+            order.append(Action("F", 0, forwards))
             forwards += 1
-        order.append(("B", backwards))
+        order.append(Action("B" if split else "BW", 0, backwards))
         backwards += 1
-        while backwards - weights > stage:  # stage s keeps s W passes pending
-            order.append(("W", weights))
+        while split and backwards - weights > rank:
+            order.append(Action("W", 0, weights))
             weights += 1
-    return order + [("W", k) for k in range(weights, micro_batches)]
+    return order + ([Action("W", 0, k) for k in range(weights, micro_batches)] if split else [])
 
 
-class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
-    """ZB-H1 as DeepSpeed pipeline instructions (module docstring), one step per F, B or W."""
+def _interleaved(ranks: int, chunks: int, rank: int, micro_batches: int) -> list[Action]:
+    total = micro_batches * chunks
 
-    def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
-        first, last = self.stage_id == 0, self.stage_id == self.stages - 1
-        for op, micro_batch in op_order(self.stages, self.stage_id, self.micro_batches):
-            if op == "W":
-                yield [WeightPass()]
+    def virtual(j: int, backward: bool) -> tuple[int, int]:
+        chunk = (j // ranks) % chunks
+        return (chunks - 1 - chunk if backward else chunk), (j // (ranks * chunks)) * ranks + j % ranks
+
+    warm_up = min((ranks - rank - 1) * 2 + (chunks - 1) * ranks, total)
+    order = [Action("F", *virtual(j, False)) for j in range(warm_up)]
+    for j in range(total - warm_up):
+        order += [Action("F", *virtual(warm_up + j, False)), Action("BW", *virtual(j, True))]
+    return order + [Action("BW", *virtual(j, True)) for j in range(total - warm_up, total)]
+
+
+def _dependency(placement: StagePlacement, op: str, stage: int, micro_batch: int) -> tuple[str, int, int] | None:
+    """The (op, virtual stage, micro batch) an action waits for: the previous stage's forward, the next stage's
+    input gradient (the loss stage's own forward), the action's own B for a W."""
+    if op == "F":
+        return ("F", stage - 1, micro_batch) if stage > 0 else None
+    if op == "W":
+        return "B", stage, micro_batch
+    return ("B", stage + 1, micro_batch) if stage < placement.stages - 1 else ("F", stage, micro_batch)
+
+
+def _zb_v(ranks: int, micro_batches: int) -> list[list[Action]]:
+    """List scheduling at unit costs (module docstring), all ranks at once."""
+    placement = StagePlacement(ranks, 2, "v")
+    done: dict[tuple[str, int, int], int] = {}  # (op, stage, micro batch) -> end time
+    next_k = {(r, op, c): 0 for r in range(ranks) for op in "FBW" for c in (0, 1)}
+    held, orders = [0] * ranks, [[] for _ in range(ranks)]
+
+    def ready(rank: int, op: str, chunk: int, now: int) -> bool:
+        k = next_k[(rank, op, chunk)]
+        need = _dependency(placement, op, placement.stage(rank, chunk), k) if k < micro_batches else ("", 0, 0)
+        return k < micro_batches and (need is None or done.get(need, now + 1) <= now)
+
+    def choose(rank: int, now: int) -> tuple[str, int] | None:
+        for op, chunk in (("B", 1), ("B", 0)):  # a ready B first: the previous stage waits for it
+            if ready(rank, op, chunk, now):
+                return op, chunk
+        if held[rank] < 2 * ranks:  # then a forward, the later chunk first, within 1F1B's memory
+            for op, chunk in (("F", 1), ("F", 0)):
+                if ready(rank, op, chunk, now):
+                    return op, chunk
+        pending = [(next_k[(rank, "W", c)], c) for c in (0, 1) if ready(rank, "W", c, now)]
+        return ("W", min(pending)[1]) if pending else None  # else the oldest W
+
+    now = 0
+    while sum(map(len, orders)) < 6 * ranks * micro_batches:
+        for rank in range(ranks):
+            choice = choose(rank, now)
+            if choice is None:
                 continue
-            buffer = self._buffer_idx(micro_batch)
-            if op == "F":
-                yield [*([] if first else [ds_schedule.RecvActivation(buffer)]),
-                       *([ds_schedule.LoadMicroBatch(buffer)] if first or last else []),
-                       ds_schedule.ForwardPass(buffer),
-                       *([] if last else [ds_schedule.SendActivation(buffer)])]
-            else:
-                yield [*([] if last else [ds_schedule.RecvGrad(buffer)]), BackwardInputPass(buffer),
-                       *([] if first else [ds_schedule.SendGrad(buffer)])]
-        yield [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
-
-    def num_pipe_buffers(self) -> int:
-        """Micro batches between their forward pass and their B: at most 1F1B's p - s."""
-        return max(2, min(self.stages - self.stage_id, self.micro_batches))
+            op, chunk = choice
+            k = next_k[(rank, op, chunk)]
+            next_k[(rank, op, chunk)] += 1
+            done[(op, placement.stage(rank, chunk), k)] = now + 1
+            held[rank] += {"F": 1, "B": 0, "W": -1}[op]
+            orders[rank].append(Action(op, chunk, k))
+        now += 1
+    return orders
 
 
-def analytic_bubble(schedule: str, stages: int, micro_batches: int) -> float:
-    """The idle share of every stage with equal F, B and W costs and free communication: (p - 1) / (m + p - 1) for
-    1F1B, (p - 1) / (3m + p - 1) for ZB-H1 (what :func:`simulate` replays)."""
-    passes = 3 * micro_batches if schedule == "zb-h1" else micro_batches
-    return (stages - 1) / (passes + stages - 1)
+def rank_actions(schedule: str, ranks: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
+    """``rank``'s list of actions for one training step."""
+    if schedule in ("1f1b", "zb-h1"):
+        return _one_f_one_b(ranks, rank, micro_batches, schedule == "zb-h1")
+    if schedule == "interleaved-1f1b":
+        return _interleaved(ranks, chunks, rank, micro_batches)
+    if schedule == "zb-v":
+        return _zb_v(ranks, micro_batches)[rank]
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 
-def simulate(stages: int, micro_batches: int, schedule: str, forward: float = 1.0, backward_input: float = 1.0,
-             weight: float = 1.0) -> dict:
-    """Replay a schedule with these costs (1F1B's backward pass costs B + W and sends its gradient after both),
-    communication free and sends not blocking: the time to the optimizer step, each stage's busy and idle time and the most micro batches a stage
-    holds (forward run, W not run)."""
-    if schedule == "1f1b":
-        orders = [[("F", k) for k in range(min(stages - s - 1, micro_batches))] for s in range(stages)]
-        for order in orders:
-            forwards = len(order)
-            for k in range(micro_batches):
-                if forwards < micro_batches:
-                    order.append(("F", forwards))
-                    forwards += 1
-                order.append(("BW", k))  # one backward pass: the gradient leaves after B and W
-    else:
-        orders = [op_order(stages, s, micro_batches) for s in range(stages)]
-    cost = {"F": forward, "B": backward_input, "W": weight, "BW": backward_input + weight}
-    done: dict[tuple[int, str, int], float] = {}
-    clock, position, held, peak = [0.0] * stages, [0] * stages, [0] * stages, [0] * stages
-    while any(position[s] < len(orders[s]) for s in range(stages)):
+def forward_actions(placement: StagePlacement, rank: int, micro_batches: int) -> list[Action]:
+    """Evaluation: the forward passes of ``rank`` in (micro batch, virtual stage) order, an order every rank
+    follows, so no rank waits on one that waits on it."""
+    return [Action("F", chunk, k) for k in range(micro_batches)
+            for chunk in sorted(range(placement.chunks), key=lambda c: placement.stage(rank, c))]
+
+
+def simulate(schedule: str, ranks: int, micro_batches: int, chunks: int = 1, forward: float = 1.0,
+             backward_input: float = 1.0, weight: float = 1.0) -> dict:
+    """Replay every rank's list with these costs of a whole stage's passes (a chunk costs 1/v of them; a BW costs
+    B + W and its gradient leaves after both), communication free and sends not blocking. Returns the time to the
+    optimizer step, the idle share over all ranks, and each rank's peak of micro batches held (chunk passes whose
+    forward ran and whose W did not, in whole stages: chunk passes / v)."""
+    placement = placement_of(schedule, ranks, chunks)
+    orders = [rank_actions(schedule, ranks, r, micro_batches, chunks) for r in range(ranks)]
+    share = 1.0 / chunks
+    cost = {"F": forward * share, "B": backward_input * share, "W": weight * share,
+            "BW": (backward_input + weight) * share}
+    done: dict[tuple[str, int, int], float] = {}
+    clock, position, held, peak = [0.0] * ranks, [0] * ranks, [0] * ranks, [0] * ranks
+    while any(position[r] < len(orders[r]) for r in range(ranks)):
         progressed = False
-        for s in range(stages):
-            while position[s] < len(orders[s]):
-                op, k = orders[s][position[s]]
-                backward = (s + 1, op, k) if s < stages - 1 else (s, "F", k)
-                needs = {"F": (s - 1, "F", k) if s > 0 else None, "B": backward, "BW": backward, "W": None}[op]
-                if needs is not None and needs not in done:
+        for r in range(ranks):
+            while position[r] < len(orders[r]):
+                op, chunk, k = orders[r][position[r]]
+                stage = placement.stage(r, chunk)
+                need = _dependency(placement, op, stage, k)
+                if need is not None and need not in done:
                     break
-                clock[s] = max(clock[s], done.get(needs, 0.0)) + cost[op]
-                done[(s, op, k)] = clock[s]
-                held[s] += {"F": 1, "B": 0, "W": -1, "BW": -1}[op]
-                peak[s] = max(peak[s], held[s])
-                position[s] += 1
+                clock[r] = max(clock[r], done.get(need, 0.0)) + cost[op]
+                done[("B" if op == "BW" else op, stage, k)] = clock[r]
+                held[r] += {"F": 1, "B": 0, "W": -1, "BW": -1}[op]
+                peak[r] = max(peak[r], held[r])
+                position[r] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"{schedule} cannot proceed at {stages} stages x {micro_batches} micro batches")
+            stuck = {r: orders[r][position[r]] for r in range(ranks) if position[r] < len(orders[r])}
+            raise RuntimeError(f"{schedule} cannot proceed at {ranks} ranks x {chunks} chunks x {micro_batches} "
+                               f"micro batches: waiting {stuck}")
     end = max(clock)
     busy = micro_batches * (forward + backward_input + weight)
-    return {"time": end, "busy": busy, "idle_share": (end - busy) / end, "peak_held": peak}
+    return {"time": end, "busy": busy, "idle_share": (end - busy) / end, "peak_held": [h / chunks for h in peak]}
+
+
+def analytic_bubble(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle share of every stage with equal F, B and W costs and free communication: (p - 1) / (m + p - 1) for
+    1F1B, (p - 1) / (3m + p - 1) for ZB-H1, (p - 1) / (vm + p - 1) for interleaved 1F1B; ZB-V's list, built by
+    a heuristic, has no closed form: its replay at these costs."""
+    if schedule == "zb-v":
+        return simulate(schedule, stages, micro_batches, 2)["idle_share"]
+    passes = {"zb-h1": 3 * micro_batches, "interleaved-1f1b": chunks * micro_batches}.get(schedule, micro_batches)
+    return (stages - 1) / (passes + stages - 1)

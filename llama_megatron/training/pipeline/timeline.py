@@ -24,10 +24,10 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from torch import nn
 
 from llama_megatron.parallel.weight_grad import WeightGradStore
-from llama_megatron.training.pipeline.schedules import BackwardInputPass, WeightPass
+from llama_megatron.training.pipeline import instructions
 
-# compute instructions: a stage is busy while it runs one
-PASSES = (ds_schedule.ForwardPass, ds_schedule.BackwardPass, BackwardInputPass, WeightPass)
+# compute instructions (DeepSpeed's 1F1B and our engine's): a stage is busy while it runs one
+PASSES = (ds_schedule.ForwardPass, ds_schedule.BackwardPass, *instructions.PASSES)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -107,11 +107,15 @@ class InstructionTimeline:
             MethodType(run, engine)(**kwargs)
             end = time.monotonic()
             held = self.meter.sample() if self.meter is not None else None
+            self.metering += time.monotonic() - end
             self.records.append((name, kwargs.get("buffer_id"), start, end, held))
         return timed
 
+    metering = 0.0  # seconds spent sampling the meter since the last clear: the measurement's, not the schedule's
+
     def clear(self) -> None:
         self.records.clear()
+        self.metering = 0.0
         if self.meter is not None:
             self.meter.peak = 0
 

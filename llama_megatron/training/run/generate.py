@@ -19,7 +19,7 @@ import torch
 from llama_megatron.checkpoint.meta import read_meta
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.generation import Sampling, generate
-from llama_megatron.parallel.launch import placement
+from llama_megatron.parallel.launch import end_process_groups, placement
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.run.setup import (
     load_model,
@@ -126,6 +126,7 @@ def run_generation(request: GenerationRequest) -> list[dict] | None:
         new = generate(model, ids, budget, stop, sampling, request.use_cache)
         text = tokenizer.decode([t for t in new if t not in stop], skip_special_tokens=True).strip()
         results.append({"prompt": prompt, "completion": text, "prompt_tokens": len(ids), "tokens": new})
+    end_process_groups()
     return results if pctx.rank == 0 else None
 
 

@@ -68,9 +68,11 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     flops_per_step = training_flops_per_token(config.model, config.seq_length) * tokens_per_step
     peak = device_peak_tflops(config.logging.peak_tflops)
     micro_batches = config.gradient_accumulation_steps(pctx.world_size)
-    schedule = (f" ({config.pipeline.schedule}, {micro_batches} micro batches: bubble "
-                f"{100 * analytic_bubble(config.pipeline.schedule, pctx.pp_size, micro_batches):.1f}% at equal pass "
-                "costs)" if pctx.pp_size > 1 else "")
+    pipe = config.pipeline
+    bubble = analytic_bubble(pipe.schedule, pctx.pp_size, micro_batches, pipe.virtual_stages)
+    chunks = f", {pipe.virtual_stages} virtual stages per rank" if pipe.virtual_stages > 1 else ""
+    schedule = (f" ({pipe.schedule}{chunks}, {micro_batches} micro batches: bubble {100 * bubble:.1f}% at equal "
+                "pass costs)" if pctx.pp_size > 1 else "")
     log.info(
         f"training {config.model.num_parameters() / 1e6:.1f}M parameters | tensor {pctx.tp_size} pipeline "
         f"{pctx.pp_size}{schedule} context {pctx.cp_size} "
@@ -182,6 +184,7 @@ def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | Non
         step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size, data_parallel=pctx.dp_size,
         context=pctx.cp_size, expert=pctx.ep_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
         padded_vocab_size=config.local_shapes.padded_vocab_size, lora=lora,
+        layer_placement=config.pipeline.layer_placement() if pctx.pp_size > 1 else None,
     )
     tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx)
     log.info(f"saved checkpoint {config.checkpoint.save}/{tag}")

@@ -139,9 +139,11 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
         raise ConfigError(f"checkpoint {load_dir}/{meta.tag} holds a different model config than this run's model "
                           f"section ({', '.join(differences)}){hint}")
     partitions = config.data_parallel_size(world_size) * config.parallel.context  # DeepSpeed's DP group
+    placement = _layer_placement(config)
     if not finetune:
         ckpt.check_resume_experts(meta, config.parallel.expert, partitions, load_dir)
-    ckpt.verify_load(load_dir, meta, None if finetune else partitions)
+        ckpt.check_resume_placement(meta, placement, load_dir)
+    ckpt.verify_load(load_dir, meta, None if finetune else partitions, placement)
     return meta, notes
 
 
@@ -216,9 +218,11 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
         info = {"world_size": pctx.world_size, "tensor": pctx.tp_size, "pipeline": pctx.pp_size,
                 "context": pctx.cp_size, "data_parallel": pctx.dp_size, "sequence_parallel": pctx.sequence_parallel,
                 "pipeline_schedule": config.pipeline.schedule if pctx.pp_size > 1 else None,
+                "pipeline_virtual_stages": config.pipeline.virtual_stages if pctx.pp_size > 1 else None,
                 # the schedule's idle share at equal pass costs: MFU counts it as lost time
                 "pipeline_bubble": analytic_bubble(config.pipeline.schedule, pctx.pp_size,
-                                                   config.gradient_accumulation_steps(pctx.world_size)),
+                                                   config.gradient_accumulation_steps(pctx.world_size),
+                                                   config.pipeline.virtual_stages),
                 "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
@@ -260,6 +264,10 @@ def verify_checkpoint_files(pre: Preflight, pctx: ParallelContext, log: RunLogge
     return pre
 
 
+def _layer_placement(config: TrainingConfig) -> dict | None:
+    return config.pipeline.layer_placement() if config.parallel.pipeline > 1 else None
+
+
 def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
     """This rank's model: seeded initial weights, or the checkpoint's weights when fine-tuning starts from one. A
     LoRA run's base weights come from its base checkpoint (``checkpoint.load``, or the one an adapter checkpoint
@@ -268,7 +276,9 @@ def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
     with partitioned_construction(pre.ds_config, pctx, config.distributed.zero3_init):
         model = build_model(config.model, config.parallel, pctx, seed=config.seed,
                             activation_checkpoint_interval=config.activation_checkpointing.interval,
-                            partition_method=config.pipeline.partition_method, kernels=pre.kernels, lora=config.lora)
+                            partition_method=config.pipeline.partition_method, kernels=pre.kernels, lora=config.lora,
+                            placement=config.pipeline.placement(pctx.pp_size),
+                            stage_layers=config.pipeline.stage_layers)
     if pre.adapters_checkpoint:
         load_model_weights(model, pre.lora_base.path, pre.lora_base.tag, pctx.tp_rank)
     if pre.weights_only:
@@ -297,9 +307,14 @@ def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") ->
     pre = verify_checkpoint_files(pre, pctx, log)
     meta = pre.checkpoint
     load_tag = meta.tag if meta else None
-    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size):
-        log.info(f"ZeRO partitions (data parallel x context) {meta.data_parallel} x {meta.context} -> "
-                 f"{pctx.dp_size} x {pctx.cp_size}: loading through a universal checkpoint")
+    placement = _layer_placement(config)
+    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size, placement):
+        if ckpt.placement_changes(meta, placement):
+            log.info(f"layers on the pipeline ranks {meta.layer_placement or 'as DeepSpeed places them'} -> "
+                     f"{placement}: loading through a universal checkpoint")
+        else:
+            log.info(f"ZeRO partitions (data parallel x context) {meta.data_parallel} x {meta.context} -> "
+                     f"{pctx.dp_size} x {pctx.cp_size}: loading through a universal checkpoint")
         load_tag = universal.ensure_universal(pre.load_dir, meta.tag, pctx.rank, log.info,
                                               config.distributed.timeout_minutes, config.checkpoint.universal_workers)
         pre.ds_config.setdefault("checkpoint", {})["load_universal"] = True

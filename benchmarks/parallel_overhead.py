@@ -218,10 +218,16 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx, counter:
     each stage sends to the others per step."""
     import torch
 
-    from llama_megatron.training.pipeline.timeline import ActivationMeter, InstructionTimeline, bubble
+    from llama_megatron.training.pipeline.timeline import (
+        ActivationMeter,
+        InstructionTimeline,
+        bubble,
+        pipeline_buffers,
+    )
 
     ds_engine = engine.engine
-    meter = ActivationMeter(ds_engine.module, getattr(ds_engine, "weight_grads", None))
+    meter = ActivationMeter(ds_engine.module, getattr(ds_engine, "weight_grads", None),
+                            lambda: pipeline_buffers(ds_engine))
     timeline = InstructionTimeline(ds_engine, meter)
     steps, elapsed, metering = [], 0.0, []
     for step in batches:

@@ -114,7 +114,7 @@ def test_zero3_init_memory_smoke() -> None:
 def test_pipeline_schedules_smoke(tmp_path) -> None:
     """`parallel_overhead.py --schedules` at PP2 with 4 micro batches (one timed step, a small model), the four
     schedules: each stage's busy and idle time add up to the span, each ran its passes (B and W for the split ones),
-    the activation peaks are what the schedules hold (stage 0 the same under 1F1B and ZB-H1, the last stage more
+    the activation peaks are what the schedules hold (stage 0 the same under 1F1B and ZB-H1 within 2%, the last stage more
     under ZB-H1: its pending W passes) and within 10% of `estimate`'s, and the virtual stages send what their
     boundaries carry: 3 crossings of a rank boundary per micro batch and direction for interleaved 1F1B at v = 2,
     2 for ZB-V (its turn stays on the last rank), against 1F1B's 1."""
@@ -140,7 +140,8 @@ def test_pipeline_schedules_smoke(tmp_path) -> None:
         for measured, estimated in zip(run["activation_peak_mib"], run["estimate_activation_mib"]):
             assert abs(measured / estimated - 1) < 0.1, (name, run)
     one, zero = line["1f1b"], line["zb-h1"]
-    assert zero["activation_peak_mib"][0] == one["activation_peak_mib"][0]
+    # stage 0 holds what it held under 1F1B (the engines' buffers apart: ours keeps each micro batch's own)
+    assert zero["activation_peak_mib"][0] == pytest.approx(one["activation_peak_mib"][0], rel=0.02)
     assert zero["activation_peak_mib"][1] > one["activation_peak_mib"][1]
     assert line["interleaved-1f1b_over_1f1b"]["sent_bytes"] == pytest.approx(3, rel=0.02)
     assert line["zb-v_over_1f1b"]["sent_bytes"] == pytest.approx(2, rel=0.02)

@@ -184,10 +184,14 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
         first, last = self._chunk_stage(chunk)
         with self._as_stage(first, last):
             self._exec_forward_pass(buffer_id)
-        if last and self.module.training:
-            self._losses[buffer_id] = self.loss
         if last:
             self.pipe_buffers["labels"][buffer_id] = None
+            if self.module.training:
+                self._losses[buffer_id] = self.loss
+            else:  # evaluation keeps the loss only (DeepSpeed's `outputs` where logits are asked for)
+                self.pipe_buffers["outputs"][buffer_id] = None
+        if not self.module.training:
+            self.pipe_buffers["inputs"][buffer_id] = None  # no backward will read it
 
     def _exec_chunk_backward(self, buffer_id: int, chunk: int, micro_batch: int) -> None:
         first, last = self._chunk_stage(chunk)
@@ -201,6 +205,11 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
                 self._exec_backward_pass(buffer_id)
         finally:
             self.grad_layer = None
+        # DeepSpeed frees a stage's outputs after its backward but the last stage's, whose one buffer the next
+        # micro batch overwrites: here each micro batch has its own
+        self.pipe_buffers["outputs"][buffer_id] = None
+        if first:
+            self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_chunk_backward_input(self, buffer_id: int, chunk: int, micro_batch: int) -> None:
         with self.weight_grads.input_gradients_only(buffer_id):

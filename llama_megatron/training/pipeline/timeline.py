@@ -34,14 +34,29 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
+def pipeline_buffers(engine) -> list[torch.Tensor]:
+    """The tensors a DeepSpeed pipeline engine (ours too) keeps for micro batches in flight: its input and output
+    buffers, and ours' hand-overs between a rank's chunks and received gradients not yet used."""
+    entries = [*engine.pipe_buffers.get("inputs", ()), *engine.pipe_buffers.get("outputs", ()),
+               *getattr(engine, "_local", {}).values(), *getattr(engine, "_grads", {}).values()]
+    found = []
+    for entry in entries:
+        for item in entry if isinstance(entry, (tuple, list)) else (entry,):
+            found += [t for t in (item if isinstance(item, (tuple, list)) else (item,)) if torch.is_tensor(t)]
+    return found
+
+
 class ActivationMeter:
     """Bytes of the tensors saved for backward that are alive now (each storage once), parameters excluded, plus
-    a weight-gradient store's pending tensors; the peak over :meth:`sample` calls."""
+    a weight-gradient store's pending tensors and the tensors ``held`` returns (a pipeline engine's buffers of the
+    micro batches in flight: received inputs and outputs to send, which autograd need not save); the peak over
+    :meth:`sample` calls."""
 
-    def __init__(self, model: nn.Module, store: WeightGradStore | None = None) -> None:
+    def __init__(self, model: nn.Module, store: WeightGradStore | None = None,
+                 held: Callable[[], list[torch.Tensor]] | None = None) -> None:
         self._parameters = {_storage_key(p) for p in model.parameters()}
         self._live: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, references]
-        self.store, self.peak = store, 0
+        self.store, self.held, self.peak = store, held, 0
 
     def _pack(self, tensor: torch.Tensor) -> object:
         key = _storage_key(tensor)
@@ -67,6 +82,9 @@ class ActivationMeter:
         held = {key: entry[0] for key, entry in self._live.items()}
         for tensor in self.store.pending_tensors() if self.store is not None else ():
             held.setdefault(_storage_key(tensor), tensor.untyped_storage().nbytes())
+        for tensor in self.held() if self.held is not None else ():
+            if _storage_key(tensor) not in self._parameters:
+                held.setdefault(_storage_key(tensor), tensor.untyped_storage().nbytes())
         return sum(held.values())
 
     def sample(self) -> int:

@@ -178,7 +178,7 @@ def test_schedules_need_pipeline_stages_and_their_micro_batches() -> None:
         config.check_world_size(4)
     config.parallel.pipeline = 2
     config.check_world_size(2)  # 6 micro batches in groups of 2
-    assert _config(schedule="zb-v", virtual_stages=2, stage_layers=[0, 2, 2, 0]).pipeline.layer_placement() == {
+    assert _config(schedule="zb-v", virtual_stages=2, stage_layers=[0, 2, 2, 0]).pipeline.layer_placement(2) == {
         "shape": "v", "virtual_stages": 2, "split": [0, 2, 2, 0]}
 
 
@@ -382,9 +382,10 @@ def test_a_resume_that_moves_layers_between_ranks_goes_through_a_universal_check
         return CheckpointMeta(step=3, consumed_samples=24, tensor=1, pipeline=2, data_parallel=1, zero_stage=zero,
                               model={}, padded_vocab_size=64, layer_placement=placement, tag="global_step3")
 
-    loop, vee, chunks = (_config(schedule=s, **extra).pipeline.layer_placement() for s, extra in (
+    loop, vee, chunks = (_config(schedule=s, **extra).pipeline.layer_placement(2) for s, extra in (
         ("zb-h1", {}), ("zb-v", {"virtual_stages": 2}), ("interleaved-1f1b", {"virtual_stages": 2})))
-    assert loop == _config(schedule="1f1b").pipeline.layer_placement()
+    assert loop == _config(schedule="1f1b").pipeline.layer_placement(2)
+    assert _config(schedule="1f1b").pipeline.layer_placement(1) is None
     for saved in (loop, None):
         assert not needs_universal(meta(1, saved), 1, loop)
         check_resume_placement(meta(0, saved), loop, "ckpt")

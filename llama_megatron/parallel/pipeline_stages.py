@@ -58,15 +58,23 @@ class StagePlacement:
         return self.owner(self.stages - 1)[0]
 
 
+def stage_layers_rule(stage_layers: Sequence[int], stages: int, layers: int) -> str | None:
+    """Why ``stage_layers`` cannot split ``layers`` decoder layers over ``stages`` virtual stages (None: it can)."""
+    if len(stage_layers) != stages or sum(stage_layers) != layers or min(stage_layers) < 0:
+        return (f"pipeline.stage_layers {list(stage_layers)}: {stages} counts (parallel.pipeline x "
+                f"pipeline.virtual_stages) of decoder layers, each >= 0, adding up to {layers}")
+    return None
+
+
 def split_layers(decoder_flags: list[bool], stages: int, stage_layers: Sequence[int]) -> list[int]:
     """Boundaries (``stages`` + 1 indices into the layer list) of virtual stages holding ``stage_layers[s]``
     decoder layers each (``decoder_flags`` marks them; 0 allowed for a stage that holds only the embedding or the
     head). The other layers (embedding, final norm, head) go with their neighbours: the embedding with the first
     stage, the final norm and the head with the last."""
     decoders = [i for i, flag in enumerate(decoder_flags) if flag]
-    if len(stage_layers) != stages or sum(stage_layers) != len(decoders) or min(stage_layers) < 0:
-        raise ValueError(f"pipeline.stage_layers {stage_layers}: {stages} counts of decoder layers (>= 0) adding "
-                         f"up to {len(decoders)}")
+    why = stage_layers_rule(stage_layers, stages, len(decoders))
+    if why is not None:
+        raise ValueError(why)
     bounds, taken = [0], 0
     for count in stage_layers[:-1]:
         taken += count

@@ -22,7 +22,7 @@ from llama_megatron.data.config import DataConfig, SyntheticData, data_config_fr
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
-from llama_megatron.parallel.pipeline_stages import StagePlacement
+from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
 from llama_megatron.training.pipeline.schedules import SCHEDULE_PLACEMENT, micro_batch_rule, placement_of
 
 
@@ -117,9 +117,12 @@ class PipelineConfig:
     # partition_method's split
     stage_layers: tuple[int, ...] | None = None
 
-    def layer_placement(self) -> dict[str, Any]:
-        """What decides which layers a pipeline rank holds, for a checkpoint's metadata: two runs of one model and
-        PP degree with equal ones place every layer on the same rank (1f1b and zb-h1 alike)."""
+    def layer_placement(self, ranks: int) -> dict[str, Any] | None:
+        """What decides which layers each of ``ranks`` pipeline ranks holds, for a checkpoint's metadata (None at
+        PP 1: one rank holds them all): two runs of one model and PP degree with equal ones place every layer on
+        the same rank (1f1b and zb-h1 alike)."""
+        if ranks == 1:
+            return None
         split = list(self.stage_layers) if self.stage_layers is not None else self.partition_method
         return {"shape": SCHEDULE_PLACEMENT[self.schedule], "virtual_stages": self.virtual_stages, "split": split}
 
@@ -297,11 +300,9 @@ class TrainingConfig:
             if pipe.schedule == "1f1b":
                 raise ConfigError("pipeline.stage_layers places layers on the virtual stages of our engine's "
                                   "schedules: DeepSpeed's 1f1b takes pipeline.partition_method")
-            layers = self.model.num_hidden_layers
-            if (len(pipe.stage_layers) != stages or sum(pipe.stage_layers) != layers
-                    or min(pipe.stage_layers) < 0):
-                raise ConfigError(f"pipeline.stage_layers {list(pipe.stage_layers)}: {stages} counts (parallel.pipeline x "
-                                  f"pipeline.virtual_stages) of decoder layers, each >= 0, adding up to {layers}")
+            why = stage_layers_rule(pipe.stage_layers, stages, self.model.num_hidden_layers)
+            if why is not None:
+                raise ConfigError(why)
         elif stages > self.model.num_hidden_layers:
             raise ConfigError(f"{stages} virtual stages (parallel.pipeline {ranks} x pipeline.virtual_stages "
                               f"{pipe.virtual_stages}) exceed num_hidden_layers {self.model.num_hidden_layers}")

@@ -184,7 +184,7 @@ def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | Non
         step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size, data_parallel=pctx.dp_size,
         context=pctx.cp_size, expert=pctx.ep_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
         padded_vocab_size=config.local_shapes.padded_vocab_size, lora=lora,
-        layer_placement=config.pipeline.layer_placement() if pctx.pp_size > 1 else None,
+        layer_placement=config.pipeline.layer_placement(pctx.pp_size),
     )
     tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx)
     log.info(f"saved checkpoint {config.checkpoint.save}/{tag}")

@@ -139,7 +139,7 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
         raise ConfigError(f"checkpoint {load_dir}/{meta.tag} holds a different model config than this run's model "
                           f"section ({', '.join(differences)}){hint}")
     partitions = config.data_parallel_size(world_size) * config.parallel.context  # DeepSpeed's DP group
-    placement = _layer_placement(config)
+    placement = config.pipeline.layer_placement(config.parallel.pipeline)
     if not finetune:
         ckpt.check_resume_experts(meta, config.parallel.expert, partitions, load_dir)
         ckpt.check_resume_placement(meta, placement, load_dir)
@@ -264,10 +264,6 @@ def verify_checkpoint_files(pre: Preflight, pctx: ParallelContext, log: RunLogge
     return pre
 
 
-def _layer_placement(config: TrainingConfig) -> dict | None:
-    return config.pipeline.layer_placement() if config.parallel.pipeline > 1 else None
-
-
 def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
     """This rank's model: seeded initial weights, or the checkpoint's weights when fine-tuning starts from one. A
     LoRA run's base weights come from its base checkpoint (``checkpoint.load``, or the one an adapter checkpoint
@@ -307,7 +303,7 @@ def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") ->
     pre = verify_checkpoint_files(pre, pctx, log)
     meta = pre.checkpoint
     load_tag = meta.tag if meta else None
-    placement = _layer_placement(config)
+    placement = config.pipeline.layer_placement(config.parallel.pipeline)
     if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size, placement):
         if ckpt.placement_changes(meta, placement):
             log.info(f"layers on the pipeline ranks {meta.layer_placement or 'as DeepSpeed places them'} -> "

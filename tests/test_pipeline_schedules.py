@@ -278,8 +278,8 @@ def _single_process_runs(prefixes: tuple[str, str], work) -> list[list[str]]:
     base = work / "tp1-pp1"
     return [train_args(CONFIG, [plays, *common, f"output_dir={base}", *RUNS["fp32"], f"checkpoint.save={base}/ckpt",
                                 "checkpoint.interval=3"]),
-            train_args(CONFIG, [plays, *common, f"output_dir={work}/tp1-pp1-8-layers", *RUNS["fp32"],
-                                "model.num_hidden_layers=8"]),
+            *[train_args(CONFIG, [plays, *common, f"output_dir={work}/tp1-pp1-{n}-layers", *RUNS["fp32"],
+                                  f"model.num_hidden_layers={n}"]) for n in (6, 8)],
             *[train_args(CONFIG, [f"data.prefix={_prefix(name, prefixes)}", *common,
                                   f"output_dir={work}/tp1-pp1-{name}", *RUNS[name]])
               for name in ("bf16", "tied-per-document-recompute")],
@@ -338,9 +338,11 @@ def test_dropout_trains_bit_for_bit_under_zb_h1(runs) -> None:
 
 
 @pytest.mark.parametrize("name", list(CHUNK_RUNS))
-def test_three_chunks_and_an_explicit_split_train_like_1f1b(runs, name) -> None:
+def test_three_chunks_and_an_explicit_split_train_like_1f1b_and_tp1_pp1(runs, name) -> None:
     one, ours = _curve(runs / f"{name}-1f1b"), _curve(runs / f"{name}-ours")
     assert [loss for loss, _ in ours.values()] == pytest.approx([loss for loss, _ in one.values()], rel=1e-6)
+    reference = runs / ("tp1-pp1-6-layers" if name == "v3" else "tp1-pp1")
+    assert_losses_close(losses(runs / f"{name}-ours"), losses(reference), 1e-4, range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("first, then", RESUMES)

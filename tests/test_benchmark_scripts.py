@@ -140,8 +140,11 @@ def test_pipeline_schedules_smoke(tmp_path) -> None:
         for measured, estimated in zip(run["activation_peak_mib"], run["estimate_activation_mib"]):
             assert abs(measured / estimated - 1) < 0.1, (name, run)
     one, zero = line["1f1b"], line["zb-h1"]
-    # stage 0 holds what it held under 1F1B (the engines' buffers apart: ours keeps each micro batch's own)
-    assert zero["activation_peak_mib"][0] == pytest.approx(one["activation_peak_mib"][0], rel=0.02)
+    # stage 0 holds what it held under 1F1B (the engines' buffers apart: ours keeps each micro batch's own, and
+    # posts its next receives ahead: up to two more [1, 128, 128] fp32 tensors)
+    activation_mib = 128 * 128 * 4 / 2**20
+    assert zero["activation_peak_mib"][0] == pytest.approx(one["activation_peak_mib"][0], rel=0.02,
+                                                           abs=2 * activation_mib)
     assert zero["activation_peak_mib"][1] > one["activation_peak_mib"][1]
     assert line["interleaved-1f1b_over_1f1b"]["sent_bytes"] == pytest.approx(3, rel=0.02)
     assert line["zb-v_over_1f1b"]["sent_bytes"] == pytest.approx(2, rel=0.02)

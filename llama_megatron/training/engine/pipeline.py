@@ -22,7 +22,11 @@ loss, the last stage's backward from the loss). Every micro batch of every chunk
 a schedule gives runs. Sends are asynchronous (a rank sends while its neighbour works on another micro batch; a
 blocking send would wait for it, or deadlock) and completed when the step's schedule ends; each message is tagged
 with its kind, the stage boundary it crosses and its micro batch, so the order a neighbour receives in need not be
-the order it was sent in; activations go with a small header of shapes and dtypes (gradients have their output's).
+the order it was sent in. Micro batch 0's activation goes with a small header of shapes and dtypes; the other micro
+batches of the step send the same shapes (checked by the sender; DeepSpeed's 1F1B engine fixes them for the whole
+run), so each rank posts its next receive of each kind ahead, while it computes, and the bytes arrive off the
+critical path (as Megatron's and torch.distributed.pipelining's schedules post theirs); gradients have the shapes
+of the outputs sent.
 B (``ChunkBackwardInput``) is DeepSpeed's backward pass with the linears' weight gradients queued under the chunk's
 micro batch (parallel/weight_grad.py), W (``ChunkWeight``) runs that group. Nothing of DeepSpeed's module state is
 replaced: :func:`initialize_pipeline_engine` builds the engine as ``deepspeed.initialize`` builds a
@@ -35,9 +39,13 @@ the same order, with zeros added where B left it nothing, so the sums are those 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import queue
+import threading
 from collections.abc import Iterator
 from functools import lru_cache
+from types import MethodType
 
 import torch
 import torch.distributed as dist
@@ -84,7 +92,67 @@ class GlobalNormPipelineEngine(ExpertLayers, PipelineEngine):
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8)
 _MAX_TENSORS, _MAX_DIMS = 8, 6
+_HEADER = 2 + _MAX_TENSORS * (2 + _MAX_DIMS)  # count, tuple?, then per tensor: dtype, dims, shape
 _ACTIVATION, _GRADIENT = 0, 1
+_RECEIVES = {ins.RecvActivation: _ACTIVATION, ins.RecvGrad: _GRADIENT}
+
+
+class _Sends:
+    """This rank's asynchronous sends, each let go (its tensor freed) as soon as it completes: a thread waits on
+    them in the order they were made, since gloo's work reports its completion only to ``wait`` (``is_completed``
+    stays false until then), and a list waited on at the end of the step would hold every activation and gradient
+    the step sent."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._live: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._count = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def add(self, work, tensor: torch.Tensor) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._complete, name="pipeline-sends", daemon=True)
+            self._thread.start()
+        with self._lock:
+            self._count += 1
+            self._live[self._count] = tensor
+        self._queue.put((work, self._count))
+
+    def _complete(self) -> None:
+        while True:
+            work, key = self._queue.get()
+            try:
+                work.wait()  # releases the GIL
+            except BaseException as error:  # noqa: BLE001 - raised in the training thread by wait_all
+                self._error = error
+            with self._lock:
+                del self._live[key]
+            self._queue.task_done()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors of the sends not complete yet (held memory)."""
+        with self._lock:
+            return list(self._live.values())
+
+    def wait_all(self) -> None:
+        """Every send made so far complete (the end of a step); a send's failure raised here."""
+        self._queue.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+class _Receive:
+    """A message this rank expects in the step (a micro batch's activation or gradient across a stage boundary
+    from ``peer``), and the receives posted for it."""
+
+    __slots__ = ("kind", "buffer", "boundary", "micro_batch", "peer", "posted", "works", "tensors")
+
+    def __init__(self, kind: int, buffer: int, boundary: int, micro_batch: int, peer: int) -> None:
+        self.kind, self.buffer, self.boundary, self.micro_batch, self.peer = kind, buffer, boundary, micro_batch, peer
+        self.posted, self.works, self.tensors = False, [], []
 
 
 @lru_cache(maxsize=64)
@@ -102,7 +170,10 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
         self.placement = self.module.placement
         self.weight_grads = WeightGradStore()
         attach_weight_grad_store(self.module, self.weight_grads if self.schedule in SPLIT_BACKWARD else None)
-        self._sends: list[tuple[object, torch.Tensor]] = []
+        self._sends = _Sends()
+        self._expected: dict[int, collections.deque[_Receive]] = {}  # kind -> this step's remote receives, in order
+        self._sent_meta: dict[int, tuple] = {}  # boundary -> micro batch 0's outputs this step: (tensors' meta, tuple?)
+        self._received_meta: dict[int, tuple] = {}  # boundary -> micro batch 0's inputs this step, as received
         self._local: dict[tuple[int, int], tuple] = {}  # (kind, buffer) -> what a chunk hands its neighbour
         self._grads: dict[int, tuple] = {}  # buffer -> the received gradient of its outputs
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> the last stage's loss, for its backward
@@ -163,12 +234,42 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
         return ins.ActionSchedule(actions, self.placement, self.stage_id, micro_batches, training)
 
     def _exec_schedule(self, pipe_schedule) -> None:
+        """DeepSpeed's loop over the step's instructions, with the work between two instructions done: sends that
+        completed are let go, and the next remote receive of each kind is posted as soon as its shapes are known,
+        so its bytes arrive while this rank computes (a receive posted only when its pass is due waits for a
+        round trip and the copy, on the critical path)."""
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        commands = [cmd for step in pipe_schedule for cmd in step]
+        self._plan_receives(commands)
+        self._sent_meta.clear()
+        self._received_meta.clear()
         try:
-            super()._exec_schedule(pipe_schedule)
+            for cmd in commands:
+                self._run(cmd)
         finally:
             self._complete_sends()  # training and evaluation steps alike end with every send completed
+        assert not any(self._expected.values()), "a receive is missing from the schedule"
         assert self.weight_grads.pending == 0, "a W pass is missing from the schedule"
         assert not (self._local or self._grads or self._losses), "a pass is missing from the schedule"
+
+    def _run(self, cmd) -> None:
+        run = self._INSTRUCTION_MAP.get(type(cmd))  # the instance's map: the timeline may time it
+        if run is None:
+            raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+        self._exec_instr = MethodType(run, self)
+        self._exec_instr(**cmd.kwargs)
+        self._between_instructions()
+
+    def _between_instructions(self) -> None:
+        for expected in self._expected.values():
+            if expected and not expected[0].posted:
+                self._post(expected[0])
+
+    def in_transit(self) -> list[torch.Tensor]:
+        """Tensors held by communication: sends not known complete and receives posted ahead."""
+        posted = [t for expected in self._expected.values() for r in expected for t in r.tensors]
+        return self._sends.tensors() + posted
 
     # ---- data, passes ----
     def _exec_load_batch(self, buffer_id: int, chunk: int, micro_batch: int, inputs: bool, labels: bool,
@@ -236,17 +337,66 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=peer), tag=tag), tensor))
+        self._sends.add(dist.isend(tensor, self.grid.stage_to_global(stage_id=peer), tag=tag), tensor)
         self.sent_bytes += tensor.numel() * tensor.element_size()
 
-    def _recv(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
-        dist.recv(tensor, self.grid.stage_to_global(stage_id=peer), tag=tag)
-        return tensor
+    def _irecv(self, receive: _Receive, tensor: torch.Tensor, index: int) -> None:
+        tag = self._tag(receive.kind, receive.boundary, receive.micro_batch, index)
+        receive.works.append(dist.irecv(tensor, self.grid.stage_to_global(stage_id=receive.peer), tag=tag))
+        receive.tensors.append(tensor)
 
     def _complete_sends(self) -> None:
-        for work, _ in self._sends:
+        self._sends.wait_all()
+
+    def _plan_receives(self, commands: list) -> None:
+        """The step's receives from other ranks, per kind in the order its instructions will take them."""
+        self._expected = {_ACTIVATION: collections.deque(), _GRADIENT: collections.deque()}
+        for cmd in commands:
+            kind = _RECEIVES.get(type(cmd))
+            if kind is None or cmd.kwargs["peer"] is None:
+                continue
+            stage = self.placement.stage(self.stage_id, cmd.kwargs["chunk"])
+            self._expected[kind].append(_Receive(kind, cmd.kwargs["buffer_id"], stage - 1 if kind == _ACTIVATION
+                                                 else stage, cmd.kwargs["micro_batch"], cmd.kwargs["peer"]))
+
+    def _post(self, receive: _Receive) -> bool:
+        """Post ``receive``'s receives if what they receive into is known: micro batch 0's activation brings a
+        header of shapes and dtypes (posted at once, its tensors on arrival), the others have micro batch 0's
+        shapes (the activations as received, the gradients as this rank sent its outputs)."""
+        if receive.kind == _ACTIVATION and receive.micro_batch == 0 and receive.boundary not in self._received_meta:
+            self._irecv(receive, torch.empty(_HEADER, dtype=torch.int64, device=self.device), 0)
+        else:
+            meta = (self._received_meta if receive.kind == _ACTIVATION else self._sent_meta).get(receive.boundary)
+            if meta is None:
+                return False
+            shapes = meta[0] if receive.kind == _ACTIVATION else [m for m in meta[0] if m[1].is_floating_point]
+            first = 1 if receive.kind == _ACTIVATION else 0
+            for i, (shape, dtype) in enumerate(shapes):
+                self._irecv(receive, torch.empty(shape, dtype=dtype, device=self.device), first + i)
+        receive.posted = True
+        return True
+
+    def _take(self, kind: int, buffer_id: int) -> list[torch.Tensor]:
+        """The received tensors of ``buffer_id``'s message of ``kind`` (the next one expected), waited for."""
+        receive = self._expected[kind].popleft()
+        assert receive.buffer == buffer_id, "receives taken out of the planned order"
+        if not receive.posted:
+            assert self._post(receive), "a gradient is received before its micro batch 0's activation was sent"
+        for work in receive.works:
             work.wait()
-        self._sends.clear()
+        if receive.kind == _ACTIVATION and receive.micro_batch == 0:  # the header: now its tensors
+            header = receive.tensors[0].tolist()
+            metas = []
+            for i in range(header[0]):
+                at = 2 + i * (2 + _MAX_DIMS)
+                metas.append((tuple(header[at + 2:at + 2 + header[at + 1]]), _DTYPES[header[at]]))
+            self._received_meta[receive.boundary] = (tuple(metas), bool(header[1]))
+            receive.tensors, receive.works = [], []
+            self._post(receive)
+            for work in receive.works:
+                work.wait()
+        self._between_instructions()  # the next receive of this kind, posted before this pass runs
+        return receive.tensors
 
     def _exec_send_activation(self, buffer_id: int, chunk: int, micro_batch: int, peer: int | None) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -258,15 +408,22 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
                 tuple(t.detach() for t in tensors), isinstance(outputs, tuple))
             return
         boundary = self.placement.stage(self.stage_id, chunk)
-        if len(tensors) > _MAX_TENSORS or max(t.dim() for t in tensors) > _MAX_DIMS:
-            raise ValueError(f"a pipeline stage sends at most {_MAX_TENSORS} tensors of {_MAX_DIMS} dimensions")
-        header = torch.zeros(2 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64)
-        header[0], header[1] = len(tensors), isinstance(outputs, tuple)
-        for i, t in enumerate(tensors):
-            at = 2 + i * (2 + _MAX_DIMS)
-            header[at], header[at + 1] = _DTYPES.index(t.dtype), t.dim()
-            header[at + 2:at + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        self._isend(header.to(self.device), peer, self._tag(_ACTIVATION, boundary, micro_batch, 0))
+        meta = (tuple((tuple(t.shape), t.dtype) for t in tensors), isinstance(outputs, tuple))
+        if micro_batch == 0:
+            if len(tensors) > _MAX_TENSORS or max(t.dim() for t in tensors) > _MAX_DIMS:
+                raise ValueError(f"a pipeline stage sends at most {_MAX_TENSORS} tensors of {_MAX_DIMS} dimensions")
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0], header[1] = len(tensors), meta[1]
+            for i, t in enumerate(tensors):
+                at = 2 + i * (2 + _MAX_DIMS)
+                header[at], header[at + 1] = _DTYPES.index(t.dtype), t.dim()
+                header[at + 2:at + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            self._sent_meta[boundary] = meta
+            self._isend(header.to(self.device), peer, self._tag(_ACTIVATION, boundary, micro_batch, 0))
+        elif meta != self._sent_meta[boundary]:  # the receiver posted micro batch 0's shapes
+            raise ValueError(f"the micro batches of one step must send the same shapes across a pipeline stage "
+                             f"boundary: micro batch 0 sent {self._sent_meta[boundary]}, micro batch {micro_batch} "
+                             f"{meta}")
         for i, t in enumerate(tensors):
             self._isend(t.detach(), peer, self._tag(_ACTIVATION, boundary, micro_batch, i + 1))
 
@@ -274,17 +431,8 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
         if peer is None:
             tensors, was_tuple = self._local.pop((_ACTIVATION, buffer_id))
         else:
-            boundary = self.placement.stage(self.stage_id, chunk) - 1
-            header = self._recv(torch.zeros(2 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64,
-                                            device=self.device), peer, self._tag(_ACTIVATION, boundary, micro_batch, 0))
-            header = header.tolist()
-            tensors = []
-            for i in range(header[0]):
-                at = 2 + i * (2 + _MAX_DIMS)
-                shape = header[at + 2:at + 2 + header[at + 1]]
-                empty = torch.empty(shape, dtype=_DTYPES[header[at]], device=self.device)
-                tensors.append(self._recv(empty, peer, self._tag(_ACTIVATION, boundary, micro_batch, i + 1)))
-            was_tuple = bool(header[1])
+            tensors = self._take(_ACTIVATION, buffer_id)
+            was_tuple = self._received_meta[self.placement.stage(self.stage_id, chunk) - 1][1]
         received = []
         for t in tensors:  # a leaf, as DeepSpeed's receive makes it: the chunk's backward leaves its gradient here
             t = t.detach()
@@ -296,12 +444,7 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
         if peer is None:
             self._grads[buffer_id] = self._local.pop((_GRADIENT, buffer_id))
             return
-        outputs = self.pipe_buffers["outputs"][buffer_id]
-        floats = [t for t in (outputs if isinstance(outputs, tuple) else (outputs,)) if t.is_floating_point()]
-        boundary = self.placement.stage(self.stage_id, chunk)
-        self._grads[buffer_id] = tuple(
-            self._recv(torch.empty_like(t), peer, self._tag(_GRADIENT, boundary, micro_batch, i))
-            for i, t in enumerate(floats))
+        self._grads[buffer_id] = tuple(self._take(_GRADIENT, buffer_id))
 
     def _exec_send_grad(self, buffer_id: int, chunk: int, micro_batch: int, peer: int | None) -> None:
         inputs = self.pipe_buffers["inputs"][buffer_id]

@@ -36,9 +36,11 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 def pipeline_buffers(engine) -> list[torch.Tensor]:
     """The tensors a DeepSpeed pipeline engine (ours too) keeps for micro batches in flight: its input and output
-    buffers, and ours' hand-overs between a rank's chunks and received gradients not yet used."""
+    buffers, and ours' hand-overs between a rank's chunks, received gradients not yet used, sends not yet complete
+    and receives posted ahead."""
     entries = [*engine.pipe_buffers.get("inputs", ()), *engine.pipe_buffers.get("outputs", ()),
-               *getattr(engine, "_local", {}).values(), *getattr(engine, "_grads", {}).values()]
+               *getattr(engine, "_local", {}).values(), *getattr(engine, "_grads", {}).values(),
+               *(engine.in_transit() if hasattr(engine, "in_transit") else ())]
     found = []
     for entry in entries:
         for item in entry if isinstance(entry, (tuple, list)) else (entry,):

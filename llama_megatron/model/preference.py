@@ -1,0 +1,150 @@
+"""Preference-tuning losses: functions of a pair's four sequence log-probabilities (the policy's and the frozen
+reference's, of the chosen and of the rejected completion), as TRL's ``DPOTrainer`` defines them (TRL 1.16,
+``loss_type`` and ``loss_weights``; the reverse-KL divergence, its default).
+
+A loss is written as a sum over the pairs and tokens of one micro batch divided by the counts of the whole global
+batch (:class:`BatchCounts`), so the micro batches of a step, wherever they run (data-parallel ranks, a pipeline's
+last stage), add up to exactly the loss TRL computes over that global batch at once: the mean over its pairs of each
+pair loss, and for ``sft`` the mean over its chosen completions' tokens.
+
+Left out: ``aot`` and ``aot_unpaired``, which sort the log-ratios across the batch (a pair's loss depends on the
+others', so no sum over micro batches computes it); WPO weighting (``use_weighting``, which needs every token's
+probabilities squared and summed over the vocabulary) and the f-divergences other than reverse KL.
+
+This is the loss seam of preference tuning (issue 38); the data, the reference log-probabilities and the runs that
+use it are built on it next.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# every loss this module computes; each needs the four log-probabilities, some the completions' token counts too
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+              "apo_down", "discopop", "sft", "sigmoid_norm")
+
+
+@dataclass(frozen=True)
+class PreferenceLossConfig:
+    """TRL's ``DPOConfig`` names: ``loss_type`` (one or several, summed with ``loss_weights``, default 1 each),
+    ``beta`` (the reward scale), ``label_smoothing`` (``robust`` and ``exo_pair``: the probability a label is
+    flipped) and ``discopop_tau``."""
+
+    loss_type: tuple[str, ...] = ("sigmoid",)
+    loss_weights: tuple[float, ...] | None = None
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one line each (empty: nothing)."""
+        found = [f"preference.loss_type {name!r} is not one of {', '.join(LOSS_TYPES)}"
+                 for name in self.loss_type if name not in LOSS_TYPES]
+        if not self.loss_type:
+            found.append("preference.loss_type names no loss")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            found.append(f"preference.loss_weights has {len(self.loss_weights)} weights for "
+                         f"{len(self.loss_type)} loss types")
+        if not self.beta > 0:
+            found.append(f"preference.beta must be > 0 (got {self.beta})")
+        if not 0 <= self.label_smoothing < 0.5:
+            found.append(f"preference.label_smoothing must be in [0, 0.5) (got {self.label_smoothing})")
+        if "exo_pair" in self.loss_type and self.label_smoothing == 0:
+            found.append("preference.loss_type exo_pair needs label_smoothing > 0 (its target is 1 - eps, eps)")
+        if not self.discopop_tau > 0:
+            found.append(f"preference.discopop_tau must be > 0 (got {self.discopop_tau})")
+        return found
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return self.loss_weights if self.loss_weights is not None else (1.0,) * len(self.loss_type)
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """The global batch's pairs and its chosen completions' tokens: the denominators of the loss's means."""
+
+    pairs: int
+    chosen_tokens: int
+
+
+@dataclass
+class PairLogProbs:
+    """One micro batch's pairs: the policy's and the reference's summed log-probabilities of each chosen and
+    rejected completion ([pairs] each), and each completion's trained tokens."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    ref_chosen: torch.Tensor
+    ref_rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+def pair_losses(config: PreferenceLossConfig, name: str, logps: PairLogProbs) -> torch.Tensor:
+    """Each pair's loss of type ``name`` ([pairs]); ``sft`` has no pair form (:func:`preference_loss`)."""
+    beta, eps = config.beta, config.label_smoothing
+    chosen_ratio = logps.chosen - logps.ref_chosen  # log pi/pi_ref of the chosen completion
+    rejected_ratio = logps.rejected - logps.ref_rejected
+    margin = beta * (chosen_ratio - rejected_ratio)
+    if name == "sigmoid":
+        return -F.logsigmoid(margin)
+    if name == "hinge":
+        return torch.relu(1 - margin)
+    if name in ("ipo", "sigmoid_norm"):  # the ratios per completion token
+        per_token = (chosen_ratio / logps.chosen_tokens.clamp(min=1)
+                     - rejected_ratio / logps.rejected_tokens.clamp(min=1))
+        return (per_token - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * per_token)
+    if name == "exo_pair":  # KL from the model's pair distribution to (1 - eps, eps)
+        return (torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log1p(-eps))
+                + torch.sigmoid(-margin) * (F.logsigmoid(-margin) - math.log(eps)))
+    if name == "nca_pair":
+        chosen_reward, rejected_reward = beta * chosen_ratio, beta * rejected_ratio
+        return -F.logsigmoid(chosen_reward) - 0.5 * F.logsigmoid(-chosen_reward) - 0.5 * F.logsigmoid(-rejected_reward)
+    if name == "robust":  # unbiased under labels flipped with probability eps
+        return (-(1 - eps) * F.logsigmoid(margin) + eps * F.logsigmoid(-margin)) / (1 - 2 * eps)
+    if name == "bco_pair":
+        return -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
+    if name == "sppo_hard":
+        return (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    if name == "apo_zero":
+        return 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
+    if name == "apo_down":
+        return torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(margin)
+    if name == "discopop":
+        mix = torch.sigmoid(margin / config.discopop_tau)
+        return -F.logsigmoid(margin) * (1 - mix) + torch.exp(-margin) * mix
+    raise ValueError(f"no pair loss {name!r}")
+
+
+def preference_loss(config: PreferenceLossConfig, logps: PairLogProbs, counts: BatchCounts) -> torch.Tensor:
+    """This micro batch's share of the global batch's loss: sum_pairs(weighted pair losses) / counts.pairs, and
+    for ``sft`` -sum(chosen log-probabilities) / counts.chosen_tokens."""
+    total = logps.chosen.new_zeros(())
+    for name, weight in zip(config.loss_type, config.weights):
+        if name == "sft":
+            part = -logps.chosen.sum() / counts.chosen_tokens
+        else:
+            part = pair_losses(config, name, logps).sum() / counts.pairs
+        total = total + weight * part
+    return total
+
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def metric_sums(config: PreferenceLossConfig, logps: PairLogProbs) -> dict[str, torch.Tensor]:
+    """Sums over this micro batch's pairs of what TRL logs as means over the batch's pairs (:data:`METRICS`): the
+    implicit rewards beta log(pi/pi_ref), the share of pairs whose chosen reward is the higher, their margin, and the
+    policy's sequence log-probabilities."""
+    with torch.no_grad():
+        chosen_reward = config.beta * (logps.chosen - logps.ref_chosen)
+        rejected_reward = config.beta * (logps.rejected - logps.ref_rejected)
+        values = (chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(chosen_reward.dtype),
+                  chosen_reward - rejected_reward, logps.chosen, logps.rejected)
+        return {name: value.detach().sum() for name, value in zip(METRICS, values)}

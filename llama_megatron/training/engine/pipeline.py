@@ -20,7 +20,8 @@ instructions (training/pipeline/instructions.py), and the engine runs each throu
 backward, loss and optimizer machinery with the chunk's place told to it (first or last virtual stage: data,
 loss, the last stage's backward from the loss). Every micro batch of every chunk has its own buffer, so any order
 a schedule gives runs. Sends are asynchronous (a rank sends while its neighbour works on another micro batch; a
-blocking send would wait for it, or deadlock) and completed when the step's schedule ends; each message is tagged
+blocking send would wait for it, or deadlock), each let go by a thread as it completes, all of them by the end of
+the step's schedule; each message is tagged
 with its kind, the stage boundary it crosses and its micro batch, so the order a neighbour receives in need not be
 the order it was sent in. Micro batch 0's activation goes with a small header of shapes and dtypes; the other micro
 batches of the step send the same shapes (checked by the sender; DeepSpeed's 1F1B engine fixes them for the whole
@@ -234,10 +235,10 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
         return ins.ActionSchedule(actions, self.placement, self.stage_id, micro_batches, training)
 
     def _exec_schedule(self, pipe_schedule) -> None:
-        """DeepSpeed's loop over the step's instructions, with the work between two instructions done: sends that
-        completed are let go, and the next remote receive of each kind is posted as soon as its shapes are known,
-        so its bytes arrive while this rank computes (a receive posted only when its pass is due waits for a
-        round trip and the copy, on the critical path)."""
+        """DeepSpeed's loop over the step's instructions, with the next remote receive of each kind posted after
+        every instruction as soon as its shapes are known (so after a receive, before its pass), so its bytes
+        arrive while this rank computes (a receive posted only when its pass is due waits for a round trip and the
+        copy, on the critical path)."""
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         commands = [cmd for step in pipe_schedule for cmd in step]
@@ -395,7 +396,6 @@ class ActionPipelineEngine(GlobalNormPipelineEngine):
             self._post(receive)
             for work in receive.works:
                 work.wait()
-        self._between_instructions()  # the next receive of this kind, posted before this pass runs
         return receive.tensors
 
     def _exec_send_activation(self, buffer_id: int, chunk: int, micro_batch: int, peer: int | None) -> None:

@@ -15,11 +15,12 @@ run (1e-4 rel per step).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import pytest
-from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
+from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.training.config import TrainingConfig
@@ -235,6 +236,17 @@ def _resumes(prefix: str, work) -> list[list[str]]:
     return argv
 
 
+def _zero0_runs(prefix: str, work) -> list[list[str]]:
+    """ZeRO-0 under ZB-V: 6 steps saving at 3 and 6, and a resume of its step 3 under the same schedule."""
+    common = [f"data.prefix={prefix}", "parallel.pipeline=2", "batch.micro_batch_size=1", f"train.steps={STEPS}",
+              "deepspeed_config=ds_configs/zero0_fp32.json", *SCHEDULES["zb-v"]]
+    saved = work / "zero0-zb-v"
+    return [train_args(CONFIG, [*common, f"output_dir={saved}", f"checkpoint.save={saved}/ckpt",
+                                "checkpoint.interval=3"]),
+            train_args(CONFIG, [*common, f"output_dir={work}/zero0-zb-v-resumed", f"checkpoint.load={saved}/ckpt",
+                                "checkpoint.tag=global_step3"])]
+
+
 LORA = '{"rank": 4, "alpha": 8}'
 # Dropout masks come from each rank's generator, whose stream a pipeline stage draws from for its own layers only: a
 # PP run drops other entries than one process does, and a placement that puts other layers on a rank
@@ -295,7 +307,7 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
     prefixes = (shakespeare_prefix, short_documents_prefix)
     launch_many(1, _single_process_runs(prefixes, work), str(work / "runs-1.json"))
     launch_many(2, [*_layout_runs(prefixes, work, RUNS), *_chunk_runs(shakespeare_prefix, work),
-                    *_resumes(shakespeare_prefix, work),
+                    *_resumes(shakespeare_prefix, work), *_zero0_runs(shakespeare_prefix, work),
                     *_lora_runs(shakespeare_prefix, work, "lora", f"{work}/tp1-pp1/ckpt", [])],
                 str(work / "runs-2.json"))
     tp2_base = work / "tp2-base"  # a TP2 checkpoint for the TP2 LoRA runs
@@ -397,3 +409,32 @@ def test_a_resume_that_moves_layers_between_ranks_goes_through_a_universal_check
         with pytest.raises(CheckpointError, match="its optimizer state \\(ZeRO-0\\) is per rank: resume with the "
                                                   "schedule it was saved with"):
             check_resume_placement(meta(0, saved), now, "ckpt")
+
+
+def test_a_zero0_checkpoint_is_refused_under_another_placement_and_resumes_under_its_own(
+        runs, shakespeare_prefix) -> None:
+    """ZeRO-0's optimizer state is per rank, so a resume that moves layers between ranks (ZB-V's V -> 1F1B's
+    blocks) is refused under the launcher: exit 2, one error line, the checkpoint untouched; under its own schedule
+    the same step-3 save resumes exactly (the uninterrupted run's steps 4-6, bit for bit)."""
+    saved = runs / "zero0-zb-v" / "ckpt"
+
+    def digests() -> dict[str, str]:
+        return {str(p.relative_to(saved)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(saved.rglob("*")) if p.is_file()}
+
+    before = digests()
+    out = runs / "zero0-refused"
+    result = launch(2, CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={out}", "parallel.pipeline=2",
+                                "batch.micro_batch_size=1", f"train.steps={STEPS}",
+                                "deepspeed_config=ds_configs/zero0_fp32.json", f"checkpoint.load={saved}",
+                                "checkpoint.tag=global_step3"], check=False)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    errors = {line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")}
+    assert len(errors) == 1 and "its optimizer state (ZeRO-0) is per rank: resume with the schedule it was saved " \
+                                "with" in errors.pop()
+    assert "Traceback" not in result.stderr
+    assert digests() == before
+    assert not (out / "metrics.jsonl").exists()
+    whole, resumed = _curve(runs / "zero0-zb-v"), _curve(runs / "zero0-zb-v-resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed == {step: whole[step] for step in (4, 5, 6)}

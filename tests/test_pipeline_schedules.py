@@ -1,5 +1,7 @@
 """The ZB-H1 pipeline schedule (training/pipeline/schedules.py, training/engine/pipeline.py).
 
+The `_Sends` failure path: a send whose peer stops mid-transfer is raised at the step end, its tensor let go.
+
 The order: every stage runs each micro batch's F, B and W once, in micro-batch order, B after F and W after B; with
 equal costs the replayed bubble is 1F1B's analytic (p - 1) / (m + p - 1) for 1F1B and (p - 1) / (3m + p - 1) for
 ZB-H1, at most half of 1F1B's at PP4 with 8 micro batches; no stage holds more than p micro batches.
@@ -18,12 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
 from launch_utils import ROOT, assert_losses_close, launch, launch_many, losses, train_args
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.engine.pipeline import _Sends
 from llama_megatron.training.pipeline import schedules as schedules
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
@@ -438,3 +445,22 @@ def test_a_zero0_checkpoint_is_refused_under_another_placement_and_resumes_under
     whole, resumed = _curve(runs / "zero0-zb-v"), _curve(runs / "zero0-zb-v-resumed")
     assert sorted(resumed) == [4, 5, 6]
     assert resumed == {step: whole[step] for step in (4, 5, 6)}
+
+
+def _send_to_a_stopped_rank(rank: int, world_size: int) -> None:
+    dist.barrier()
+    if rank == 1:  # stops without receiving what rank 0 sends it, as a crashed stage would
+        time.sleep(1.0)
+        os._exit(0)
+    sends = _Sends()
+    tensor = torch.zeros(16 << 20)  # more than the sockets buffer: the send is in flight when the peer goes
+    sends.add(dist.isend(tensor, 1, tag=3), tensor)
+    assert len(sends.tensors()) == 1
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        sends.wait_all()
+    assert sends.tensors() == [], "the failed send's tensor is still held"
+    sends.wait_all()  # the failure is raised once, at the step end that follows it
+
+
+def test_a_send_that_fails_in_the_sending_thread_is_raised_at_the_step_end() -> None:
+    run_distributed(_send_to_a_stopped_rank, 2)

@@ -26,7 +26,7 @@ import tokenize
 
 from llama_megatron.config import ParallelConfig
 from llama_megatron.data.config import PretrainData, SyntheticData
-from llama_megatron.data.sft_config import SFTData
+from llama_megatron.data.sft_config import PreferenceData, SFTData
 from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.training import config as training_config
 from llama_megatron.training.config import TrainingConfig
@@ -38,7 +38,16 @@ PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.absp
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> its comment (the lines right above the field, then the comment on its own line)."""
+    """Field name -> its comment (the lines right above the field, then the comment on its own line), read in the
+    class that declares the field."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass) and "__dataclass_fields__" in vars(klass):
+            docs.update(_declared_field_docs(klass))
+    return docs
+
+
+def _declared_field_docs(cls: type) -> dict[str, str]:
     lines, _ = inspect.getsourcelines(cls)
     source = textwrap.dedent("".join(lines))
     comments: dict[int, str] = {}
@@ -91,6 +100,7 @@ def sections() -> list[tuple[str, str, type]]:
     out = [("", "Top level", TrainingConfig), ("parallel", "`parallel`", ParallelConfig),
            ("data", '`data` with `"type": "pretrain"` (the default without `type`)', PretrainData),
            ("data", '`data` with `"type": "sft"`', SFTData),
+           ("data", '`data` with `"type": "preference"`', PreferenceData),
            ("data", '`data` with `"type": "synthetic"` (or `"synthetic": true`)', SyntheticData)]
     for name, cls in training_config._SECTIONS.items():
         out.append((name, f"`{name}`", cls))

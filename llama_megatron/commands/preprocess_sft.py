@@ -1,4 +1,5 @@
-"""``llama-megatron preprocess-sft``: chat / instruction JSONL -> token and mask shards for ``data.type: "sft"``.
+"""``llama-megatron preprocess-sft``: chat / instruction JSONL -> token and mask shards for ``data.type: "sft"``
+(``--format preference``: preference pairs for ``data.type: "preference"``).
 
     llama-megatron preprocess-sft --input data/chat/chat_messages.jsonl --tokenizer data/tokenizer \\
         --output-prefix data/processed/chat --workers 4
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from llama_megatron.data.preference_formats import PREFERENCE_FORMAT
 from llama_megatron.data.sft_formats import FORMATS, MASKING
 from llama_megatron.data.sft_preprocess import preprocess_sft
 
@@ -21,11 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory (its chat_template renders)")
     parser.add_argument("--output-prefix", required=True,
                         help="outputs are PREFIX_tokens.bin/.idx, PREFIX_mask.bin/.idx, PREFIX_sft.json")
-    parser.add_argument("--format", default="auto", choices=FORMATS, help="record format (auto: by each record's keys)")
+    parser.add_argument("--format", default="auto", choices=(*FORMATS, PREFERENCE_FORMAT),
+                        help="record format (auto: by each record's keys; preference: TRL's preference pairs, for "
+                             "data.type preference)")
     parser.add_argument("--masking", default="assistant", choices=MASKING,
                         help="trained tokens: assistant turns (default; prompt/completion records: the "
                              "completion), all tokens, the last assistant turn, or assistant_only: assistant's "
-                             "cut to what the template's {%% generation %%} markers enclose (TRL's assistant_only_loss)")
+                             "cut to what the template's {%% generation %%} markers enclose (TRL's assistant_only_loss); "
+                             "not for preference pairs, whose completions are trained")
     parser.add_argument("--chat-template", default=None, help="Jinja file (default: the tokenizer's chat_template)")
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes (1: all in this process)")
     parser.add_argument("--skip-bad-lines", action="store_true", help="count and skip unusable records")

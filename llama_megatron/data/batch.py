@@ -36,12 +36,17 @@ class MicroBatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     segment_ids: torch.Tensor | None = None
+    # preference pairs: the sequence each label belongs to (-1: none), sequence 2k and 2k + 1 the chosen and the
+    # rejected one of the micro batch's pair k; and each pair's sample id in its dataset (host)
+    sequence_ids: torch.Tensor | None = None
+    pair_ids: torch.Tensor | None = None
 
     def to(self, device) -> MicroBatch:
         """On ``device``; to CUDA through pinned memory without waiting (a plain copy from pageable memory would
         stall the host until the device has finished its queue, once per micro batch)."""
         return MicroBatch(*(None if t is None else to_device(t, device) for t in
-                            (self.input_ids, self.position_ids, self.labels, self.segment_ids)))
+                            (self.input_ids, self.position_ids, self.labels, self.segment_ids,
+                             self.sequence_ids)), pair_ids=self.pair_ids)
 
     def pipeline_inputs(self, loss_divisor: torch.Tensor | None = None) -> tuple:
         """``((input_ids, position_ids[, segment_ids]), labels)``, or ``(labels, loss_divisor)`` as the second item:
@@ -57,8 +62,10 @@ class MicroBatch:
         sees whole sequences after its all-to-all, the document boundaries)."""
         if size == 1:
             return self
+        sequence_ids = None if self.sequence_ids is None else context_shard(self.sequence_ids, rank, size).contiguous()
         return MicroBatch(context_shard(self.input_ids, rank, size).contiguous(), self.position_ids,
-                          context_shard(self.labels, rank, size).contiguous(), self.segment_ids)
+                          context_shard(self.labels, rank, size).contiguous(), self.segment_ids, sequence_ids,
+                          self.pair_ids)
 
     def num_targets(self) -> int:
         """Labels that count in the loss (not ignored); read on the host, before the batch moves to the device."""
@@ -74,7 +81,29 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 def collate(items: list[dict[str, np.ndarray]]) -> MicroBatch:
     """Samples of seq+1 tokens -> inputs tokens[:-1], labels tokens[1:] (plus positions/documents if packed)."""
-    arrays = {k: torch.from_numpy(v.astype(np.int64)) for k, v in stack_samples(items).items()}
+    if "pair_ids" in items[0]:
+        return _collate_pairs(items)
+    return _micro_batch({k: torch.from_numpy(v.astype(np.int64)) for k, v in stack_samples(items).items()})
+
+
+def _collate_pairs(items: list[dict[str, np.ndarray]]) -> MicroBatch:
+    """Items of preference pairs (a padded pair's two rows, or a packed row of whole pairs) -> one micro batch
+    whose rows are the items' rows in order, the sequences numbered across it (pair k: sequences 2k and 2k + 1)."""
+    rows: dict[str, list[np.ndarray]] = {key: [] for key in items[0] if key != "pair_ids"}
+    pairs = 0
+    for item in items:
+        for key, value in item.items():
+            if key == "sequence_ids":
+                value = np.where(value >= 0, value + 2 * pairs, -1)
+            if key != "pair_ids":
+                rows[key].append(value.reshape(-1, value.shape[-1]))
+        pairs += item["pair_ids"].size
+    batch = _micro_batch({k: torch.from_numpy(np.concatenate(v).astype(np.int64)) for k, v in rows.items()})
+    batch.pair_ids = torch.from_numpy(np.concatenate([item["pair_ids"] for item in items]).astype(np.int64))
+    return batch
+
+
+def _micro_batch(arrays: dict[str, torch.Tensor]) -> MicroBatch:
     tokens = arrays["tokens"]
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     position_ids = arrays.get("position_ids")
@@ -82,4 +111,4 @@ def collate(items: list[dict[str, np.ndarray]]) -> MicroBatch:
         position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()
     if "loss_mask" in arrays:
         labels = labels.masked_fill(arrays["loss_mask"] == 0, IGNORE_INDEX)
-    return MicroBatch(input_ids, position_ids, labels, arrays.get("segment_ids"))
+    return MicroBatch(input_ids, position_ids, labels, arrays.get("segment_ids"), arrays.get("sequence_ids"))

@@ -327,14 +327,17 @@ class ChatEncoder:
     def completion_start(self, messages: Sequence[dict], prompt_length: int, ids: Sequence[int]) -> int:
         """TRL's start of the completion in ``ids`` (the whole record's tokens): the length of the common prefix
         of ``ids`` and the tokenised prompt rendered with the generation prompt."""
-        prompt_text = self.render(messages[:prompt_length], add_generation_prompt=True)
-        prompt_ids = self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        common = 0
-        for a, b in zip(prompt_ids, ids):
-            if a != b:
-                break
-            common += 1
-        return common
+        return common_prefix_length(
+            self.tokenize_rendered(self.render(messages[:prompt_length], add_generation_prompt=True)), ids)
+
+    def tokenize_rendered(self, text: str) -> list[int]:
+        """Ids of rendered chat text: no special tokens added (the template wrote them), as
+        ``apply_chat_template(..., tokenize=True)``."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def tokenize_text(self, text: str) -> list[int]:
+        """Ids of plain text with the tokenizer's special tokens (its BOS), as ``tokenizer(text=...)``."""
+        return self.tokenizer(text=text)["input_ids"]
 
     def encode(self, messages: Sequence[dict], trained: Sequence[bool] | None,
                prompt_length: int | None = None, marked_only: bool = False) -> Encoded:
@@ -378,6 +381,16 @@ class ChatEncoder:
                     h.update(fh.read())
         return {"template_sha256": hashlib.sha256(self.source.encode()).hexdigest(),
                 "tokenizer_sha256": h.hexdigest()}
+
+
+def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading ids the two sequences share."""
+    common = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        common += 1
+    return common
 
 
 def _token_mask(encoding, spans: Sequence[tuple[int, int]], size: int) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Tokenise chat / instruction JSONL once into Megatron-format shards: token ids and training masks.
 
-Outputs of ``PREFIX``: ``PREFIX_tokens.bin/.idx`` (each record's rendered conversation, one document per record),
-``PREFIX_mask.bin/.idx`` (uint8, the same sizes: 1 where the token is a trained target) and ``PREFIX_sft.json``
-(how they were made, and counts). The machinery is ``preprocess``'s: the main process reads ~1 MiB chunks of lines,
+Outputs of ``PREFIX``: ``PREFIX_tokens.bin/.idx`` (each record's rendered conversation, one document per record;
+format ``preference``: a pair's chosen then rejected sequence, two documents per record), ``PREFIX_mask.bin/.idx``
+(uint8, the same sizes: 1 where the token is a trained target) and ``PREFIX_sft.json`` (how they were made, and
+counts). The machinery is ``preprocess``'s: the main process reads ~1 MiB chunks of lines,
 worker processes parse, render and tokenise, results are written in input order (identical output for any number
 of workers), memory stays bounded, a progress line runs on stderr, and outputs appear by atomic rename only when
 every record was good: a bad record stops with ``FILE:LINE: reason`` and nothing is written (unless bad records
@@ -21,6 +22,12 @@ import numpy as np
 
 from llama_megatron.data.chat_template import ChatEncoder, TemplateRenderError
 from llama_megatron.data.indexed_dataset import IndexedDatasetWriter, data_paths, token_dtype
+from llama_megatron.data.preference_formats import (
+    PAIR_DOCUMENTS,
+    PREFERENCE_FORMAT,
+    encode_preference,
+    parse_preference,
+)
 from llama_megatron.data.preprocess import MAX_BAD_SHOWN, ordered_map
 from llama_megatron.data.readers import Chunk, iter_jsonl, json_objects
 from llama_megatron.data.sft_formats import RecordError, parse_record
@@ -60,14 +67,17 @@ def _init_worker(encoder: ChatEncoder, fmt: str, masking: str) -> None:
     _STATE.update(encoder=encoder, fmt=fmt, masking=masking)
 
 
-def encode_record(record, encoder: ChatEncoder, fmt: str, masking: str):
-    """(ids, mask) of one parsed JSON record; RecordError or TemplateRenderError when it cannot be used."""
+def encode_record(record, encoder: ChatEncoder, fmt: str, masking: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The documents of one parsed JSON record, (ids, mask) each: one conversation, or a preference pair's chosen
+    and rejected sequences (``fmt`` preference); RecordError or TemplateRenderError when it cannot be used."""
+    if fmt == PREFERENCE_FORMAT:
+        return [(e.ids, e.trained) for e in encode_preference(parse_preference(record), encoder)]
     conversation = parse_record(record, fmt, masking)
     encoded = encoder.encode(conversation.messages, conversation.trained, conversation.prompt_length,
                              conversation.marked_only)
     if not encoded.trained.any():
         raise RecordError("no trained token: the trained turns render to no tokens after the first")
-    return encoded.ids, encoded.trained
+    return [(encoded.ids, encoded.trained)]
 
 
 def encode_chunk(chunk: Chunk) -> SFTChunk:
@@ -75,12 +85,13 @@ def encode_chunk(chunk: Chunk) -> SFTChunk:
     ids, masks, bad = [], [], []
     for lineno, record in json_objects(chunk, bad):
         try:
-            tokens, mask = encode_record(record, encoder, fmt, masking)
+            documents = encode_record(record, encoder, fmt, masking)
         except (RecordError, TemplateRenderError) as exc:
             bad.append(f"{chunk.file}:{lineno}: {exc}")
             continue
-        ids.append(tokens)
-        masks.append(mask)
+        for tokens, mask in documents:
+            ids.append(tokens)
+            masks.append(mask)
     lengths = np.fromiter((a.size for a in ids), dtype=np.int64, count=len(ids))
     flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
@@ -98,7 +109,7 @@ def preprocess_sft(inputs: list[str], tokenizer: str, output_prefix: str, fmt: s
         if not os.path.isfile(path):
             raise DataError(f"input not found: {path}")
     encoder = ChatEncoder(tokenizer, chat_template)
-    if masking == "assistant_only":
+    if masking == "assistant_only" and fmt != PREFERENCE_FORMAT:
         encoder.require_markers()
     for path in output_paths(output_prefix):
         if os.path.exists(path) and not overwrite:
@@ -126,11 +137,12 @@ def preprocess_sft(inputs: list[str], tokenizer: str, output_prefix: str, fmt: s
             progress.update(int(res.lengths.size), int(res.tokens.size), res.nbytes)
         if tokens_out.num_documents == 0:
             raise DataError(f"no usable records in {', '.join(inputs)}")
-        meta = {"version": SFT_VERSION, "format": fmt, "masking": masking, "inputs": [os.path.basename(p) for p in
-                                                                                       inputs],
-                "tokenizer": tokenizer, "chat_template": chat_template, **encoder.fingerprint(),
-                "samples": tokens_out.num_documents, "tokens": tokens_out.num_tokens, "trained_tokens": trained,
-                "skipped_records": bad_total}
+        documents = documents_per_sample(fmt)
+        meta = {"version": SFT_VERSION, "format": fmt, "masking": None if fmt == PREFERENCE_FORMAT else masking,
+                "inputs": [os.path.basename(p) for p in inputs], "tokenizer": tokenizer,
+                "chat_template": chat_template, **encoder.fingerprint(), "documents_per_sample": documents,
+                "samples": tokens_out.num_documents // documents, "tokens": tokens_out.num_tokens,
+                "trained_tokens": trained, "skipped_records": bad_total}
         tmp = meta_path(output_prefix) + f".tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
@@ -140,6 +152,11 @@ def preprocess_sft(inputs: list[str], tokenizer: str, output_prefix: str, fmt: s
         os.replace(tmp, meta_path(output_prefix))
     progress.close()
     return {**meta, "outputs": [shards["tokens"], shards["mask"]], "seconds": progress.elapsed}
+
+
+def documents_per_sample(fmt: str) -> int:
+    """Documents the shards hold per sample: a preference pair's two sequences, else one conversation."""
+    return PAIR_DOCUMENTS if fmt == PREFERENCE_FORMAT else 1
 
 
 def read_meta(prefix: str) -> dict:

@@ -108,3 +108,16 @@ def message_records() -> list[dict]:
 def prompt_completion_records() -> list[dict]:
     """The same conversations as TRL's conversational prompt/completion: every turn before the last is the prompt."""
     return [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in message_records()]
+
+
+OTHER_ANSWER = "I would rather not say."
+
+
+def preference_records() -> list[dict]:
+    """Implicit-prompt preference pairs: each of :func:`message_records` as chosen, its last answer swapped for a
+    refusal as rejected."""
+    records = []
+    for r in message_records():
+        chosen = r["messages"]
+        records.append({"chosen": chosen, "rejected": [*chosen[:-1], {"role": "assistant", "content": OTHER_ANSWER}]})
+    return records

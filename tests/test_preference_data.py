@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from chat_families import TOKENIZER, message_records, write_templates
+from chat_families import OTHER_ANSWER, TOKENIZER, message_records, preference_records, write_templates
 
 from llama_megatron.data.batch import collate
 from llama_megatron.data.config import data_config_from_dict
@@ -24,16 +24,6 @@ from llama_megatron.errors import ConfigError, DataError
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 
 FAMILY_CASES = ("llama3", "chatml", "mistral")
-OTHER_ANSWER = "I would rather not say."
-
-
-def conversational_records() -> list[dict]:
-    """Implicit-prompt pairs: each shipped or edge-case conversation as chosen, its last answer swapped as rejected."""
-    records = []
-    for r in message_records():
-        chosen = r["messages"]
-        records.append({"chosen": chosen, "rejected": [*chosen[:-1], {"role": "assistant", "content": OTHER_ANSWER}]})
-    return records
 
 
 def explicit(records: list[dict]) -> list[dict]:
@@ -55,8 +45,8 @@ def implicit_strings(records: list[dict]) -> list[dict]:
     return [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in records]
 
 
-FORMATS = {"messages-implicit": lambda: conversational_records(),
-           "messages-explicit": lambda: explicit(conversational_records()),
+FORMATS = {"messages-implicit": lambda: preference_records(),
+           "messages-explicit": lambda: explicit(preference_records()),
            "strings-explicit": string_records,
            "strings-implicit": lambda: implicit_strings(string_records())}
 
@@ -178,7 +168,7 @@ def test_sequences_equal_trl(fmt, pack, templates, trl_rows, tmp_path) -> None:
 
 
 def test_keep_end_equals_trl(templates, trl_rows, tmp_path) -> None:
-    records = conversational_records()
+    records = preference_records()
     template = templates["chatml", "plain"]
     theirs = trl_rows(records, template, 20, "keep_end")
     assert len(theirs) == len(records)
@@ -192,7 +182,7 @@ def test_extract_prompt_is_trls() -> None:
     from trl.data_utils import extract_prompt as trl_extract
 
     cases = [("The sky is blue.", "The sky is green."), ("Same", "Same but longer"), ("ab", "cd"),
-             ("x ", "y "), *[(r["chosen"], r["rejected"]) for r in conversational_records()[:3]]]
+             ("x ", "y "), *[(r["chosen"], r["rejected"]) for r in preference_records()[:3]]]
     for chosen, rejected in cases:
         expected = trl_extract({"chosen": chosen, "rejected": rejected})
         assert dict(zip(("prompt", "chosen", "rejected"), extract_prompt(chosen, rejected))) == expected
@@ -218,7 +208,7 @@ def test_bad_records_say_why(record, message) -> None:
 
 
 def test_bad_records_stop_preprocessing_with_file_and_line(tmp_path, templates) -> None:
-    good = explicit(conversational_records())[:2]
+    good = explicit(preference_records())[:2]
     raising = tmp_path / "raise.jinja"
     raising.write_text("{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom') }}"
                        "{% endif %}{{ m['content'] }}{% endfor %}")

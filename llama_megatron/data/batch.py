@@ -51,10 +51,14 @@ class MicroBatch:
     def pipeline_inputs(self, loss_divisor: torch.Tensor | None = None) -> tuple:
         """``((input_ids, position_ids[, segment_ids]), labels)``, or ``(labels, loss_divisor)`` as the second item:
         what DeepSpeed's pipeline engine feeds the first stage and the last stage's loss_fn."""
+        return self.model_inputs(), (self.labels if loss_divisor is None else (self.labels, loss_divisor))
+
+    def model_inputs(self) -> tuple:
+        """``(input_ids, position_ids[, segment_ids])``: what the first pipeline stage consumes."""
         inputs = (self.input_ids, self.position_ids)
         if self.segment_ids is not None:
             inputs += (self.segment_ids,)
-        return inputs, (self.labels if loss_divisor is None else (self.labels, loss_divisor))
+        return inputs
 
     def context_shard(self, rank: int, size: int) -> MicroBatch:
         """Context-parallel rank ``rank``'s share: its contiguous shard of ``input_ids`` and ``labels``; the position

@@ -215,6 +215,16 @@ class PreferenceData(ChatData):
             raise ConfigError(f"data.prefix {self.prefix!r} holds SFT samples, not preference pairs: write them "
                               "with llama-megatron preprocess-sft --format preference")
 
+    def pair_count(self) -> int:
+        """Pairs in the shards (every split), after ``prepare``."""
+        return len(self._shards)
+
+    def shards_fingerprint(self) -> dict:
+        return self._shards.fingerprint()
+
+    def cache_directory(self) -> str:
+        return self._cache_dir()
+
     def pair_truncation(self, seq_length: int) -> PairTruncation:
         """Each sequence's cut: ``max_length``, or what fits a row (two sequences of a packed pair)."""
         default = (seq_length + 1) // 2 if self.pack else seq_length + 1

@@ -45,6 +45,13 @@ class PairTruncation:
     max_length: int
     keep_end: bool = False
 
+    def check_rows(self, seq_length: int, pack: bool) -> None:
+        """ConfigError unless a sequence (two, packed) fits a row of ``seq_length + 1`` tokens."""
+        capacity = seq_length + 1
+        if self.max_length > capacity or (pack and 2 * self.max_length > capacity):
+            raise ConfigError(f"data.max_length {self.max_length} does not fit rows of seq_length + 1 = "
+                              f"{capacity} tokens{' twice (a packed pair)' if pack else ''}")
+
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
@@ -100,9 +107,7 @@ class SFTDataset:
                        "num_samples": num_samples, "seed": seed, "pack": pack, "overlong": overlong,
                        "window": PACK_WINDOW}
         if pairs is not None:
-            if pairs.max_length > self.capacity or (pack and 2 * pairs.max_length > self.capacity):
-                raise ConfigError(f"data.max_length {pairs.max_length} does not fit rows of seq_length + 1 = "
-                                  f"{self.capacity} tokens{' twice (a packed pair)' if pack else ''}")
+            pairs.check_rows(seq_length, pack)
             description.update(kind="preference-rows", max_length=pairs.max_length, keep_end=pairs.keep_end)
         name = f"{os.path.basename(shards.prefix)}-sft-{self.name}"
         arrays = cached_arrays(cache_dir, name, description,

@@ -31,6 +31,15 @@ from llama_megatron.model.layers import (
     tied_lm_head_forward,
 )
 from llama_megatron.model.moe import router_aux_loss
+from llama_megatron.model.preference import (
+    BatchCounts,
+    PreferenceLossConfig,
+    is_preference_targets,
+    metric_sums,
+    pair_log_probs,
+    preference_loss,
+    sequence_log_probs,
+)
 from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
@@ -58,6 +67,9 @@ class CausalLMLoss:
         self.vocab_size = config.vocab_size
         self.pctx = pctx
         self.expert_counts: torch.Tensor | None = None  # assignments per expert since the last reset (MoE)
+        self.preference: PreferenceLossConfig | None = None  # the loss of preference pairs (set by the engine)
+        self.preference_metrics: torch.Tensor | None = None  # sums of METRICS since the last reset
+        self.sequence_log_probs: list[torch.Tensor] | None = None  # a list: each micro batch's, kept (reference)
 
     def __call__(self, head: HeadOutput, labels: torch.Tensor | tuple) -> torch.Tensor:
         aux = None
@@ -73,6 +85,8 @@ class CausalLMLoss:
         return loss if aux is None else loss + aux
 
     def _cross_entropy(self, head: torch.Tensor | tuple, labels: torch.Tensor | tuple) -> torch.Tensor:
+        if is_preference_targets(labels):
+            return self._preference_loss(head, *labels)
         labels, divisor = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if isinstance(head, tuple):
             hidden, weight = head
@@ -82,6 +96,24 @@ class CausalLMLoss:
         if divisor is None:
             return masked_mean_loss(total, labels, IGNORE_INDEX)
         return total.sum() / divisor
+
+
+    def _preference_loss(self, head: torch.Tensor | tuple, labels: torch.Tensor, counts: torch.Tensor,
+                         sequence_ids: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """The preference loss of the micro batch's pairs (model/preference.py). Per-token values are needed (each
+        token's gradient is scaled by its pair's), so a chunked head's logits are made whole here."""
+        if self.preference is None:
+            raise RuntimeError("preference pairs reached a loss that was given no preference loss config")
+        token_losses = vocab_parallel_cross_entropy(logits_of(head), labels, self.pctx, self.vocab_size,
+                                                    IGNORE_INDEX)
+        logps, tokens = sequence_log_probs(token_losses, labels, sequence_ids, reference.numel(), IGNORE_INDEX,
+                                           self.pctx)
+        if self.sequence_log_probs is not None:
+            self.sequence_log_probs.append(logps.detach())
+        pairs = pair_log_probs(logps, tokens, reference)
+        sums = torch.stack(list(metric_sums(self.preference, pairs).values()))
+        self.preference_metrics = sums if self.preference_metrics is None else self.preference_metrics + sums
+        return preference_loss(self.preference, pairs, BatchCounts(counts[0], counts[1]))
 
 
 def logits_of(head: HeadOutput) -> torch.Tensor:

@@ -22,6 +22,9 @@ the masks PEFT draws, target by target in HF's order.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from deepspeed.pipe import PipelineModule
 from torch import nn
@@ -189,3 +192,18 @@ def attach_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, pctx: P
         for module in model.modules():
             if isinstance(module, EmbeddingPipe):
                 module.register_forward_hook(_embedding_output_requires_grad, with_kwargs=True)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model: every adapter's delta scaled by 0 (exactly the base's outputs), as PEFT's
+    ``disable_adapter``; the reference of a LoRA preference run."""
+    modules = [m for m in model.modules() if isinstance(m, (ColumnLoRA, RowLoRA))]
+    scalings = [m.scaling for m in modules]
+    for m in modules:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(modules, scalings):
+            m.scaling = scaling

@@ -11,8 +11,11 @@ Left out: ``aot`` and ``aot_unpaired``, which sort the log-ratios across the bat
 others', so no sum over micro batches computes it); WPO weighting (``use_weighting``, which needs every token's
 probabilities squared and summed over the vocabulary) and the f-divergences other than reverse KL.
 
-This is the loss seam of preference tuning (issue 38); the data, the reference log-probabilities and the runs that
-use it are built on it next.
+In a run the last pipeline stage's loss function (``CausalLMLoss``) gets, with the labels, each label's sequence
+(``MicroBatch.sequence_ids``: pair k's chosen is sequence 2k, its rejected 2k + 1), the reference's
+log-probabilities of the micro batch's sequences, and the global batch's counts scaled for DeepSpeed's averaging
+(:func:`preference_targets`); :func:`sequence_log_probs` sums the vocab-parallel cross-entropy's per-token values
+over each sequence's trained labels, across context-parallel shards.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
+
+from llama_megatron.parallel.context import ParallelContext
 
 # every loss this module computes; each needs the four log-probabilities, some the completions' token counts too
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
@@ -148,3 +155,43 @@ def metric_sums(config: PreferenceLossConfig, logps: PairLogProbs) -> dict[str, 
         values = (chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(chosen_reward.dtype),
                   chosen_reward - rejected_reward, logps.chosen, logps.rejected)
         return {name: value.detach().sum() for name, value in zip(METRICS, values)}
+
+
+PREFERENCE_TARGETS = 4  # (labels, counts, sequence_ids, reference): what a preference micro batch hands its loss
+
+
+def preference_targets(labels: torch.Tensor, counts: torch.Tensor, sequence_ids: torch.Tensor,
+                       reference: torch.Tensor) -> tuple:
+    """The loss's second argument for preference pairs, a tuple of tensors as DeepSpeed's pipeline moves labels:
+    ``counts`` = the global batch's (pairs, chosen completion tokens), each divided by the engine's averaging
+    factor; ``reference`` the reference's log-probability of each sequence ([2 x pairs])."""
+    return labels, counts, sequence_ids, reference
+
+
+def is_preference_targets(labels) -> bool:
+    return isinstance(labels, (tuple, list)) and len(labels) == PREFERENCE_TARGETS
+
+
+def sequence_log_probs(token_losses: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor,
+                       sequences: int, ignore_index: int,
+                       pctx: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability, trained tokens) of each of ``sequences`` sequences: minus the per-token cross-entropy
+    summed over the labels of each (0 where ignored), and their count. Under context parallelism each rank holds a
+    shard of every row: the sums are all-reduced over the CP group, and so are their gradients (every CP rank
+    computes the same loss from the same sums, and each needs the gradient of the whole loss for its shard)."""
+    trained = (labels != ignore_index) & (sequence_ids >= 0)
+    index = sequence_ids.masked_fill(~trained, 0).reshape(-1)
+    weights = trained.reshape(-1)
+    logps = token_losses.new_zeros(sequences).index_add(0, index, -token_losses.reshape(-1) * weights)
+    tokens = torch.zeros(sequences, dtype=torch.float32, device=labels.device).index_add_(
+        0, index, weights.to(torch.float32))
+    if pctx.cp_size > 1:
+        logps = dist_nn.all_reduce(logps, group=pctx.cp_group)
+        dist.all_reduce(tokens, group=pctx.cp_group)
+    return logps, tokens
+
+
+def pair_log_probs(logps: torch.Tensor, tokens: torch.Tensor, reference: torch.Tensor) -> PairLogProbs:
+    """Sequences 2k and 2k + 1 as pair k's chosen and rejected."""
+    reference = reference.to(logps.dtype)
+    return PairLogProbs(logps[0::2], logps[1::2], reference[0::2], reference[1::2], tokens[0::2], tokens[1::2])

@@ -19,9 +19,11 @@ from typing import Any
 from llama_megatron.checkpoint.meta import check_tag_name
 from llama_megatron.config import LocalShapes, ModelConfig, ParallelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
+from llama_megatron.data.sft_config import PreferenceData
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
+from llama_megatron.model.preference import PreferenceLossConfig
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
 from llama_megatron.training.pipeline.schedules import SCHEDULE_PLACEMENT, micro_batch_rule, placement_of
 
@@ -144,6 +146,20 @@ class DistributedConfig:
     zero3_init: bool = True
 
 
+@dataclass
+class PreferenceConfig:
+    # DPOTrainer loss(es) of data.type preference: one name or a list, summed with loss_weights (docs/preference.md)
+    loss_type: str | tuple[str, ...] = "sigmoid"
+    loss_weights: tuple[float, ...] | None = None  # one weight per loss_type (default 1 each)
+    beta: float = 0.1  # the implicit reward's scale: beta log(pi / pi_ref)
+    label_smoothing: float = 0.0  # robust and exo_pair: the probability that a pair's labels are flipped
+    discopop_tau: float = 0.05  # discopop's temperature
+
+    def loss(self) -> PreferenceLossConfig:
+        names = (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
+        return PreferenceLossConfig(names, self.loss_weights, self.beta, self.label_smoothing, self.discopop_tau)
+
+
 _SECTIONS = {
     "batch": BatchConfig,
     "train": TrainConfig,
@@ -154,6 +170,7 @@ _SECTIONS = {
     "activation_checkpointing": ActivationCheckpointConfig,
     "pipeline": PipelineConfig,
     "distributed": DistributedConfig,
+    "preference": PreferenceConfig,
 }
 
 
@@ -185,6 +202,8 @@ class TrainingConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # stall timeout and ZeRO-3 construction: the `distributed` section below
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # the loss of preference pairs (data.type preference): the `preference` section below
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     # a ds_configs/*.json path or an inline object; no optimizer/scheduler sections, batch keys only when they
     # agree
     deepspeed_config: str | dict | None = None
@@ -275,6 +294,25 @@ class TrainingConfig:
         if not self.distributed.timeout_minutes > 0:
             raise ConfigError(f"distributed.timeout_minutes must be > 0, got {self.distributed.timeout_minutes}")
         self._validate_experts()
+        self._validate_preference()
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Rows of seq_length tokens a sample of the data takes: a padded preference pair is two (its chosen and
+        rejected sequences), anything else one (a packed pair's sequences share a row)."""
+        return 2 if self.data.type == PreferenceData.type and not self.data.pack else 1
+
+    def _validate_preference(self) -> None:
+        """The preference section's losses; given only with preference data."""
+        pairs = self.data.type == PreferenceData.type
+        if not pairs and self.preference != PreferenceConfig():
+            raise ConfigError(f"the preference section sets the loss of preference pairs, and data.type is "
+                              f"{self.data.type!r}: set data.type preference, or leave the section out")
+        problems = self.preference.loss().problems()
+        if problems:
+            raise ConfigError(problems[0])
+        if pairs:
+            self.data.pair_truncation(self.seq_length).check_rows(self.seq_length, self.data.pack)
 
     def _validate_experts(self) -> None:
         """LoRA targets that fit the model's MLP."""

@@ -372,7 +372,9 @@ def _activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
         local = config.local_shapes
         vocab_local = local.vocab_rows
         padded = local.padded_vocab_size > m.vocab_size
-        if fast:  # the chunked loss keeps d(loss)/d(head input) and d(loss)/d(weight) (fp32) from its forward
+        # the chunked loss keeps d(loss)/d(head input) and d(loss)/d(weight) (fp32) from its forward; preference
+        # losses weight each token's gradient by its pair's, so they take the whole logits whatever the kernels
+        if fast and config.data.type != "preference":
             saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e, fast, feeds_linear=False)
             saved += e * tokens * m.hidden_size + 4 * vocab_local * m.hidden_size
             chunk = min(tokens, default_chunk_tokens(tokens, vocab_local, m.hidden_size))
@@ -426,9 +428,10 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
         # a tied table held twice by one rank (the V's first and last stages) is one parameter
         params = [p for layer in _distinct_tables(chunks) for p in layer.states_params()]
         kinds = [[layer.kind for layer in chunk] for chunk in chunks]
-        per_chunk = [_activations(config, chunk_kinds, b, e, pp > 1, fast) for chunk_kinds in kinds]
+        rows = b * config.rows_per_sample  # a padded preference pair is two sequences
+        per_chunk = [_activations(config, chunk_kinds, rows, e, pp > 1, fast) for chunk_kinds in kinds]
         saved = [a for a, _, _ in per_chunk]
-        deferred = [deferred_weight_grad_bytes(config, chunk_kinds, b, e, fast) for chunk_kinds in kinds]
+        deferred = [deferred_weight_grad_bytes(config, chunk_kinds, rows, e, fast) for chunk_kinds in kinds]
         held, in_flight, pending = _held_peak(pipe.schedule, pp, rank, micro_batches, saved, deferred)
         result.stages.append(StageEstimate(
             stage=rank, decoder_layers=sum(k.count("DecoderLayerPipe") for k in kinds),

@@ -22,8 +22,11 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from llama_megatron.data.batch import MicroBatch, to_device
+from llama_megatron.data.sft_config import PreferenceData
 from llama_megatron.model.build import build_model
+from llama_megatron.model.preference import METRICS, preference_targets
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.engine.experts import global_grad_norm, initialize_engine
 from llama_megatron.training.engine.lr_schedule import build_scheduler
@@ -60,25 +63,36 @@ class TrainingEngine:
         self.model = model
         self._grad_norm: torch.Tensor | None = None
         self._expert_counts: torch.Tensor | None = None
+        if config.data.type == PreferenceData.type:
+            model.loss_fn.preference = config.preference.loss()
+        # preference pairs: the reference's log-probabilities [pairs of the data, 2] (chosen, rejected), by the
+        # pair's sample id; None while they are being computed (training/run/reference.py)
+        self.reference_logps: torch.Tensor | None = None
+        self._preference_sums: torch.Tensor | None = None
 
     def train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """One optimizer step over this rank's micro batches; the loss averaged over DP ranks, left on the device
         (reading it is a host sync: the loop does that only on logging steps)."""
-        self.model.loss_fn.expert_counts = None
+        loss_fn = self.model.loss_fn
+        loss_fn.expert_counts = loss_fn.preference_metrics = None
         loss = self._train_step(micro_batches)
-        self._expert_counts = self.model.loss_fn.expert_counts  # this step's routing, kept from evaluation's
+        self._expert_counts = loss_fn.expert_counts  # this step's routing, kept from evaluation's
+        self._preference_sums = loss_fn.preference_metrics
+        if self._preference_sums is not None:  # on the ranks holding the loss: the pairs they summed over
+            self._preference_sums = torch.cat([self._preference_sums.detach().float(), torch.tensor(
+                [float(sum(mb.pair_ids.numel() for mb in micro_batches))], device=self.device)])
         return loss
 
     def _train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         self.engine.train()
-        divisor = self._loss_divisor(micro_batches)
+        targets = self._loss_targets(micro_batches)
         if self.pipelined:
-            return self.engine.train_batch(data_iter=self._pipeline_batches(micro_batches, divisor))
+            return self.engine.train_batch(data_iter=self._pipeline_batches(micro_batches, targets))
         total = torch.zeros((), device=self.device)
         self._grad_norm = None
-        for mb in micro_batches:
+        for mb, target in zip(micro_batches, targets):
             mb = mb.to(self.device)
-            loss = self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, (mb.labels, divisor))
+            loss = self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, target)
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary() and not self.engine.zero_optimization():
                 # DeepSpeed clips plain (ZeRO-0) fp32 gradients without keeping the norm: measure it here,
@@ -91,22 +105,73 @@ class TrainingEngine:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
         self.engine.eval()
-        divisor = self._loss_divisor(micro_batches)
+        targets = self._loss_targets(micro_batches)
         if self.pipelined:
-            loss = float(self.engine.eval_batch(data_iter=self._pipeline_batches(micro_batches, divisor),
+            loss = float(self.engine.eval_batch(data_iter=self._pipeline_batches(micro_batches, targets),
                                                 num_micro_batches=len(micro_batches)))
         else:
             total = torch.zeros((), device=self.device)
-            for mb in micro_batches:
+            for mb, target in zip(micro_batches, targets):
                 mb = mb.to(self.device)
-                total += self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, (mb.labels, divisor)).float()
+                total += self.engine(mb.input_ids, mb.position_ids, mb.segment_ids, target).float()
             loss = float(self._dp_mean(total / len(micro_batches)))
         self.engine.train()
         return loss
 
-    def _pipeline_batches(self, micro_batches: list[MicroBatch], divisor: torch.Tensor | None):
+    def _pipeline_batches(self, micro_batches: list[MicroBatch], targets: list):
         """DeepSpeed's pipeline engine pulls ((inputs...), labels) tuples from an iterator."""
-        return iter([mb.to(self.device).pipeline_inputs(divisor) for mb in micro_batches])
+        return iter([(mb.to(self.device).model_inputs(), target) for mb, target in zip(micro_batches, targets)])
+
+    def _loss_targets(self, micro_batches: list[MicroBatch]) -> list:
+        """Each micro batch's second argument of the loss, on the device: its labels and the divisor of the loss
+        rule, or for preference pairs :func:`~llama_megatron.model.preference.preference_targets`; the labels alone
+        on pipeline stages without the loss."""
+        if micro_batches[0].pair_ids is not None:
+            return self._preference_targets(micro_batches)
+        divisor = self._loss_divisor(micro_batches)
+        return [to_device(mb.labels, self.device) if divisor is None else (to_device(mb.labels, self.device), divisor)
+                for mb in micro_batches]
+
+    def holds_loss(self) -> bool:
+        """This rank computes the loss (the last pipeline stage's ranks; every rank without a pipeline)."""
+        return not self.pipelined or self.engine.holds_loss()
+
+    def _preference_targets(self, micro_batches: list[MicroBatch]) -> list:
+        """The pair rule: each micro batch's loss is its pairs' losses summed over the global batch's pair count
+        (and ``sft``'s over its chosen completion tokens), both divided by M x DP for DeepSpeed's averaging over M
+        micro batches and DP x CP ranks (the CP ranks' gradients of a pair add up: model/preference.py)."""
+        labels = [to_device(mb.labels, self.device) for mb in micro_batches]
+        if not self.holds_loss():
+            return labels
+        pairs = sum(mb.pair_ids.numel() for mb in micro_batches)
+        chosen = sum(int(((mb.labels != IGNORE_INDEX) & (mb.sequence_ids >= 0) & (mb.sequence_ids % 2 == 0)).sum())
+                     for mb in micro_batches)
+        counts = to_device(torch.tensor([pairs, chosen], dtype=torch.int64), self.device)
+        if self.pctx.dp_cp_size > 1:
+            dist.all_reduce(counts, group=self.pctx.dp_cp_group)
+        counts = counts.double() / torch.tensor([self.pctx.cp_size, 1.0], dtype=torch.float64, device=self.device)
+        counts = (counts.clamp(min=1) / (len(micro_batches) * self.pctx.dp_size)).float()
+        return [preference_targets(label, counts, to_device(mb.sequence_ids, self.device), self._reference(mb))
+                for label, mb in zip(labels, micro_batches)]
+
+    def _reference(self, mb: MicroBatch) -> torch.Tensor:
+        """The reference's log-probabilities of the micro batch's sequences (zeros while they are computed)."""
+        if self.reference_logps is None:
+            return torch.zeros(2 * mb.pair_ids.numel(), device=self.device)
+        return to_device(self.reference_logps[mb.pair_ids].reshape(-1), self.device)
+
+    def preference_metrics(self) -> dict[str, float] | None:
+        """TRL's six preference metrics of the last training step (means over its global batch's pairs), on every
+        rank; None without preference data. One all-reduce over the world of the sums and their pair counts: they
+        live on the last stage, the same on each of its TP and CP ranks (so the copies cancel in the ratio)."""
+        if self.model.loss_fn.preference is None:
+            return None
+        sums = self._preference_sums
+        sums = torch.zeros(len(METRICS) + 1, device=self.device) if sums is None else sums.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        sums = sums.double()
+        return {name: float(value) for name, value in zip(METRICS, sums[:-1] / sums[-1].clamp(min=1))}
 
     def _loss_divisor(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """N / (M x DP x CP) of the loss rule (module docstring), on the device; None on pipeline stages without

@@ -6,6 +6,7 @@ import math
 import time
 
 from llama_megatron.checkpoint.meta import CheckpointMeta
+from llama_megatron.data.sft_config import PreferenceData
 from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.launch import barrier, launcher_chain, rendezvous_address
 from llama_megatron.training import checkpointing as ckpt
@@ -18,6 +19,7 @@ from llama_megatron.training.faults.watchdog import StallWatchdog
 from llama_megatron.training.pipeline.schedules import analytic_bubble
 from llama_megatron.training.run.batches import build_datasets, step_batches
 from llama_megatron.training.run.metrics import device_peak_tflops, format_eta
+from llama_megatron.training.run.reference import prepare_reference
 from llama_megatron.training.run.setup import Session, open_session
 
 
@@ -61,8 +63,10 @@ def _train(session: Session, config: TrainingConfig) -> dict:
         describe = getattr(ds, "describe", None)  # SFT datasets count truncated/dropped samples and row filling
         if describe is not None:
             log.info(f"{split} data: {describe()}")
+    if config.data.type == PreferenceData.type:
+        prepare_reference(session, [train_ds, valid_ds], log)
 
-    tokens_per_step = config.batch.global_batch_size * config.seq_length
+    tokens_per_step = config.batch.global_batch_size * config.rows_per_sample * config.seq_length
     # the full sequence length: under CP each rank attends over whole sequences for 1/CP of the heads, so the
     # step's FLOPs are those of the unsharded model, shared by all world_size ranks (per device: / world size)
     flops_per_step = training_flops_per_token(config.model, config.seq_length) * tokens_per_step
@@ -77,7 +81,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
         f"training {config.model.num_parameters() / 1e6:.1f}M parameters | tensor {pctx.tp_size} pipeline "
         f"{pctx.pp_size}{schedule} context {pctx.cp_size} "
         f"data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
-        f"{config.batch.global_batch_size} x {config.seq_length} tokens | steps {step + 1}..{config.train.steps}"
+        f"{config.batch.global_batch_size}{' pairs' if config.rows_per_sample == 2 else ''} x "
+        f"{config.rows_per_sample * config.seq_length} tokens | steps {step + 1}..{config.train.steps}"
     )
     train = config.train
     guard = StepGuard(train.max_bad_steps, train.loss_spike_factor, train.loss_spike_window, engine.device)
@@ -133,12 +138,18 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                 load = engine.expert_load()
                 if load is not None:
                     metrics["expert_load"] = load
+                preference = engine.preference_metrics()
+                if preference is not None:
+                    metrics.update(preference)
                 mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
                 line = (f"step {last.step}/{train.steps} | loss {_fmt(last.loss, 6)} | lr {metrics['lr']:.3e} | grad "
                         f"norm {_fmt(last.grad_norm, 4)} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s{mfu} | "
                         f"ETA {format_eta(seconds_per_step * (train.steps - step))}")
                 if load is not None:  # 1.0: every expert got its share (1 / experts) of the assignments
                     line += f" | expert load max/mean {max(load) * len(load):.2f}"
+                if preference is not None:
+                    line += (f" | reward margin {preference['rewards/margins']:.4f} accuracy "
+                             f"{preference['rewards/accuracies']:.3f}")
                 if last.bad:
                     line += f" | bad step: {metrics['bad_step']}"
                 if "val_loss" in metrics:

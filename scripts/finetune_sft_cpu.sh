@@ -6,12 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/finetune_base_cpu.sh
-export OMP_NUM_THREADS=1
-out=runs/sft-tiny-cpu
-.venv/bin/deepspeed --num_gpus 4 --module llama_megatron.train --config configs/finetune/sft-tiny-cpu.json "$@"
-.venv/bin/llama-megatron export --input "$out/checkpoints" --output "$out/hf" --tokenizer data/tokenizer --overwrite
-.venv/bin/deepspeed --num_gpus 2 --module llama_megatron generate --checkpoint "$out/checkpoints" \
-  --tokenizer data/tokenizer --prompts data/chat/sample_prompts.jsonl --max-new-tokens 48 \
-  --output "$out/answers.jsonl"
-.venv/bin/llama-megatron plot "$out" --output "$out/metrics.png"
-echo "fine-tuned (HF): $out/hf  answers: $out/answers.jsonl  metrics: $out/metrics.jsonl"
+bash scripts/finetune_run_cpu.sh configs/finetune/sft-tiny-cpu.json runs/sft-tiny-cpu "$@"

@@ -169,7 +169,7 @@ def test_the_four_shipped_files_make_the_same_samples(tmp_path) -> None:
 
 def test_build_chat_script_reproduces_the_shipped_files(tmp_path) -> None:
     subprocess.run([sys.executable, str(CHAT / "build_chat.py"), str(tmp_path)], check=True, capture_output=True)
-    for fmt in FORMATS:
+    for fmt in (*FORMATS, "preference"):
         assert (tmp_path / f"chat_{fmt}.jsonl").read_bytes() == (CHAT / f"chat_{fmt}.jsonl").read_bytes(), fmt
     provenance = (CHAT / "README.md").read_text(encoding="utf-8")
     assert "build_chat.py" in provenance and "public domain" in provenance.lower()

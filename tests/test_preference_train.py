@@ -5,12 +5,18 @@ prompt ends in a space) by ``DPOTrainer`` (one batch of all twelve per step, its
 us from the same weights converted to TP1 and TP2 (a global batch of the twelve pairs cut into micro batches; the
 reference log-probabilities computed before the first step), for ``sigmoid`` at TP1, TP2 with SP, TP2 x PP2 and CP2,
 and for ``ipo`` and ``["sigmoid", "sft"]`` at TP1 and TP2 x PP2; and LoRA adapters (the frozen base) against TRL +
-PEFT, whose reference is the model with its adapters disabled, at TP1 and TP2 with SP: each step's loss and each metric TRL logs (rewards
+PEFT, whose reference is the model with its adapters disabled, at TP1 and TP2 with SP; and packed rows (whole
+pairs first-fit in rows, per-document attention, a global batch of every row) at TP1 and TP2 x PP2: each step's loss and each metric TRL logs (rewards
 chosen/rejected/accuracies/margins, logps chosen/rejected) within 1e-4 relative (rewards near zero: 1e-5 absolute,
 a few float32 ulps of a sequence's log-probability times beta). At the first step the policy is the reference, so
 every reward is 0 up to the rounding of a pass with gradients against one without (TP > 1, CP > 1: an ulp here and
 there; TRL's own reference pass rounds alike), and a tie's accuracy depends on that last bit: accuracies are
 compared from the second step on.
+
+Whole runs on the shipped pairs (data/chat/chat_preference.jsonl, sequences cut at 64 tokens, four steps of eight
+samples in micro batches of two, evaluation every two steps): TP2 x PP2 with SP, padded and packed (two 64-token
+sequences per 129-token row), and a bf16 TP2 x PP2 run against the TP1-PP1 runs of the same rows; the TP1-PP1 checkpoint of step 2 resumed to step 4 (its reference table read back, not recomputed); and the
+config's refusals.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from chat_families import TOKENIZER, preference_records, write_templates
 from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
 
+from llama_megatron.errors import ConfigError
 from llama_megatron.model.preference import METRICS
 from llama_megatron.training.config import TrainingConfig
 
@@ -44,6 +51,9 @@ LAYOUTS.update({  # LoRA adapters on the frozen base, against TRL + PEFT (its re
     "lora-tp2-sp": (2, 2, ["parallel.tensor=2", "parallel.sequence_parallel=true", "batch.micro_batch_size=6", ZERO1,
                            f"lora={json.dumps(LORA)}"]),
 })
+PACKED = "PACKED"  # the packed rows' overrides, known once the pairs are tokenised (trl_case)
+LAYOUTS.update({"packed-tp1": (1, 1, [PACKED]), "packed-tp2-pp2": (2, 4, ["parallel.tensor=2", "parallel.pipeline=2",
+                                                                      ZERO1, PACKED])})
 CASES = ([("sigmoid", layout) for layout in LAYOUTS] + [(loss, layout) for loss in ("ipo", "sigmoid+sft")
                                                         for layout in ("tp1", "tp2-pp2")])
 
@@ -131,7 +141,19 @@ def trl_case(tmp_path_factory) -> dict:
                  "optimizer.decay_steps=null", "optimizer.weight_decay=0.0", "optimizer.clip_grad=1.0",
                  "optimizer.betas=[0.9,0.999]", "optimizer.eps=1e-8", "eval.interval=0", "checkpoint.finetune=true",
                  f"preference.beta={BETA}"]
-    return {"cases": cases, "overrides": overrides, "out": out}
+    # packed: whole pairs in rows of two longest sequences, a global batch of every row (so of every pair)
+    from llama_megatron.data.config import data_config_from_dict
+
+    packed_seq = -(-(2 * longest - 1) // 8) * 8
+    data = data_config_from_dict({"type": "preference", "path": str(jsonl), "chat_template": template, "pack": True,
+                                  "max_length": longest, "split": "100,0,0", "cache_dir": str(out / "cache")})
+    data.prepare(TOKENIZER)
+    rows = data.build(packed_seq, config.seed, (len(records), 0, 0), config.model.vocab_size, None)[0]
+    packed_rows = rows.stats["rows_per_epoch"]
+    assert packed_rows < len(records), "some rows should hold several pairs"
+    packed = ["data.pack=true", f"data.max_length={longest}", f"seq_length={packed_seq}",
+              f"batch.global_batch_size={packed_rows}", "batch.micro_batch_size=1"]
+    return {"cases": cases, "overrides": overrides, "out": out, "packed": packed}
 
 
 def _name(loss: str, layout: str) -> str:
@@ -147,7 +169,7 @@ def runs(trl_case) -> dict[str, dict]:
         by_procs.setdefault(procs, []).append(train_args(CONFIG, [
             *trl_case["overrides"], f"data.cache_dir={out / 'cache'}", f"checkpoint.load={out / f'tp{tp}'}",
             f"preference.loss_type={json.dumps(LOSSES[loss])}", f"output_dir={out / _name(loss, layout)}",
-            *overrides]))
+            *[item for o in overrides for item in (trl_case["packed"] if o == PACKED else [o])]]))
     for procs, args in sorted(by_procs.items()):
         launch_many(procs, args, str(out / f"runs-{procs}.json"))
     found = {}
@@ -173,3 +195,104 @@ def test_whole_batch_steps_equal_trl_dpo_trainer(loss, layout, runs, trl_case) -
                 continue
             assert got["metrics"][step][name] == pytest.approx(value, rel=REL, abs=ABS), f"step {step} {name}"
     assert want["losses"][STEPS] < want["losses"][1], "the steps should train"
+
+
+# --- whole runs on the shipped pairs: layouts against TP1-PP1, packed against padded, resume, bf16 -------------------
+
+PAIRS = os.path.join(ROOT, "data", "chat", "chat_preference.jsonl")
+RUN_STEPS, HALF = 4, 2
+TP2_PP2_SP = ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true", ZERO1]
+WHOLE = {  # name -> (processes, overrides); padded rows of 65 tokens, packed of 129: the same 64-token sequences
+    "padded": (1, []),
+    "packed": (1, ["data.pack=true", "seq_length=128"]),
+    "padded-tp2-pp2-sp": (4, TP2_PP2_SP),
+    "packed-tp2-pp2-sp": (4, [*TP2_PP2_SP, "data.pack=true", "seq_length=128"]),
+    "padded-tp2-pp2-sp-bf16": (4, [*TP2_PP2_SP[:-1], "deepspeed_config=ds_configs/zero1_bf16.json"]),
+}
+BF16_REL = 2e-2  # bf16 weights against the fp32 reference: bf16's precision, not an exactness claim
+
+
+@pytest.fixture(scope="module")
+def whole_runs(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("dpo-runs")
+    base = [f"data.path={PAIRS}", "data.type=preference", "data.max_length=64", "data.split=90,10,0",
+            f"data.cache_dir={work / 'cache'}", "seq_length=64", f"train.steps={RUN_STEPS}", "eval.interval=2",
+            "batch.micro_batch_size=2", "batch.global_batch_size=8", "preference.beta=0.5", "optimizer.lr=5e-4",
+            "optimizer.min_lr=5e-5"]
+
+    def run(name: str, *overrides: str) -> list[str]:
+        return train_args(CONFIG, [*base, f"output_dir={work / name}", *overrides])
+
+    single = [run(name, *overrides) for name, (procs, overrides) in WHOLE.items() if procs == 1]
+    single[0] += ["--set", f"checkpoint.save={work / 'ckpt'}", "--set", f"checkpoint.interval={HALF}"]
+    single.append(run("resumed", f"checkpoint.load={work / 'ckpt'}", f"checkpoint.tag=global_step{HALF}"))
+    result = launch_many(1, single, str(work / "single.json"))
+    launch_many(4, [run(name, *overrides) for name, (procs, overrides) in WHOLE.items() if procs == 4],
+                str(work / "four.json"))
+    found = {"stdout": result.stdout, "work": work}
+    for name in [*WHOLE, "resumed"]:
+        found[name] = {"loss": losses(str(work / name)), "val": losses(str(work / name), "val_loss"),
+                       "margins": losses(str(work / name), "rewards/margins")}
+    return found
+
+
+@pytest.mark.parametrize("name", [n for n in WHOLE if n not in ("padded", "packed")])
+def test_whole_runs_match_the_single_process_run(name, whole_runs) -> None:
+    """TP2 x PP2 with SP, padded or packed, and bf16 train the TP1-PP1 run's model (of the same rows: a packed
+    sample is a row of pairs): losses, validation losses and reward margins per step (fp32 1e-4 relative; bf16
+    2e-2)."""
+    want, got = whole_runs["packed" if name.startswith("packed") else "padded"], whole_runs[name]
+    rel = BF16_REL if "bf16" in name else REL
+    assert_losses_close(got["loss"], want["loss"], rel, range(1, RUN_STEPS + 1))
+    assert_losses_close(got["val"], want["val"], rel, [2, 4])
+    for step in range(2, RUN_STEPS + 1):  # step 1's margins are 0 up to rounding (the policy is the reference)
+        assert got["margins"][step] == pytest.approx(want["margins"][step], rel=rel * 10, abs=ABS)
+
+
+def test_a_resume_reads_its_reference_and_continues_exactly(whole_runs) -> None:
+    want, got = whole_runs["padded"], whole_runs["resumed"]
+    assert sorted(got["loss"]) == list(range(HALF + 1, RUN_STEPS + 1))
+    assert_losses_close(got["loss"], want["loss"], 1e-6, range(HALF + 1, RUN_STEPS + 1))
+    stdout = whole_runs["stdout"]
+    computed = [line for line in stdout.splitlines() if line.startswith("reference log-probabilities")]
+    assert "computed, stored in" in computed[0] and "read from" in computed[-1], computed
+    record = json.loads((whole_runs["work"] / "ckpt" / "preference_reference.json").read_text())
+    assert os.path.isfile(record["table"]) and record["key"] in record["table"]
+    assert want["loss"][1] == pytest.approx(0.6931471805599453, rel=1e-6), "step 1: the policy is the reference"
+    # the policy moves off the reference (the falling loss of repeated batches is TRL's case above; here each step
+    # sees new pairs, whose answers are other pairs' chosen ones)
+    assert abs(want["margins"][RUN_STEPS]) > 0.05
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["preference.beta=0.2"], "the preference section sets the loss of preference pairs, and data.type is 'sft'"),
+    (["data.type=preference", "preference.loss_type=aot"], "preference.loss_type 'aot' is not one of"),
+    (["data.type=preference", "preference.loss_type=[\"sigmoid\",\"sft\"]", "preference.loss_weights=[1.0]"],
+     "preference.loss_weights has 1 weights for 2 loss types"),
+    (["data.type=preference", "data.pack=true", "data.max_length=64"],
+     "data.max_length 64 does not fit rows of seq_length \\+ 1 = 65 tokens twice"),
+])
+def test_the_config_refuses_what_cannot_run(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainingConfig.from_file(CONFIG, [f"data.path={PAIRS}", *overrides]).validate()
+
+
+def test_estimate_counts_a_padded_pair_as_two_rows() -> None:
+    """A micro batch of b padded pairs holds what a micro batch of 2b SFT rows holds, but the whole logits of the
+    loss (the chunked head cannot weight tokens by their pair); packed pairs are rows as SFT's are."""
+    from llama_megatron.training.diagnostics.memory_estimate import estimate
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+
+    def stage(*overrides: str):
+        config = TrainingConfig.from_file(CONFIG, [f"data.path={PAIRS}", "kernels=reference",
+                                                   "batch.global_batch_size=8", *overrides])
+        return estimate(config, build_deepspeed_config(config, None, 1), 1).stages[0]
+
+    pairs, rows = stage("data.type=preference", "batch.micro_batch_size=2"), stage("batch.micro_batch_size=4")
+    assert pairs.activations_per_micro_batch == rows.activations_per_micro_batch
+    assert pairs.logits == rows.logits
+    packed = stage("data.type=preference", "data.pack=true", "data.max_length=32", "batch.micro_batch_size=2")
+    assert packed.activations_per_micro_batch == stage("batch.micro_batch_size=2").activations_per_micro_batch
+    compiled = [stage(*o, "kernels=compiled") for o in (("data.type=preference", "batch.micro_batch_size=2"),
+                                                           ("batch.micro_batch_size=4",))]
+    assert compiled[0].logits > compiled[1].logits, "the chunked loss keeps one chunk of logits, pairs all of them"

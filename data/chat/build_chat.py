@@ -1,4 +1,5 @@
-"""Write the shipped chat set (data/chat/chat_*.jsonl): templated questions and answers, in the four SFT formats.
+"""Write the shipped chat set (data/chat/chat_*.jsonl): templated questions and answers, in the four SFT formats,
+and as preference pairs (chat_preference.jsonl: the answer chosen, another question's answer rejected).
 
     python data/chat/build_chat.py [OUTPUT_DIR]        # default: the directory of this script
 
@@ -177,13 +178,26 @@ WRITERS = {"messages": as_messages, "sharegpt": as_sharegpt, "alpaca": as_alpaca
            "prompt_completion": as_prompt_completion}
 
 
+def preference_pairs(convs: list[list[dict]]) -> list[dict]:
+    """TRL's explicit-prompt preference pairs: every turn before the last answer is the prompt, the answer is
+    chosen, and the answer of the conversation half the set away (to another question) is rejected."""
+    pairs = []
+    for i, conv in enumerate(convs):
+        other = convs[(i + len(convs) // 2) % len(convs)][-1]
+        pairs.append({"prompt": conv[:-1], "chosen": conv[-1:], "rejected": [other]})
+    return pairs
+
+
 def main(out_dir: str) -> None:
     convs = conversations()
     for name, writer in WRITERS.items():
         with open(os.path.join(out_dir, f"chat_{name}.jsonl"), "w", encoding="utf-8", newline="\n") as fh:
             for conv in convs:
                 fh.write(json.dumps(writer(conv), ensure_ascii=False) + "\n")
-    print(f"wrote {len(convs)} conversations in {len(WRITERS)} formats to {out_dir}")
+    with open(os.path.join(out_dir, "chat_preference.jsonl"), "w", encoding="utf-8", newline="\n") as fh:
+        for pair in preference_pairs(convs):
+            fh.write(json.dumps(pair, ensure_ascii=False) + "\n")
+    print(f"wrote {len(convs)} conversations in {len(WRITERS)} formats, and as preference pairs, to {out_dir}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ def evaluate(session: Session, valid_ds) -> dict:
         raise ConfigError("evaluation needs a validation split (data.split gives it no documents)")
     batches = [mb for batch in step_batches(valid_ds, config, session.pctx, 0, config.eval.iters) for mb in batch]
     loss = session.engine.eval_loss(batches)
+    if config.data.type == PreferenceData.type:  # a preference loss is no token mean: no perplexity
+        return {"val_loss": loss}
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
@@ -37,9 +39,11 @@ def run_evaluation(config: TrainingConfig, ds_source=None) -> dict:
     """Evaluate ``checkpoint.load`` (or the seeded model) on the validation split; one metrics record."""
     session = open_session(config, ds_source, mode="evaluate")
     _, valid_ds, _ = build_datasets(config, session.pre.eod_id)
+    if config.data.type == PreferenceData.type:
+        prepare_reference(session, [valid_ds], session.log, evaluation=True)
     result = {"step": session.step, **evaluate(session, valid_ds)}
-    session.log.log(session.step, result, f"eval step {session.step} | val loss {result['val_loss']:.6f} | "
-                    f"val ppl {result['val_ppl']:.3f}")
+    ppl = f" | val ppl {result['val_ppl']:.3f}" if "val_ppl" in result else ""
+    session.log.log(session.step, result, f"eval step {session.step} | val loss {result['val_loss']:.6f}{ppl}")
     session.close()
     return result
 
@@ -153,7 +157,9 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                 if last.bad:
                     line += f" | bad step: {metrics['bad_step']}"
                 if "val_loss" in metrics:
-                    line += f" | val loss {metrics['val_loss']:.6f} | val ppl {metrics['val_ppl']:.3f}"
+                    line += f" | val loss {metrics['val_loss']:.6f}"
+                if "val_ppl" in metrics:
+                    line += f" | val ppl {metrics['val_ppl']:.3f}"
                 log.log(last.step, metrics, line)
                 last_metrics = metrics
                 window_start, window_steps = time.perf_counter(), 0

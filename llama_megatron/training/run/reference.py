@@ -84,10 +84,12 @@ def _resumed_key(session: Session) -> str:
                               "log-probabilities of its start, which it names") from None
 
 
-def prepare_reference(session: Session, datasets: list, log) -> None:
-    """Set ``session.engine.reference_logps``: read the stored table of this run's start, or compute and store it."""
+def prepare_reference(session: Session, datasets: list, log, evaluation: bool = False) -> None:
+    """Set ``session.engine.reference_logps``: read the stored table of this run's start (a resume, or the
+    evaluation of a preference run's checkpoint: the one its directory names), or compute and store it."""
     config, engine = session.config, session.engine
-    resumed = session.pre.checkpoint is not None and not config.checkpoint.finetune and session.step > 0
+    resumed = session.pre.checkpoint is not None and not config.checkpoint.finetune and (
+        session.step > 0 or evaluation)
     key = _resumed_key(session) if resumed else reference_key(session)
     path = _table_path(session, key)
     if os.path.isfile(path):
@@ -107,7 +109,7 @@ def prepare_reference(session: Session, datasets: list, log) -> None:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
         log.info(f"reference log-probabilities of {table.shape[0]:,} pairs computed, stored in {path}")
-    if config.checkpoint.save and session.pctx.rank == 0:
+    if config.checkpoint.save and session.pctx.rank == 0 and not evaluation:
         os.makedirs(config.checkpoint.save, exist_ok=True)
         write_text_atomic(os.path.join(config.checkpoint.save, RECORD_FILE), json.dumps({"key": key, "table": path}))
     engine.reference_logps = torch.from_numpy(np.asarray(table, dtype=np.float32))

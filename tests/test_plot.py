@@ -47,6 +47,21 @@ def test_plot_of_two_runs(tmp_path) -> None:
     assert plot_runs([a], out, "step") == out and os.path.getsize(out) > 0
 
 
+def test_a_preference_run_adds_its_reward_panels(tmp_path) -> None:
+    """Reward margin and accuracy panels when a run logged them; a padded pair's two rows count as its tokens."""
+    import matplotlib.image
+
+    plain = str(tmp_path / "plain.png")
+    plot_runs([_run_dir(tmp_path / "sft", INFO)], plain, "step")
+    run = _run_dir(tmp_path / "dpo", {**INFO, "rows_per_sample": 2})
+    with open(os.path.join(run, "metrics.jsonl"), "a") as fh:
+        fh.write(json.dumps({"step": 7, "loss": 0.5, "rewards/margins": 0.8, "rewards/accuracies": 0.75}) + "\n")
+    assert read_run(run).tokens_per_sample == 2 * INFO["seq_length"]
+    out = str(tmp_path / "dpo.png")
+    plot_runs([run], out, "step")
+    assert matplotlib.image.imread(out).shape[0] == matplotlib.image.imread(plain).shape[0] * 6 // 4
+
+
 def test_bad_inputs_are_one_line_errors_and_write_nothing(tmp_path) -> None:
     with pytest.raises(ConfigError, match="has no metrics.jsonl"):
         plot_runs([str(tmp_path / "missing")], str(tmp_path / "x.png"))

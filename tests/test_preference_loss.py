@@ -30,7 +30,7 @@ RECORDS = [
     {"prompt": "Name a colour:", "chosen": " blue", "rejected": " the sound of rain on a roof"},
     {"prompt": "Say hello", "chosen": " Hello there, friend!", "rejected": " no"},
 ]
-SETTINGS = {name: {} for name in LOSS_TYPES}
+SETTINGS = {name: {} for name in LOSS_TYPES if name not in ("simpo", "orpo")}  # DPOTrainer's; those two below
 SETTINGS.update({"robust": {"label_smoothing": 0.1}, "exo_pair": {"label_smoothing": 1e-3},
                  "discopop": {"discopop_tau": 0.2}})
 COMBINED = {"sigmoid+sft": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
@@ -120,3 +120,38 @@ def test_losses_and_metrics_equal_trl(trl_setup, name) -> None:
 def test_settings_are_checked(settings, message) -> None:
     problems = PreferenceLossConfig(**settings).problems()
     assert len(problems) == 1 and message in problems[0]
+
+
+@pytest.mark.parametrize("name, settings", [("simpo", {}), ("simpo", {"label_smoothing": 0.2, "simpo_gamma": 1.0}),
+                                            ("orpo", {})])
+def test_reference_free_losses_equal_trls_own(name, settings) -> None:
+    """SimPO as TRL's ``CPOTrainer.cpo_loss`` (loss_type simpo) and ORPO's odds-ratio term as
+    ``ORPOTrainer.odds_ratio_loss`` compute them from the completions' mean token log-probabilities (their
+    ``average_log_prob``), each called on the same values; ours from summed log-probabilities and token counts,
+    in two micro batches over the whole batch's pair count. No reference enters either."""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    generator = torch.Generator().manual_seed(3)
+    pairs = 6
+    tokens = torch.randint(3, 40, (2, pairs), generator=generator).float()
+    sums = -tokens * (0.2 + 3 * torch.rand(2, pairs, generator=generator))  # mean token log-probs in [-3.2, -0.2]
+    config = PreferenceLossConfig(loss_type=(name,), beta=0.3, **settings)
+    assert config.problems() == [] and not config.needs_reference
+    trainer = SimpleNamespace(beta=config.beta, label_smoothing=config.label_smoothing, loss_type=name, alpha=0.0,
+                              simpo_gamma=config.simpo_gamma, accelerator=SimpleNamespace(device="cpu"))
+    means = sums / tokens
+    if name == "simpo":
+        losses = CPOTrainer.cpo_loss(trainer, means[0], means[1])[0]
+    else:  # ORPO's loss is its NLL minus the mean of these
+        losses = -ORPOTrainer.odds_ratio_loss(trainer, means[0], means[1])[0]
+    zeros = torch.zeros(pairs)
+    ours = 0.0
+    for micro in (slice(0, 2), slice(2, pairs)):
+        logps = PairLogProbs(sums[0, micro], sums[1, micro], zeros[micro], zeros[micro], tokens[0, micro],
+                             tokens[1, micro])
+        ours += float(preference_loss(config, logps, BatchCounts(pairs=pairs, chosen_tokens=1)))
+    assert ours == pytest.approx(float(losses.mean()), rel=1e-6)

@@ -3,20 +3,21 @@
 A random HF LLaMA (the e2e model) is tuned on twelve preference pairs (implicit prompt, a template whose generation
 prompt ends in a space) by ``DPOTrainer`` (one batch of all twelve per step, its reference a copy of the start) and by
 us from the same weights converted to TP1 and TP2 (a global batch of the twelve pairs cut into micro batches; the
-reference log-probabilities computed before the first step), for ``sigmoid`` at TP1, TP2 with SP, TP2 x PP2 and CP2,
-and for ``ipo`` and ``["sigmoid", "sft"]`` at TP1 and TP2 x PP2; and LoRA adapters (the frozen base) against TRL +
-PEFT, whose reference is the model with its adapters disabled, at TP1 and TP2 with SP; and packed rows (whole
-pairs first-fit in rows, per-document attention, a global batch of every row) at TP1 and TP2 x PP2: each step's loss and each metric TRL logs (rewards
-chosen/rejected/accuracies/margins, logps chosen/rejected) within 1e-4 relative (rewards near zero: 1e-5 absolute,
-a few float32 ulps of a sequence's log-probability times beta). At the first step the policy is the reference, so
-every reward is 0 up to the rounding of a pass with gradients against one without (TP > 1, CP > 1: an ulp here and
-there; TRL's own reference pass rounds alike), and a tie's accuracy depends on that last bit: accuracies are
-compared from the second step on.
+reference log-probabilities computed before the first step): ``sigmoid``, ``ipo`` and ``["sigmoid", "sft"]`` at TP1,
+TP2 with SP, TP2 x PP2 and CP2; LoRA adapters on the frozen base against TRL + PEFT (its reference: the adapters
+disabled) at TP1 and TP2 with SP; packed rows (whole pairs first-fit, per-document attention, a global batch of every
+row) at TP1 and TP2 x PP2. Each step's loss and each metric TRL logs (rewards chosen/rejected/accuracies/margins,
+logps chosen/rejected) within 1e-4 relative (rewards near zero: 1e-5 absolute, a few float32 ulps of a sequence's
+log-probability times beta). At the first step the policy is the reference, so every reward is 0 up to the rounding
+of a pass with gradients against one without (TP > 1, CP > 1: an ulp here and there; TRL's own reference pass rounds
+alike), and a tie's accuracy depends on that last bit: accuracies are compared from the second step on.
 
 Whole runs on the shipped pairs (data/chat/chat_preference.jsonl, sequences cut at 64 tokens, four steps of eight
 samples in micro batches of two, evaluation every two steps): TP2 x PP2 with SP, padded and packed (two 64-token
-sequences per 129-token row), and a bf16 TP2 x PP2 run against the TP1-PP1 runs of the same rows; the TP1-PP1 checkpoint of step 2 resumed to step 4 (its reference table read back, not recomputed); and the
-config's refusals.
+sequences per 129-token row), and a bf16 TP2 x PP2 run against the TP1-PP1 runs of the same rows; the TP1-PP1
+checkpoint of step 2 resumed to step 4 and the step-4 one evaluated (their reference table read back, not
+recomputed); an ORPO run (reference-free:
+no reference pass); the config's refusals; the estimate's rows.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ PACKED = "PACKED"  # the packed rows' overrides, known once the pairs are tokeni
 LAYOUTS.update({"packed-tp1": (1, 1, [PACKED]), "packed-tp2-pp2": (2, 4, ["parallel.tensor=2", "parallel.pipeline=2",
                                                                       ZERO1, PACKED])})
 CASES = ([("sigmoid", layout) for layout in LAYOUTS] + [(loss, layout) for loss in ("ipo", "sigmoid+sft")
-                                                        for layout in ("tp1", "tp2-pp2")])
+                                                        for layout in ("tp1", "tp2-sp", "tp2-pp2", "cp2")])
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +161,7 @@ def _name(loss: str, layout: str) -> str:
     return f"{loss}-{layout}"
 
 
-@pytest.fixture(scope="module")
-def runs(trl_case) -> dict[str, dict]:
+def _trl_run_args(trl_case) -> dict[int, list]:
     out = trl_case["out"]
     by_procs: dict[int, list] = {}
     for loss, layout in CASES:
@@ -170,11 +170,26 @@ def runs(trl_case) -> dict[str, dict]:
             *trl_case["overrides"], f"data.cache_dir={out / 'cache'}", f"checkpoint.load={out / f'tp{tp}'}",
             f"preference.loss_type={json.dumps(LOSSES[loss])}", f"output_dir={out / _name(loss, layout)}",
             *[item for o in overrides for item in (trl_case["packed"] if o == PACKED else [o])]]))
-    for procs, args in sorted(by_procs.items()):
-        launch_many(procs, args, str(out / f"runs-{procs}.json"))
+    return by_procs
+
+
+@pytest.fixture(scope="module")
+def launched(trl_case, tmp_path_factory) -> dict:
+    """Every run of this file in one launch per process count (the whole runs first: their log is read in order)."""
+    work = tmp_path_factory.mktemp("dpo-runs")
+    by_procs = _whole_run_args(work)
+    for procs, args in _trl_run_args(trl_case).items():
+        by_procs.setdefault(procs, []).extend(args)
+    results = {procs: launch_many(procs, args, str(work / f"runs-{procs}.json"))
+               for procs, args in sorted(by_procs.items())}
+    return {"stdout": results[1].stdout, "work": work}
+
+
+@pytest.fixture(scope="module")
+def runs(trl_case, launched) -> dict[str, dict]:
     found = {}
     for loss, layout in CASES:
-        run_dir = out / _name(loss, layout)
+        run_dir = trl_case["out"] / _name(loss, layout)
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl", encoding="utf-8")]
         found[_name(loss, layout)] = {"loss": losses(str(run_dir)),
                                       "metrics": {r["step"]: r for r in records if METRICS[0] in r}}
@@ -212,9 +227,7 @@ WHOLE = {  # name -> (processes, overrides); padded rows of 65 tokens, packed of
 BF16_REL = 2e-2  # bf16 weights against the fp32 reference: bf16's precision, not an exactness claim
 
 
-@pytest.fixture(scope="module")
-def whole_runs(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("dpo-runs")
+def _whole_run_args(work) -> dict[int, list]:
     base = [f"data.path={PAIRS}", "data.type=preference", "data.max_length=64", "data.split=90,10,0",
             f"data.cache_dir={work / 'cache'}", "seq_length=64", f"train.steps={RUN_STEPS}", "eval.interval=2",
             "batch.micro_batch_size=2", "batch.global_batch_size=8", "preference.beta=0.5", "optimizer.lr=5e-4",
@@ -226,11 +239,16 @@ def whole_runs(tmp_path_factory) -> dict:
     single = [run(name, *overrides) for name, (procs, overrides) in WHOLE.items() if procs == 1]
     single[0] += ["--set", f"checkpoint.save={work / 'ckpt'}", "--set", f"checkpoint.interval={HALF}"]
     single.append(run("resumed", f"checkpoint.load={work / 'ckpt'}", f"checkpoint.tag=global_step{HALF}"))
-    result = launch_many(1, single, str(work / "single.json"))
-    launch_many(4, [run(name, *overrides) for name, (procs, overrides) in WHOLE.items() if procs == 4],
-                str(work / "four.json"))
-    found = {"stdout": result.stdout, "work": work}
-    for name in [*WHOLE, "resumed"]:
+    single.append(run("orpo", 'preference.loss_type=["sft","orpo"]'))  # reference-free: no reference pass
+    single.append(run("evaluated", f"checkpoint.load={work / 'ckpt'}") + ["--eval-only"])  # the step-4 checkpoint
+    return {1: single, 4: [run(name, *overrides) for name, (procs, overrides) in WHOLE.items() if procs == 4]}
+
+
+@pytest.fixture(scope="module")
+def whole_runs(launched) -> dict:
+    work = launched["work"]
+    found = {"stdout": launched["stdout"], "work": work}
+    for name in [*WHOLE, "resumed", "orpo", "evaluated"]:
         found[name] = {"loss": losses(str(work / name)), "val": losses(str(work / name), "val_loss"),
                        "margins": losses(str(work / name), "rewards/margins")}
     return found
@@ -254,8 +272,16 @@ def test_a_resume_reads_its_reference_and_continues_exactly(whole_runs) -> None:
     assert sorted(got["loss"]) == list(range(HALF + 1, RUN_STEPS + 1))
     assert_losses_close(got["loss"], want["loss"], 1e-6, range(HALF + 1, RUN_STEPS + 1))
     stdout = whole_runs["stdout"]
-    computed = [line for line in stdout.splitlines() if line.startswith("reference log-probabilities")]
-    assert "computed, stored in" in computed[0] and "read from" in computed[-1], computed
+    # the launch's first runs: padded and packed compute theirs (other rows, another key), the resume and the
+    # evaluation read; ORPO, between them, needs none
+    computed = [line for line in stdout.splitlines() if line.startswith("reference log-probabilities")][:4]
+    assert "computed, stored in" in computed[0] and "computed, stored in" in computed[1], computed
+    assert "read from" in computed[2] and computed[2].endswith(computed[0].split("stored in ")[1]), computed
+    assert "read from" in computed[3] and computed[3].endswith(computed[0].split("stored in ")[1])
+    assert whole_runs["evaluated"]["val"] == pytest.approx({RUN_STEPS: want["val"][RUN_STEPS]}, rel=1e-6), (
+        "evaluating the step-4 checkpoint against its run's reference gives the run's validation loss")
+    orpo = whole_runs["orpo"]["loss"]
+    assert sorted(orpo) == list(range(1, RUN_STEPS + 1)) and orpo[1] > 1.0, "ORPO's loss starts at its NLL"
     record = json.loads((whole_runs["work"] / "ckpt" / "preference_reference.json").read_text())
     assert os.path.isfile(record["table"]) and record["key"] in record["table"]
     assert want["loss"][1] == pytest.approx(0.6931471805599453, rel=1e-6), "step 1: the policy is the reference"

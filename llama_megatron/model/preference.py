@@ -32,20 +32,28 @@ from llama_megatron.parallel.context import ParallelContext
 
 # every loss this module computes; each needs the four log-probabilities, some the completions' token counts too
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
-              "apo_down", "discopop", "sft", "sigmoid_norm")
+              "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
+# the losses that never read the reference (TRL's CPOTrainer "simpo", ORPOTrainer's odds ratio, the NLL): a run of
+# only these needs no reference pass
+REFERENCE_FREE = ("simpo", "orpo", "sft")
 
 
 @dataclass(frozen=True)
 class PreferenceLossConfig:
     """TRL's ``DPOConfig`` names: ``loss_type`` (one or several, summed with ``loss_weights``, default 1 each),
-    ``beta`` (the reward scale), ``label_smoothing`` (``robust`` and ``exo_pair``: the probability a label is
-    flipped) and ``discopop_tau``."""
+    ``beta`` (the reward scale), ``label_smoothing`` (``robust``, ``exo_pair`` and ``simpo``: the probability a
+    label is flipped), ``discopop_tau`` and ``CPOConfig``'s ``simpo_gamma`` (SimPO's target margin)."""
 
     loss_type: tuple[str, ...] = ("sigmoid",)
     loss_weights: tuple[float, ...] | None = None
     beta: float = 0.1
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
+
+    @property
+    def needs_reference(self) -> bool:
+        return any(name not in REFERENCE_FREE for name in self.loss_type)
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one line each (empty: nothing)."""
@@ -64,6 +72,8 @@ class PreferenceLossConfig:
             found.append("preference.loss_type exo_pair needs label_smoothing > 0 (its target is 1 - eps, eps)")
         if not self.discopop_tau > 0:
             found.append(f"preference.discopop_tau must be > 0 (got {self.discopop_tau})")
+        if not self.simpo_gamma >= 0:
+            found.append(f"preference.simpo_gamma must be >= 0 (got {self.simpo_gamma})")
         return found
 
     @property
@@ -125,7 +135,21 @@ def pair_losses(config: PreferenceLossConfig, name: str, logps: PairLogProbs) ->
     if name == "discopop":
         mix = torch.sigmoid(margin / config.discopop_tau)
         return -F.logsigmoid(margin) * (1 - mix) + torch.exp(-margin) * mix
+    # reference-free, over the completions' mean token log-probabilities (TRL's average_log_prob)
+    chosen_mean = logps.chosen / logps.chosen_tokens.clamp(min=1)
+    rejected_mean = logps.rejected / logps.rejected_tokens.clamp(min=1)
+    if name == "simpo":  # CPOTrainer's loss_type "simpo" (SimPO: a target margin gamma, no reference)
+        logits = chosen_mean - rejected_mean - config.simpo_gamma / beta
+        return -F.logsigmoid(beta * logits) * (1 - eps) - F.logsigmoid(-beta * logits) * eps
+    if name == "orpo":  # ORPOTrainer's odds-ratio term (its whole loss adds the NLL: ["sft", "orpo"])
+        log_odds = (chosen_mean - rejected_mean) - (_log1mexp(chosen_mean) - _log1mexp(rejected_mean))
+        return -beta * F.logsigmoid(log_odds)
     raise ValueError(f"no pair loss {name!r}")
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -log 2."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def preference_loss(config: PreferenceLossConfig, logps: PairLogProbs, counts: BatchCounts) -> torch.Tensor:

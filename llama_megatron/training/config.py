@@ -152,12 +152,14 @@ class PreferenceConfig:
     loss_type: str | tuple[str, ...] = "sigmoid"
     loss_weights: tuple[float, ...] | None = None  # one weight per loss_type (default 1 each)
     beta: float = 0.1  # the implicit reward's scale: beta log(pi / pi_ref)
-    label_smoothing: float = 0.0  # robust and exo_pair: the probability that a pair's labels are flipped
+    label_smoothing: float = 0.0  # robust, exo_pair, simpo: the probability that a pair's labels are flipped
     discopop_tau: float = 0.05  # discopop's temperature
+    simpo_gamma: float = 0.5  # simpo's target margin (TRL's CPOConfig)
 
     def loss(self) -> PreferenceLossConfig:
         names = (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
-        return PreferenceLossConfig(names, self.loss_weights, self.beta, self.label_smoothing, self.discopop_tau)
+        return PreferenceLossConfig(names, self.loss_weights, self.beta, self.label_smoothing, self.discopop_tau,
+                                    self.simpo_gamma)
 
 
 _SECTIONS = {

@@ -1,4 +1,5 @@
-"""PNG of one or more runs: training loss, validation loss, learning rate and tokens/s, against step and tokens.
+"""PNG of one or more runs: training loss, validation loss, learning rate and tokens/s (and a preference run's reward
+margin and accuracy), against step and tokens.
 
 A run directory holds ``metrics.jsonl`` (one record per logged step) and, when written by this version,
 ``run.json`` (its layout and batch shape, :mod:`llama_megatron.training.run.setup`). The legend names each run and
@@ -15,6 +16,8 @@ from llama_megatron.errors import ConfigError
 
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_s", "tokens/s"))
+# drawn when some run logged them: preference runs (TRL's reward margin and accuracy)
+OPTIONAL_PANELS = (("rewards/margins", "reward margin"), ("rewards/accuracies", "reward accuracy"))
 
 
 @dataclass
@@ -25,7 +28,8 @@ class Run:
 
     @property
     def tokens_per_sample(self) -> int | None:
-        return self.info.get("seq_length") if self.info else None
+        """Tokens of one sample: a row, or a padded preference pair's two."""
+        return self.info.get("seq_length") * self.info.get("rows_per_sample", 1) if self.info else None
 
 
 def read_run(run_dir: str) -> Run:
@@ -71,10 +75,12 @@ def plot_runs(run_dirs: list[str], output: str, x: str = "both") -> str:
     import matplotlib.pyplot as plt
 
     axes_kinds = ["step", "tokens"] if x == "both" else [x]
-    fig, axes = plt.subplots(len(PANELS), len(axes_kinds), figsize=(6 * len(axes_kinds), 3 * len(PANELS)),
+    panels = list(PANELS) + [(key, title) for key, title in OPTIONAL_PANELS
+                             if any(key in r for run in runs for r in run.records)]
+    fig, axes = plt.subplots(len(panels), len(axes_kinds), figsize=(6 * len(axes_kinds), 3 * len(panels)),
                              squeeze=False)
     for col, kind in enumerate(axes_kinds):
-        for row, (key, title) in enumerate(PANELS):
+        for row, (key, title) in enumerate(panels):
             ax = axes[row][col]
             for run in runs:
                 points = [(r["step"], r[key], r.get("consumed_samples")) for r in run.records if key in r]

@@ -39,7 +39,7 @@ def run_evaluation(config: TrainingConfig, ds_source=None) -> dict:
     """Evaluate ``checkpoint.load`` (or the seeded model) on the validation split; one metrics record."""
     session = open_session(config, ds_source, mode="evaluate")
     _, valid_ds, _ = build_datasets(config, session.pre.eod_id)
-    if config.data.type == PreferenceData.type:
+    if config.data.type == PreferenceData.type and config.preference.loss().needs_reference:
         prepare_reference(session, [valid_ds], session.log, evaluation=True)
     result = {"step": session.step, **evaluate(session, valid_ds)}
     ppl = f" | val ppl {result['val_ppl']:.3f}" if "val_ppl" in result else ""
@@ -67,7 +67,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
         describe = getattr(ds, "describe", None)  # SFT datasets count truncated/dropped samples and row filling
         if describe is not None:
             log.info(f"{split} data: {describe()}")
-    if config.data.type == PreferenceData.type:
+    if config.data.type == PreferenceData.type and config.preference.loss().needs_reference:
         prepare_reference(session, [train_ds, valid_ds], log)
 
     tokens_per_step = config.batch.global_batch_size * config.rows_per_sample * config.seq_length

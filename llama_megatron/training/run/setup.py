@@ -226,6 +226,7 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
                 "zero_stage": zero_stage(pre.ds_config), "precision": precision(pre.ds_config),
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
+                "rows_per_sample": config.rows_per_sample,
                 "kernels": pre.kernels.describe(), "model": config.model.to_dict()}
         with open(os.path.join(config.output_dir, RUN_INFO_FILE), "w", encoding="utf-8") as fh:
             json.dump(info, fh, indent=2)

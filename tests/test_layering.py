@@ -1,6 +1,6 @@
 """The package's floors, bottom up: config/families/errors/progress, parallel, model, data, checkpoint, training, commands.
 
-Inside training/ the rooms have floors too, bottom up: config, faults/ and pipeline/ (schedules); checkpointing
+Inside training/ the rooms have floors too, bottom up: config, faults/, pipeline/ (schedules) and background_save; checkpointing
 and engine/; diagnostics/; run/ (the setup path and the loop). A module may import only from its own floor or a
 lower one, and no two modules, folders or training rooms import each other in a loop. Imports are read from the source (every ``import`` statement, also those inside functions), so a
 lazy import cannot hide a cycle.
@@ -21,7 +21,7 @@ FLOORS = {  # top-level module or folder -> floor
 }
 TRAINING_ROOMS = {  # module or folder inside training/ -> floor; nothing below run/ imports the run loop
     "__init__": 0, "config": 0, "faults": 0, "pipeline": 0,
-    "checkpointing": 1, "engine": 1, "diagnostics": 2, "run": 3,
+    "background_save": 0, "checkpointing": 1, "engine": 1, "diagnostics": 2, "run": 3,
 }
 
 

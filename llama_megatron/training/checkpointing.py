@@ -59,6 +59,7 @@ from llama_megatron.checkpoint.safe_load import (
 from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError, ConfigError, SaveFailed
 from llama_megatron.parallel.launch import barrier
+from llama_megatron.training.background_save import BackgroundSaves
 from llama_megatron.training.config import AUTO_LOAD, CheckpointConfig
 
 
@@ -253,11 +254,15 @@ def verify_load(load_dir: str, meta: CheckpointMeta, partitions: int | None,
 RNG_FILE = "rng_state_rank{:05d}.pt"
 
 
-def _save_rng_state(tag_dir: str, rank: int) -> None:
+def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    torch.save(state, os.path.join(tag_dir, RNG_FILE.format(rank)))
+    return state
+
+
+def _save_rng_state(tag_dir: str, rank: int) -> None:
+    torch.save(_rng_state(), os.path.join(tag_dir, RNG_FILE.format(rank)))
 
 
 def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
@@ -272,12 +277,15 @@ def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
     return True
 
 
-def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, pctx) -> str:
+def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, pctx,
+                    background: BackgroundSaves | None = None) -> str | PendingSave:
     """Write ``meta``'s tag: DeepSpeed's files and each rank's RNG state into ``.tmp-<tag>``, every file hashed
     (SHA-256, spread over the ranks) and fsynced, the manifest and metadata, then the rename, ``latest`` and
     retention (rank 0), each directory fsynced. A failure on any rank (a full disk, an I/O error) is seen by all:
     the temporary directory is removed and :class:`SaveFailed` is raised with one line; ``latest`` and the tags
-    already there are untouched."""
+    already there are untouched. With ``background`` (``checkpoint.async_save``) the files are copied to host
+    memory and written by a thread: the :class:`PendingSave` returned finishes the same way once every rank's
+    writer is done."""
     rank, world = pctx.rank, pctx.world_size
     tag = step_tag(meta.step)
     tmp_dir, final_dir = os.path.join(save_dir, TMP_PREFIX + tag), os.path.join(save_dir, tag)
@@ -295,6 +303,18 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         engine.engine.save_checkpoint(save_dir, tag=TMP_PREFIX + tag, client_state=client_state,
                                       save_latest=False, exclude_frozen_parameters=lora is not None)
 
+    pending = PendingSave(tag, save_dir, tmp_dir, final_dir, meta, keep_last, pctx, background)
+    if background is not None:
+        background.writer.reset()
+        with background.capturing(engine.engine):
+            error = _attempt(write_shards)
+        if error:
+            barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
+        state = _rng_state()
+        background.writer.submit(lambda: torch.save(state, os.path.join(tmp_dir, RNG_FILE.format(rank))), tmp_dir,
+                                 RNG_FILE.format(rank))
+        _agree(error, where, tmp_dir, pctx)
+        return pending
     error = _attempt(write_shards)
     if error:
         barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
@@ -303,22 +323,55 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
     digests: dict = {}
     error = _attempt(lambda: digests.update(digest_files(tmp_dir, tag_files(tmp_dir)[rank::world], fsync=True)))
     _agree(error, where, tmp_dir, pctx)
-    shares = all_gather_objects(digests)
-
-    def finish() -> None:
-        meta.saved_at = time.time()
-        write_text_atomic(os.path.join(tmp_dir, META_FILE), meta.to_json())
-        entries = {name: entry for share in shares for name, entry in share.items()}
-        entries.update(digest_files(tmp_dir, [META_FILE]))
-        write_manifest(tmp_dir, entries)
-        fsync_tree(tmp_dir)
-        _replace_tag(save_dir, tmp_dir, final_dir)
-        write_text_atomic(os.path.join(save_dir, LATEST_FILE), tag)
-        fsync_dir(save_dir)
-        _prune(save_dir, keep_last, tag)
-
-    _agree(_attempt(finish) if rank == 0 else None, where, tmp_dir, pctx)
+    pending.finish(all_gather_objects(digests))
     return tag
+
+
+class PendingSave:
+    """A save whose files may still be being written (``checkpoint.async_save``): :meth:`complete` finishes it
+    (manifest, rename, ``latest``, retention) once every rank's writer is done, or raises its failure."""
+
+    def __init__(self, tag: str, save_dir: str, tmp_dir: str, final_dir: str, meta: CheckpointMeta,
+                 keep_last: int, pctx, background: BackgroundSaves | None) -> None:
+        self.tag, self.save_dir, self.tmp_dir, self.final_dir = tag, save_dir, tmp_dir, final_dir
+        self.meta, self.keep_last, self.pctx, self.background = meta, keep_last, pctx, background
+
+    @property
+    def where(self) -> str:
+        return f"{self.save_dir}/{self.tag}"
+
+    def complete(self, wait: bool) -> bool:
+        """True once finished: every rank's writer done (waited for with ``wait``) and the tag in place; False
+        while some rank still writes. Every rank must call it at the same point (one all-gather)."""
+        writer = self.background.writer
+        if wait:
+            writer.wait()
+        done = writer.done()  # read before the error: once done, no later write can fail
+        statuses = all_gather_objects((done, writer.error))
+        _agree_gathered([error for _, error in statuses], self.where, self.tmp_dir, self.pctx)
+        if not all(done for done, _ in statuses):
+            return False
+        self.finish(all_gather_objects(dict(writer.digests)))
+        return True
+
+    def finish(self, shares: list[dict]) -> None:
+        """Rank 0: the files no rank hashed (DeepSpeed's own small copies), the metadata and manifest, fsync, the
+        rename, ``latest`` and retention; a failure is every rank's."""
+
+        def finish() -> None:
+            entries = {name: entry for share in shares for name, entry in share.items()}
+            entries.update(digest_files(self.tmp_dir, [n for n in tag_files(self.tmp_dir) if n not in entries]))
+            self.meta.saved_at = time.time()
+            write_text_atomic(os.path.join(self.tmp_dir, META_FILE), self.meta.to_json())
+            entries.update(digest_files(self.tmp_dir, [META_FILE]))
+            write_manifest(self.tmp_dir, entries)
+            fsync_tree(self.tmp_dir)
+            _replace_tag(self.save_dir, self.tmp_dir, self.final_dir)
+            write_text_atomic(os.path.join(self.save_dir, LATEST_FILE), self.tag)
+            fsync_dir(self.save_dir)
+            _prune(self.save_dir, self.keep_last, self.tag)
+
+        _agree(_attempt(finish) if self.pctx.rank == 0 else None, self.where, self.tmp_dir, self.pctx)
 
 
 def _attempt(action) -> str | None:
@@ -338,7 +391,11 @@ def _attempt(action) -> str | None:
 
 def _agree(error: str | None, where: str, tmp_dir: str, pctx) -> None:
     """Every rank learns whether any failed; then the partial save is removed and all raise the same line."""
-    errors = all_gather_objects(error)
+    _agree_gathered(all_gather_objects(error), where, tmp_dir, pctx)
+
+
+def _agree_gathered(errors: list, where: str, tmp_dir: str, pctx) -> None:
+    """:func:`_agree` with every rank's error gathered (``errors[rank]``)."""
     failed = [(rank, e) for rank, e in enumerate(errors) if e]
     if not failed:
         return

@@ -13,6 +13,11 @@ one. Faults, each at optimizer steps counted from 1:
   starts (it finishes the step: the run must stop after it);
 - ``"file_size": {"save": N, "rank": R, "bytes": B}``: while the N-th checkpoint is written, rank R may write
   files of at most B bytes (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG as on a full disk);
+  Under ``checkpoint.async_save`` the limit stays while the background writer writes that save's files;
+- ``"write_delay": SECONDS``: every file of an asynchronous save written that much later by the writer thread (so
+  steps run, signals arrive and the next save starts while a save is in flight);
+- ``"kill_in_writer": {"save": N, "rank": R}``: rank R's writer thread SIGKILLs its process as it is about to write
+  the second file of the N-th (asynchronous) save;
 - ``"universal": {"rank": R, "bytes": B}`` the same limit while rank R converts a checkpoint to the universal
   format (its ``ds_to_universal`` process inherits it), or ``{"rank": R, "signal": "SIGSTOP"}`` sent to rank R
   as its conversion starts; ``"progress_seconds"`` sets how often the conversion's progress is logged.
@@ -23,10 +28,11 @@ import os
 import resource
 import signal
 import sys
+import time
 
 from llama_megatron import train
 from llama_megatron.checkpoint import universal_conversion
-from llama_megatron.training import checkpointing
+from llama_megatron.training import background_save, checkpointing
 from llama_megatron.training.engine.training_engine import TrainingEngine
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -65,12 +71,47 @@ def _with_file_size_limit(limit: int, call, *args, **kwargs):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
-def save_checkpoint(engine, save_dir, meta, keep_last, pctx):
+_submit, _complete = background_save.BackgroundWriter.submit, checkpointing.PendingSave.complete
+_lift: list = []  # the file size limit to restore once an asynchronous save is done
+
+
+def save_checkpoint(engine, save_dir, meta, keep_last, pctx, background=None):
     _saves[0] += 1
     fault = FAULTS.get("file_size")
     if not (fault and fault["save"] == _saves[0] and fault.get("rank", 0) == RANK):
-        return _save(engine, save_dir, meta, keep_last, pctx)
-    return _with_file_size_limit(fault["bytes"], _save, engine, save_dir, meta, keep_last, pctx)
+        return _save(engine, save_dir, meta, keep_last, pctx, background)
+    if background is None:
+        return _with_file_size_limit(fault["bytes"], _save, engine, save_dir, meta, keep_last, pctx)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _lift.append(resource.getrlimit(resource.RLIMIT_FSIZE))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fault["bytes"], _lift[-1][1]))
+    return _save(engine, save_dir, meta, keep_last, pctx, background)
+
+
+def complete(self, wait):
+    try:
+        done = _complete(self, wait)
+    except BaseException:
+        done = True
+        raise
+    finally:
+        if done and _lift:
+            resource.setrlimit(resource.RLIMIT_FSIZE, _lift.pop())
+    return done
+
+
+def submit(self, write, tag_dir, name):
+    delay, kill = FAULTS.get("write_delay", 0), FAULTS.get("kill_in_writer")
+    files = self.__dict__.setdefault("files_of_save", {})
+    files[_saves[0]] = files.get(_saves[0], 0) + 1
+
+    def delayed(number=files[_saves[0]], save=_saves[0]):
+        if kill and kill["save"] == save and kill.get("rank", 0) == RANK and number == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(delay)
+        write()
+
+    return _submit(self, delayed, tag_dir, name)
 
 
 def convert(*args, **kwargs):
@@ -86,6 +127,8 @@ def convert(*args, **kwargs):
 TrainingEngine._loss_divisor = loss_divisor
 TrainingEngine.train_step = train_step
 checkpointing.save_checkpoint = save_checkpoint
+checkpointing.PendingSave.complete = complete
+background_save.BackgroundWriter.submit = submit
 universal_conversion._convert = convert
 
 

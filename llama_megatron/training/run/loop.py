@@ -10,6 +10,7 @@ from llama_megatron.data.sft_config import PreferenceData
 from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.launch import barrier, launcher_chain, rendezvous_address
 from llama_megatron.training import checkpointing as ckpt
+from llama_megatron.training.background_save import BackgroundSaves
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.diagnostics.flops import training_flops_per_token
 from llama_megatron.training.engine.deepspeed_config import zero_stage
@@ -94,6 +95,16 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     watchdog = StallWatchdog(config.distributed.timeout_minutes, pctx.rank, pctx.world_size,
                              (pctx.pp_rank, pctx.pp_size), rendezvous_address())
     last_metrics: dict = {}
+    background = BackgroundSaves() if config.checkpoint.async_save else None
+    pending: ckpt.PendingSave | None = None  # an asynchronous save in flight (at most one)
+
+    def settle(wait: bool) -> None:
+        """Finish the save in flight when every rank's files are written (``wait``: now); its failure ends the run."""
+        nonlocal pending
+        if pending is not None and pending.complete(wait):
+            log.info(f"saved checkpoint {pending.where}")
+            pending = None
+
     start_step = step
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     save = config.checkpoint
@@ -111,6 +122,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
             guard.record(step, loss_on_device, engine.grad_norm(), engine.skipped_steps > skipped)
             skipped = engine.skipped_steps
             stop = stops.poll()
+            settle(wait=False)
             evaluate_now = bool(config.eval.interval) and step % config.eval.interval == 0
             save_now = bool(save.save and save.interval) and (step % save.interval == 0 or step == train.steps)
             log_now = step % config.logging.interval == 0 or step == train.steps or evaluate_now
@@ -163,19 +175,27 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                 log.log(last.step, metrics, line)
                 last_metrics = metrics
                 window_start, window_steps = time.perf_counter(), 0
+            if guard.exhausted:
+                settle(wait=True)
             guard.stop()  # TrainingStopped (exit 3) after train.max_bad_steps bad steps in a row, once logged
             saved = None
             if save_now or (stop and save.save):
                 watchdog.beat(step, "checkpoint save")
+                settle(wait=True)  # at most one save in flight: its buffers are the next one's
                 saved = _save_if_good(engine, guard, config, pctx, ds_config, step, consumed, log,
-                                      session.pre.checkpoint_lora())
+                                      session.pre.checkpoint_lora(), background)
+                if isinstance(saved, ckpt.PendingSave):
+                    pending, saved = saved, saved.tag
             if stop:
+                settle(wait=True)
                 where = (f"saved checkpoint {save.save}/{saved}" if saved else
                          "nothing saved (no checkpoint.save)" if not save.save else "nothing saved")
                 log.info(f"stopped at step {step} on {stop}: {where}; the same command with checkpoint.load auto "
                          "continues from there")
                 break
             watchdog.beat(step + 1, "reading its batches")
+        watchdog.beat(step, "the last save's files")
+        settle(wait=True)
         watchdog.beat(step, "the final barrier")
         barrier()
     finally:
@@ -184,7 +204,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     return {"step": step, **last_metrics}
 
 
-def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consumed, log, lora) -> str | None:
+def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consumed, log, lora,
+                  background: BackgroundSaves | None = None) -> str | ckpt.PendingSave | None:
     """Save unless the latest step was bad or left non-finite weights (a poisoned state is never written, so
     ``latest`` and what retention keeps stay good); returns the tag, or None."""
     if not guard.clean:
@@ -193,19 +214,23 @@ def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consu
     if not engine.parameters_finite():
         log.info(f"not saving a checkpoint at step {step}: the weights are not finite")
         return None
-    return _save(engine, config, pctx, ds_config, step, consumed, log, lora)
+    return _save(engine, config, pctx, ds_config, step, consumed, log, lora, background)
 
 
-def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None) -> None:
+def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None,
+          background: BackgroundSaves | None = None) -> str | ckpt.PendingSave:
     meta = CheckpointMeta(
         step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size, data_parallel=pctx.dp_size,
         context=pctx.cp_size, expert=pctx.ep_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
         padded_vocab_size=config.local_shapes.padded_vocab_size, lora=lora,
         layer_placement=config.pipeline.layer_placement(pctx.pp_size),
     )
-    tag = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx)
-    log.info(f"saved checkpoint {config.checkpoint.save}/{tag}")
-    return tag
+    saved = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx, background)
+    if isinstance(saved, ckpt.PendingSave):
+        log.info(f"saving checkpoint {saved.where} in the background")
+    else:
+        log.info(f"saved checkpoint {config.checkpoint.save}/{saved}")
+    return saved
 
 
 def _fmt(value: float | None, digits: int) -> str:

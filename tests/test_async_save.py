@@ -1,0 +1,146 @@
+"""Asynchronous saves (``checkpoint.async_save``, training/background_save.py): training goes on while a thread
+writes the files; the tag becomes ``latest`` only when every rank's files are complete. Real runs under the
+deepspeed launcher (gloo, CPU), DP2 and PP2:
+
+- a checkpoint saved in the background resumes bit for bit, at ZeRO-0, 1, 2 and 3 (DP2) and at PP2;
+- faults injected while a save is in flight (tests/scripts/inject_faults.py; each file written 0.5 s late so that
+  steps run meanwhile): SIGTERM to one rank (the run waits for the save in flight, saves the stopping step, exits 0,
+  and the restart continues bit for bit); saves every step, back to back (each waits for the one before); the run
+  ending with a save in flight (the last tag complete and latest); a full disk on one rank during the background
+  write (exit 4 at the next step boundary, one line, the temporary removed, latest still the previous tag, which
+  resumes exactly); kill -9 of one rank's process from inside its writer (the previous tag stays latest and intact
+  and resumes exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from launch_utils import ROOT, assert_losses_close, launch_many, losses, run_command, train_args
+
+from llama_megatron.checkpoint.manifest import verify_tag
+
+CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+STEPS, HALF = 6, 3
+ZERO = {stage: f"deepspeed_config=ds_configs/zero{stage}_fp32.json" for stage in range(4)}
+ASYNC = "checkpoint.async_save=true"
+LAYOUTS = {"zero0-dp2": [ZERO[0]], "zero1-dp2": [ZERO[1]], "zero2-dp2": [ZERO[2]], "zero3-dp2": [ZERO[3]],
+           "zero1-pp2": [ZERO[1], "parallel.pipeline=2"]}
+
+
+def _args(prefix: str, out, *overrides: str) -> list[str]:
+    return train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={out}", f"train.steps={STEPS}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("async-save")
+
+
+@pytest.fixture(scope="module")
+def resumes(work, shakespeare_prefix) -> dict:
+    """Each layout straight, saved in the background at step 3 (and 6), and resumed from step 3; one launch."""
+    runs = []
+    for name, overrides in LAYOUTS.items():
+        saved = work / f"{name}-saved"
+        runs += [_args(shakespeare_prefix, work / f"{name}-straight", *overrides),
+                 _args(shakespeare_prefix, saved, *overrides, ASYNC, f"checkpoint.save={saved}/ckpt",
+                       f"checkpoint.interval={HALF}"),
+                 _args(shakespeare_prefix, work / f"{name}-resumed", *overrides, f"checkpoint.load={saved}/ckpt",
+                       f"checkpoint.tag=global_step{HALF}")]
+    result = launch_many(2, runs, str(work / "resumes.json"))
+    return {"stdout": result.stdout}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_background_save_resumes_bit_for_bit(name, resumes, work) -> None:
+    straight = losses(str(work / f"{name}-straight"))
+    assert losses(str(work / f"{name}-saved")) == straight, "saving in the background changed the run"
+    resumed = losses(str(work / f"{name}-resumed"))
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    assert_losses_close(resumed, straight, 0.0, range(HALF + 1, STEPS + 1))
+    ckpt = work / f"{name}-saved" / "ckpt"
+    assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
+    for tag in (HALF, STEPS):
+        verify_tag(str(ckpt / f"global_step{tag}"))  # every file in the manifest, checksums equal
+    assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp")]
+    assert f"saving checkpoint {ckpt}/global_step{HALF} in the background" in resumes["stdout"]
+
+
+def _fault_run(prefix: str, out, *overrides: str, expect: int = 0, faults: dict | None = None) -> dict:
+    argv = _args(prefix, out, ZERO[1], ASYNC, f"checkpoint.save={out}/ckpt", *overrides)
+    return {"argv": argv, "expect": expect, "faults": {"write_delay": 0.5, **(faults or {})}}
+
+
+def _inject(nprocs: int, runs: list[dict], runs_file, check: bool = True) -> subprocess.CompletedProcess:
+    with open(runs_file, "w", encoding="utf-8") as fh:
+        json.dump(runs, fh)
+    return run_command(nprocs, [os.path.join(ROOT, "tests", "scripts", "inject_faults.py")], [str(runs_file)],
+                       timeout=1200, check=check)
+
+
+@pytest.fixture(scope="module")
+def faults(work, shakespeare_prefix) -> dict:
+    p = shakespeare_prefix
+    straight = work / "zero1-dp2-straight"  # from the resumes launch
+    runs = [
+        _fault_run(p, work / "sigterm", "checkpoint.interval=2", "checkpoint.load=auto",
+                   faults={"signal": {"step": 3, "rank": 1, "name": "SIGTERM"}}),
+        _fault_run(p, work / "sigterm", "checkpoint.interval=2", "checkpoint.load=auto"),
+        _fault_run(p, work / "back-to-back", "checkpoint.interval=1"),
+        _fault_run(p, work / "disk", "checkpoint.interval=2", expect=4,
+                   faults={"file_size": {"save": 2, "rank": 1, "bytes": 65536}}),
+        _fault_run(p, work / "disk", "checkpoint.interval=2", "checkpoint.load=auto"),
+    ]
+    result = _inject(2, runs, work / "faults.json")
+    killed = _inject(2, [_fault_run(p, work / "killed", "checkpoint.interval=2",
+                                    faults={"kill_in_writer": {"save": 2, "rank": 1}})], work / "killed.json",
+                     check=False)
+    restarted = _inject(2, [_fault_run(p, work / "killed", "checkpoint.interval=2", "checkpoint.load=auto")],
+                        work / "restarted.json")
+    return {"result": result, "killed": killed, "restarted": restarted, "straight": losses(str(straight))}
+
+
+def test_sigterm_with_a_save_in_flight_waits_saves_and_resumes_exactly(faults, work) -> None:
+    out = work / "sigterm"
+    assert "stopped at step 3 on SIGTERM" in faults["result"].stdout
+    assert (out / "ckpt" / "latest").read_text() == f"global_step{STEPS}"
+    got = losses(str(out))  # the stopped run's steps 1-3, then the restart's 4-6, appended
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_losses_close(got, faults["straight"], 0.0, range(1, STEPS + 1))
+    verify_tag(str(out / "ckpt" / "global_step3"))
+
+
+def test_saves_back_to_back_and_at_the_end_are_all_complete(faults, work) -> None:
+    ckpt = work / "back-to-back" / "ckpt"
+    tags = sorted(n for n in os.listdir(ckpt) if n.startswith("global_step"))
+    assert tags == [f"global_step{s}" for s in range(1, STEPS + 1)]
+    for tag in tags:
+        verify_tag(str(ckpt / tag))
+    assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
+    assert_losses_close(losses(str(work / "back-to-back")), faults["straight"], 0.0, range(1, STEPS + 1))
+
+
+def test_a_full_disk_during_the_background_write_ends_the_run_and_keeps_the_last_tag(faults, work) -> None:
+    errors = [line for line in faults["result"].stderr.splitlines() if line.startswith("error:")]
+    ckpt = work / "disk" / "ckpt"
+    assert any(line.startswith(f"error: saving checkpoint {ckpt}/global_step4 failed on rank 1 (") and
+               "the partial save was removed and latest still names global_step2" in line for line in errors), errors
+    got = losses(str(work / "disk"))  # steps 1-5 (the failure is seen at step 5's boundary), then the resume's 3-6
+    assert_losses_close(got, faults["straight"], 0.0, range(1, STEPS + 1))
+    assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
+    assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp")]
+
+
+def test_kill_9_during_the_background_write_keeps_the_previous_tag(faults, work) -> None:
+    assert faults["killed"].returncode != 0
+    ckpt = work / "killed" / "ckpt"
+    assert (ckpt / "latest").read_text() == f"global_step{STEPS}"  # after the restart
+    verify_tag(str(ckpt / "global_step2"))
+    resumed_from = [line for line in faults["restarted"].stdout.splitlines() if "global_step2" in line]
+    assert resumed_from, faults["restarted"].stdout[-2000:]
+    got = losses(str(work / "killed"))
+    assert_losses_close(got, faults["straight"], 0.0, range(1, STEPS + 1))

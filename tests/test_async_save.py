@@ -2,7 +2,8 @@
 writes the files; the tag becomes ``latest`` only when every rank's files are complete. Real runs under the
 deepspeed launcher (gloo, CPU), DP2 and PP2:
 
-- a checkpoint saved in the background resumes bit for bit, at ZeRO-0, 1, 2 and 3 (DP2) and at PP2;
+- a checkpoint saved in the background resumes bit for bit, at ZeRO-0, 1, 2 and 3 (DP2), at PP2, with expert
+  parallelism (a Mixtral model at EP2) and for LoRA adapters (on the ZeRO-1 run's checkpoint);
 - faults injected while a save is in flight (tests/scripts/inject_faults.py; each file written 0.5 s late so that
   steps run meanwhile): SIGTERM to one rank (the run waits for the save in flight, saves the stopping step, exits 0,
   and the restart continues bit for bit); saves every step, back to back (each waits for the one before); the run
@@ -27,8 +28,12 @@ CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 STEPS, HALF = 6, 3
 ZERO = {stage: f"deepspeed_config=ds_configs/zero{stage}_fp32.json" for stage in range(4)}
 ASYNC = "checkpoint.async_save=true"
+MIXTRAL_EP2 = ["model.model_type=mixtral", "model.num_key_value_heads=4", "model.num_local_experts=4",
+               "model.num_experts_per_tok=2", "parallel.expert=2"]
 LAYOUTS = {"zero0-dp2": [ZERO[0]], "zero1-dp2": [ZERO[1]], "zero2-dp2": [ZERO[2]], "zero3-dp2": [ZERO[3]],
-           "zero1-pp2": [ZERO[1], "parallel.pipeline=2"]}
+           "zero1-pp2": [ZERO[1], "parallel.pipeline=2"], "ep2-zero1": [ZERO[1], *MIXTRAL_EP2],
+           # adapters on the zero1-dp2 run's last checkpoint (saved before, in the same launch)
+           "lora-dp2": [ZERO[1], 'lora={"rank": 4, "alpha": 8}', "checkpoint.finetune=true", "LORA_BASE"]}
 
 
 def _args(prefix: str, out, *overrides: str) -> list[str]:
@@ -45,12 +50,14 @@ def resumes(work, shakespeare_prefix) -> dict:
     """Each layout straight, saved in the background at step 3 (and 6), and resumed from step 3; one launch."""
     runs = []
     for name, overrides in LAYOUTS.items():
+        overrides = [f"checkpoint.load={work / 'zero1-dp2-saved' / 'ckpt'}" if o == "LORA_BASE" else o
+                     for o in overrides]
         saved = work / f"{name}-saved"
         runs += [_args(shakespeare_prefix, work / f"{name}-straight", *overrides),
                  _args(shakespeare_prefix, saved, *overrides, ASYNC, f"checkpoint.save={saved}/ckpt",
                        f"checkpoint.interval={HALF}"),
                  _args(shakespeare_prefix, work / f"{name}-resumed", *overrides, f"checkpoint.load={saved}/ckpt",
-                       f"checkpoint.tag=global_step{HALF}")]
+                       f"checkpoint.tag=global_step{HALF}", "checkpoint.finetune=false")]
     result = launch_many(2, runs, str(work / "resumes.json"))
     return {"stdout": result.stdout}
 

@@ -83,3 +83,15 @@ def assert_grads_match_hf(model: torch.nn.Module, hf: PreTrainedModel, config: M
             assert not torch.cat(shards)[config.vocab_size:].any(), "padded vocab rows got gradient"
         for hf_name, merged in merge_shards(spec, shards, config).items():
             torch.testing.assert_close(merged, hf_grads[hf_name], **tol, msg=lambda m, n=hf_name: f"{n}: {m}")
+
+
+def recording_losses(trainer_class: type, step_losses: list[float]) -> type:
+    """``trainer_class`` (a TRL trainer) appending each loss its ``compute_loss`` returns to ``step_losses``."""
+
+    class Recording(trainer_class):
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            step_losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
+            return loss
+
+    return Recording

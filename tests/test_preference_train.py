@@ -30,6 +30,7 @@ import pytest
 import torch
 from chat_families import TOKENIZER, preference_records, write_templates
 from launch_utils import ROOT, assert_losses_close, launch_many, losses, train_args
+from model_utils import recording_losses
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.preference import METRICS
@@ -89,11 +90,7 @@ def trl_case(tmp_path_factory) -> dict:
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     step_losses: list[float] = []
 
-    class Recording(DPOTrainer):
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            step_losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
-            return loss
+    Recording = recording_losses(DPOTrainer, step_losses)
 
     def peft_model():
         """PEFT's LoRA on the start, its adapters the ones our run draws (A seeded per name, B zero)."""

@@ -25,6 +25,7 @@ import pytest
 import torch
 from chat_families import TOKENIZER, message_records, prompt_completion_records, write_templates
 from launch_utils import ROOT, assert_losses_close, hf_adamw_twin, launch_many, losses, train_args
+from model_utils import recording_losses
 
 from llama_megatron.data.sft_dataset import SFTShards
 from llama_megatron.parallel.context import ParallelContext
@@ -97,11 +98,7 @@ def trl_case(work) -> dict:
     tokenizer.chat_template = open(template, encoding="utf-8").read()
     step_losses: list[float] = []
 
-    class Recording(SFTTrainer):
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            step_losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
-            return loss
+    Recording = recording_losses(SFTTrainer, step_losses)
 
     cases = {}
     for kind, records in (("messages", message_records()), ("prompt_completion", prompt_completion_records())):

@@ -10,19 +10,25 @@ deepspeed launcher (gloo, CPU), DP2 and PP2:
   ending with a save in flight (the last tag complete and latest); a full disk on one rank during the background
   write (exit 4 at the next step boundary, one line, the temporary removed, latest still the previous tag, which
   resumes exactly); kill -9 of one rank's process from inside its writer (the previous tag stays latest and intact
-  and resumes exactly).
+  and resumes exactly); the step guard ending the run (NaN losses) while a good step's save is in flight (exit 3
+  once that tag is complete and latest).
+- the host copy's bytes, as the run logs them, equal what ``estimate`` reports for the layout.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
 from launch_utils import ROOT, assert_losses_close, launch_many, losses, run_command, train_args
 
 from llama_megatron.checkpoint.manifest import verify_tag
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.memory_estimate import estimate
+from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 STEPS, HALF = 6, 3
@@ -75,6 +81,13 @@ def test_a_background_save_resumes_bit_for_bit(name, resumes, work) -> None:
         verify_tag(str(ckpt / f"global_step{tag}"))  # every file in the manifest, checksums equal
     assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp")]
     assert f"saving checkpoint {ckpt}/global_step{HALF} in the background" in resumes["stdout"]
+    # the host copy is what `estimate` says it is (the largest rank's: a stage's first DP rank, which also saves
+    # the module's weights), up to the few bytes of Adam's step counters
+    (copied,) = re.findall(rf"saved checkpoint {re.escape(str(ckpt))}/global_step{HALF} \(written in the "
+                           r"background from a host copy of ([0-9.]+) MiB on the largest rank\)", resumes["stdout"])
+    config = TrainingConfig.from_file(CONFIG, [o for o in LAYOUTS[name] if o != "LORA_BASE"] + [ASYNC])
+    stages = estimate(config, build_deepspeed_config(config, os.path.join(ROOT, config.deepspeed_config), 2), 2).stages
+    assert float(copied) == pytest.approx(max(s.async_save_host for s in stages) / 2**20, abs=2e-3)
 
 
 def _fault_run(prefix: str, out, *overrides: str, expect: int = 0, faults: dict | None = None) -> dict:
@@ -101,6 +114,9 @@ def faults(work, shakespeare_prefix) -> dict:
         _fault_run(p, work / "disk", "checkpoint.interval=2", expect=4,
                    faults={"file_size": {"save": 2, "rank": 1, "bytes": 65536}}),
         _fault_run(p, work / "disk", "checkpoint.interval=2", "checkpoint.load=auto"),
+        # NaN from step 3 on, one bad step allowed: the step guard ends the run while step 2's save is in flight
+        _fault_run(p, work / "guard", "checkpoint.interval=2", "train.max_bad_steps=1", expect=3,
+                   faults={"loss": {str(s): "nan" for s in range(3, STEPS + 1)}}),
     ]
     result = _inject(2, runs, work / "faults.json")
     killed = _inject(2, [_fault_run(p, work / "killed", "checkpoint.interval=2",
@@ -140,6 +156,16 @@ def test_a_full_disk_during_the_background_write_ends_the_run_and_keeps_the_last
     assert_losses_close(got, faults["straight"], 0.0, range(1, STEPS + 1))
     assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
     assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp")]
+
+
+def test_the_step_guard_ends_the_run_after_the_save_in_flight_is_complete(faults, work) -> None:
+    """The run stops on a bad step (exit 3, expected by the launch) only once the good step's save in flight is
+    written: that tag is complete and latest, nothing of the bad step is saved."""
+    ckpt = work / "guard" / "ckpt"
+    assert (ckpt / "latest").read_text() == "global_step2"
+    verify_tag(str(ckpt / "global_step2"))
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith(("global_step", ".tmp"))) == ["global_step2"]
+    assert f"saved checkpoint {ckpt}/global_step2 (written in the background" in faults["result"].stdout
 
 
 def test_kill_9_during_the_background_write_keeps_the_previous_tag(faults, work) -> None:

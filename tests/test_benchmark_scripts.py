@@ -47,6 +47,23 @@ def test_checkpoint_integrity_smoke() -> None:
     assert line["verify_gib_per_s"] > 0 and line["verify_time_vs_read"] > 0
 
 
+def test_checkpoint_save_smoke() -> None:
+    """The three runs (no saves, synchronous, asynchronous) of a tiny PP2 model in one launch: each rank's stalls
+    and times to a complete tag, and its host copy equal to `estimate`'s (up to Adam's step counters)."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_save.py"), "--smoke", "--layouts", "pp2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    pp2 = line["pp2"]
+    assert [(r["pp_rank"], r["dp_rank"], r["saves"]) for r in pp2["ranks"]] == [(0, 0, 2), (1, 0, 2)]
+    for rank in pp2["ranks"]:
+        assert 0 < rank["async_stall_s"] <= rank["async_complete_s"] and rank["sync_stall_s"] > 0
+        assert 0 <= rank["host_copy_bytes"] - rank["estimated_host_copy_bytes"] <= 16
+    assert pp2["tag_bytes"] > sum(r["host_copy_bytes"] for r in pp2["ranks"])
+    assert set(pp2["tokens_per_s"]) == {"none", "sync", "async"} and line["disk_write_gib_per_s"] > 0
+
+
 def test_trainer_throughput_smoke() -> None:
     """Both trainers run under the deepspeed launcher on the tiny config (fp32 ZeRO-1) and are timed."""
     result = subprocess.run(

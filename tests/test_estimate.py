@@ -331,6 +331,17 @@ def test_command_table_and_largest_micro_batch(capsys, monkeypatch):
     # the first stage holds pp = 2 micro batches in flight, the last one
     stages = estimate(config, ds, 8).stages
     assert [s.in_flight for s in stages] == [2, 1] and stages[1].logits > 0 == stages[0].logits
+    assert "async save (host)" not in out and all(s.async_save_host == 0 for s in stages)
+    # checkpoint.async_save: each stage's host copy (bf16 weights of the stage's TP shard and its fp32 master
+    # partition with Adam's moments) in its own row and in the host's total; tests/test_async_save.py checks the
+    # bytes against real runs
+    assert _command(["--config", config_path, "--world-size", "8", "--set", "checkpoint.async_save=true"]) == 0
+    out = capsys.readouterr().out
+    config = TrainingConfig.from_file(config_path, ["checkpoint.async_save=true"])
+    stages = estimate(config, ds, 8).stages
+    assert all(s.async_save_host == s.parameters + s.optimizer == s.cpu_total for s in stages)
+    row = next(line for line in out.splitlines() if line.startswith("async save (host)")).split()[3:]
+    assert [float(cell) for cell in row] == [round(s.async_save_host / 2**30, 3) for s in stages]
 
 
 def test_long_context_recipe(monkeypatch):

@@ -59,6 +59,8 @@ def format_table(est: Estimate) -> str:
             cells = [str(s.deferred_micro_batches) for s in est.stages]
         lines.append(f"{'  + W pending':18}" + "".join(f"{cell:>24}" for cell in cells))
     lines.append(f"{'total GPU':18}" + "".join(f"{s.gpu_total / scale:>24.3f}" for s in est.stages))
+    if any(s.async_save_host for s in est.stages):  # checkpoint.async_save's host copy, on the first DP rank
+        lines.append(f"{'async save (host)':18}" + "".join(f"{s.async_save_host / scale:>24.3f}" for s in est.stages))
     if any(s.cpu_total for s in est.stages):
         lines.append(f"{'total CPU':18}" + "".join(f"{s.cpu_total / scale:>24.3f}" for s in est.stages))
     return "\n".join(lines)

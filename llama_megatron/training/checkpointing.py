@@ -335,6 +335,7 @@ class PendingSave:
                  keep_last: int, pctx, background: BackgroundSaves | None) -> None:
         self.tag, self.save_dir, self.tmp_dir, self.final_dir = tag, save_dir, tmp_dir, final_dir
         self.meta, self.keep_last, self.pctx, self.background = meta, keep_last, pctx, background
+        self.host_copy_bytes = 0  # once complete: the largest rank's host copy (what ``estimate`` reports)
 
     @property
     def where(self) -> str:
@@ -351,7 +352,9 @@ class PendingSave:
         _agree_gathered([error for _, error in statuses], self.where, self.tmp_dir, self.pctx)
         if not all(done for done, _ in statuses):
             return False
-        self.finish(all_gather_objects(dict(writer.digests)))
+        shares = all_gather_objects((dict(writer.digests), self.background.snapshots.nbytes))
+        self.host_copy_bytes = max(nbytes for _, nbytes in shares)
+        self.finish([digests for digests, _ in shares])
         return True
 
     def finish(self, shares: list[dict]) -> None:

@@ -73,6 +73,9 @@ class StageEstimate:
     cpu_parameters: int = 0
     cpu_gradients: int = 0
     cpu_optimizer: int = 0
+    # ``checkpoint.async_save``: the host copy of what the stage's first DP rank saves (the module's weights and its
+    # optimizer partition; the other DP ranks hold their optimizer partition only), kept between saves
+    async_save_host: int = 0
 
     @property
     def activations(self) -> int:
@@ -88,7 +91,7 @@ class StageEstimate:
 
     @property
     def cpu_total(self) -> int:
-        return self.cpu_parameters + self.cpu_gradients + self.cpu_optimizer
+        return self.cpu_parameters + self.cpu_gradients + self.cpu_optimizer + self.async_save_host
 
 
 @dataclass
@@ -433,14 +436,26 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
         saved = [a for a, _, _ in per_chunk]
         deferred = [deferred_weight_grad_bytes(config, chunk_kinds, rows, e, fast) for chunk_kinds in kinds]
         held, in_flight, pending = _held_peak(pipe.schedule, pp, rank, micro_batches, saved, deferred)
+        states = _states(params, ds, wrapper, partitions, e, par.expert)
         result.stages.append(StageEstimate(
             stage=rank, decoder_layers=sum(k.count("DecoderLayerPipe") for k in kinds),
             activations_per_micro_batch=sum(saved), in_flight=in_flight,
             recompute=max(r for _, r, _ in per_chunk), logits=max(lg for _, _, lg in per_chunk),
             deferred_per_micro_batch=sum(deferred), deferred_micro_batches=pending,
-            held_bytes=held if placement.chunks > 1 else None,
-            **_states(params, ds, wrapper, partitions, e, par.expert)))
+            held_bytes=held if placement.chunks > 1 else None, **states,
+            async_save_host=_saved_bytes(params, states, wrapper, e, config.lora is not None)
+            if config.checkpoint.async_save else 0))
     return result
+
+
+def _saved_bytes(params: list[tuple[int, bool, bool, bool]], states: dict[str, int], wrapper: str, e: int,
+                 lora: bool) -> int:
+    """What DeepSpeed's save writes from a stage's first DP rank: the module's weights in the run's precision (a
+    LoRA run's adapters only; none under ZeRO-3, whose weights live in the optimizer's fp32 partitions) and this
+    rank's optimizer state as ``_states`` counts it (fp32 master partition and Adam's moments, or Adam's alone on
+    fp32 weights at ZeRO-0)."""
+    module = 0 if wrapper == "zero3" else e * sum(n for n, _, trains, _ in params if trains or not lora)
+    return module + states["optimizer"] + states["cpu_optimizer"]
 
 
 def _distinct_tables(chunks: list[list[_Layer]]) -> list[_Layer]:

@@ -87,7 +87,10 @@ class ExpertLayers:
                     state = {f"{within}.experts.{expert}.{key}": value.detach().clone()
                              for key, value in mlp.state_dict().items()
                              if not (exclude_frozen_parameters and key in frozen)}
-                    torch.save(state, expert_file(os.path.join(save_dir, tag), layer, int(expert), self.pctx.tp_rank))
+                    # through the checkpoint engine, as DeepSpeed's own files: an asynchronous save copies them to
+                    # host memory and writes them in the background with the rest
+                    self.checkpoint_engine.save(state, expert_file(os.path.join(save_dir, tag), layer, int(expert),
+                                                                   self.pctx.tp_rank))
         return saved
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):

@@ -102,7 +102,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
         """Finish the save in flight when every rank's files are written (``wait``: now); its failure ends the run."""
         nonlocal pending
         if pending is not None and pending.complete(wait):
-            log.info(f"saved checkpoint {pending.where}")
+            log.info(f"saved checkpoint {pending.where} (written in the background from a host copy of "
+                     f"{pending.host_copy_bytes / 2**20:.3f} MiB on the largest rank)")
             pending = None
 
     start_step = step

@@ -3,8 +3,11 @@ then renamed into place (converters, exports, checkpoint metadata, ``latest``)."
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,20 +15,65 @@ from llama_megatron.errors import CheckpointError
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """``path`` replaced by ``text`` whole. The temp file is made by ``mkstemp`` (O_CREAT | O_EXCL): a symlink
+    planted under a predictable temp name would otherwise have its target truncated and written."""
+    parent, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f"{name}.tmp.{os.getpid()}.", dir=parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # what open() would have made; mkstemp makes 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_temps(directory: str, pattern: str, only_dead: bool = True) -> list[str]:
+    """Remove what killed writers left in ``directory``: entries whose names match ``pattern`` (a regex with a
+    ``pid`` group), where that process is gone (every match without ``only_dead``: the caller owns the directory).
+    A writer killed by SIGKILL (the launcher's 30 s after SIGTERM, the OOM killer) never cleans up after itself."""
+    removed = []
+    regex = re.compile(pattern)
+    for entry in os.listdir(directory) if os.path.isdir(directory) else []:
+        match = regex.fullmatch(entry)
+        if not match or (only_dead and pid_alive(int(match.group("pid")))):
+            continue
+        path = os.path.join(directory, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        removed.append(entry)
+    return removed
 
 
 def check_output(path: str, overwrite: bool, inputs: tuple[str, ...] = ()) -> str:
-    """Refuse an existing output (unless ``overwrite``) or one that is, or lies inside, an input."""
+    """Refuse an existing output (unless ``overwrite``) or one that is, or lies inside, an input. Paths are
+    compared as resolved (``realpath``): an output reached through a symlink to the input is the input, and
+    ``--overwrite`` would delete it."""
     path = os.path.abspath(path)
+    real = os.path.realpath(path)
     for src in inputs:
-        src = os.path.abspath(src)
-        if path == src or path.startswith(src + os.sep) or src.startswith(path + os.sep):
+        src = os.path.realpath(src)
+        if real == src or real.startswith(src + os.sep) or src.startswith(real + os.sep):
             raise CheckpointError(f"output {path} overlaps the input {src}: choose another output directory")
     if os.path.lexists(path) and not overwrite:
         raise CheckpointError(f"output {path} already exists (pass --overwrite to replace it)")
@@ -38,6 +86,7 @@ def atomic_output_dir(path: str, overwrite: bool) -> Iterator[str]:
     path = check_output(path, overwrite)
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
+    reclaim_temps(parent, rf"\.(tmp|old)-{re.escape(name)}-(?P<pid>\d+)")
     tmp = os.path.join(parent, f".tmp-{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

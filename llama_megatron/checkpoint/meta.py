@@ -62,7 +62,10 @@ class CheckpointMeta:
     expert: int = 1  # expert-parallel degree: > 1 keeps the experts in files of their own (checkpoint/weights.py)
     format_version: int = FORMAT_VERSION
     lora: dict[str, Any] | None = None  # adapter-only checkpoint: rank, alpha, dropout, targets, base
-    saved_at: float | None = None  # wall-clock time of the save (retention keeps the newest saves by it)
+    saved_at: float | None = None  # wall-clock time of the save (informational: clocks of nodes disagree)
+    # this save's place among the save dir's saves (1 + the highest there): retention and the load fallback order
+    # tags by it, never by a clock; None for older checkpoints and other tools' (ordered by step, below every save)
+    save_index: int | None = None
     # which layers each pipeline rank holds (training.config.PipelineConfig.layer_placement; None: PP 1, or an
     # older checkpoint: DeepSpeed's one block per rank)
     layer_placement: dict[str, Any] | None = None
@@ -86,7 +89,7 @@ class CheckpointMeta:
     def to_json(self) -> str:
         data = dict(self.__dict__)
         data.pop("tag")
-        for key in ("lora", "saved_at"):
+        for key in ("lora", "saved_at", "save_index"):
             if data[key] is None:
                 data.pop(key)
         return json.dumps(data, indent=2, sort_keys=True)
@@ -126,9 +129,12 @@ def read_meta(load_dir: str, tag: str | None = None) -> CheckpointMeta:
     return meta
 
 
-def saved_tags(save_dir: str) -> list[str]:
-    """The complete tags in ``save_dir`` (holding ``llama_megatron.json``; temporaries and universal conversions
-    excluded), newest save first: by the save time their metadata records, else the metadata file's mtime."""
+_STEP_TAG = re.compile(r"global_step(\d+)")
+
+
+def _tag_order(save_dir: str) -> list[tuple[int, int, str]]:
+    """(save index, step, name) of each complete tag in ``save_dir``: a tag without a save index (written before
+    there were any, or by another tool) counts -1, and one not named by step -1 for its step."""
     found = []
     for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
         meta_path = os.path.join(save_dir, name, META_FILE)
@@ -136,8 +142,21 @@ def saved_tags(save_dir: str) -> list[str]:
             continue
         try:
             with open(meta_path, encoding="utf-8") as fh:
-                saved_at = json.load(fh).get("saved_at")
+                index = json.load(fh).get("save_index")
         except (OSError, ValueError, AttributeError):
-            saved_at = None
-        found.append((saved_at if isinstance(saved_at, (int, float)) else os.path.getmtime(meta_path), name))
-    return [name for _, name in sorted(found, reverse=True)]
+            index = None
+        step = _STEP_TAG.fullmatch(name)
+        found.append((index if type(index) is int else -1, int(step.group(1)) if step else -1, name))
+    return sorted(found, reverse=True)
+
+
+def saved_tags(save_dir: str) -> list[str]:
+    """The complete tags in ``save_dir`` (holding ``llama_megatron.json``; temporaries and universal conversions
+    excluded), newest save first: by the save index their metadata records, then by step. Never by wall-clock
+    time: a node whose clock is behind would make its newer save look older (and retention delete it)."""
+    return [name for _, _, name in _tag_order(save_dir)]
+
+
+def next_save_index(save_dir: str) -> int:
+    """The save index of the next save into ``save_dir``: one above every tag there."""
+    return 1 + max((index for index, _, _ in _tag_order(save_dir)), default=-1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import threading
 import time
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ from launch_utils import ROOT
 
 from llama_megatron.checkpoint.atomic import atomic_output_dir, check_output, write_text_atomic
 from llama_megatron.checkpoint.meta import LATEST_FILE, CheckpointMeta, saved_tags
-from llama_megatron.errors import CheckpointError, ConfigError
+from llama_megatron.errors import CheckpointError, ConfigError, SaveFailed
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.config import CheckpointConfig
 
@@ -165,3 +166,149 @@ def test_a_killed_conversion_temp_is_reclaimed(tmp_path) -> None:
     with atomic_output_dir(str(tmp_path / "out"), overwrite=False) as tmp:
         open(os.path.join(tmp, "f"), "w").close()
     assert sorted(os.listdir(tmp_path)) == [live.name, "out"]
+
+
+# ---- the watchdog's store ----
+
+@pytest.fixture
+def job_store():
+    """Rank 0's store server as a 2-rank job on one host serves it (127.0.0.1, a free port)."""
+    from llama_megatron.parallel.launch import Placement, free_port, serve_job_store
+
+    address = ("127.0.0.1", free_port())
+    return address, serve_job_store(address, Placement(0, 2, 0, 2), 10.0)
+
+
+def test_the_job_store_listens_on_the_master_address_only(job_store) -> None:
+    import psutil
+
+    (host, port), store = job_store
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert listening == [(host, port)]  # torch's own server: ('0.0.0.0', port) / ('::', port)
+    store.set("k", "v")
+
+
+def _watching(monkeypatch, address, nonce: str):
+    """A 2-rank watchdog for rank 0 with a 1.2 s timeout whose exit is recorded instead of taken."""
+    from llama_megatron.training.faults import watchdog
+
+    exits: list[int] = []
+    ended = threading.Event()
+    dogs = []
+
+    def record(code: int) -> None:
+        exits.append(code)
+        ended.set()
+        dogs[0]._stop.set()  # its thread ends, as the real exit would end the process
+
+    monkeypatch.setattr(watchdog.os, "_exit", record)
+    dogs.append(watchdog.StallWatchdog(0.02, 0, 2, (0, 1), address, nonce))
+    return dogs[0], exits, ended
+
+
+def test_a_client_writing_the_store_cannot_end_the_job(job_store, monkeypatch, capfd) -> None:
+    """Anyone reaching the port may write; without the job's nonce its keys are not ours, and a value that names
+    no rank is no stall. The nonce's own key (a real stall on rank 1) still ends the rank: the test is live."""
+    from llama_megatron.parallel.launch import RendezvousStore
+
+    address, _ = job_store
+    dog, exits, ended = _watching(monkeypatch, address, "n0nce")
+    intruder = RendezvousStore(address, 5.0)
+    for key in ("llama_megatron/stalled", "llama_megatron//stalled", "llama_megatron/guess/stalled"):
+        intruder.set(key, "1")
+    deadline = time.monotonic() + 1.6
+    while time.monotonic() < deadline:
+        dog.beat(1, "stepping")
+        time.sleep(0.1)
+    assert exits == []
+    intruder.set("llama_megatron/n0nce/stalled", "7")  # names no rank of a 2-rank job
+    deadline = time.monotonic() + 1.1
+    while time.monotonic() < deadline:
+        dog.beat(1, "stepping")
+        time.sleep(0.1)
+    assert exits == []
+    intruder.set("llama_megatron/n0nce/stalled", "1")
+    dog.beat(1, "stepping")
+    assert ended.wait(10) and exits == [5]
+    assert "ending with rank 1, which reached the timeout first" in capfd.readouterr().err
+    dog.close()
+
+
+def test_a_malformed_progress_entry_does_not_stop_the_watchdog(job_store, monkeypatch, capfd) -> None:
+    """``{}`` under rank 1's key used to raise KeyError in the thread, and this rank then hung forever."""
+    from llama_megatron.parallel.launch import RendezvousStore
+
+    address, _ = job_store
+    RendezvousStore(address, 5.0).set("llama_megatron/n0nce/progress/1", "{}")
+    dog, exits, ended = _watching(monkeypatch, address, "n0nce")
+    assert ended.wait(15) and exits == [5]  # no beat: this rank's own timeout
+    err = capfd.readouterr().err
+    assert "stalled at step 0 (starting) on rank 0" in err
+    assert "rank 1 (its progress entry is not one of ours: b'{}')" in err
+    dog.close()
+
+
+# ---- template output limits ----
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ '%0200000000d' % 0 }}", "formats a field of 200000000 characters"),
+    ("{{ '%*d' % (200000000, 0) }}", "formats a field of 200000000 characters"),
+    ("{{ '%0200000000d'|format(0) }}", "formats a field of 200000000 characters"),
+    ("{{ '{:>200000000}'.format('x') }}", "formats a field of 200000000 characters"),
+    ("{{ 'x'|center(200000000) }}", "pads a string to a width of 200000000 characters"),
+    ("{{ 'x'.rjust(200000000) }}", "pads a string to a width of 200000000 characters"),
+    ("{{ (['x' * 16000000] * 13)|join }}", "joins a string of 208000000 characters"),
+    ("{{ ''.join(['x' * 16000000] * 13) }}", "joins a string of 208000000 characters"),
+    ("{{ ('x\\n' * 2000000)|indent(13) }}", "indents a string of 30000013 characters"),
+    ("{{ ('x' * 1000).replace('', 'y' * 100000) }}", "replaces into a string of 100101000 characters"),
+], ids=["percent", "percent-star", "format-filter", "str-format", "center", "rjust", "join-filter", "str-join",
+        "indent", "replace"])
+def test_template_payloads_are_bounded_before_they_allocate(template, message, tmp_path) -> None:
+    """Each payload used to render 1e8-2e8 characters before the output bound saw them; now refused before the
+    value is built (the peak allocation stays far below it)."""
+    import tracemalloc
+
+    from llama_megatron.data.chat_template import ChatEncoder, TemplateRenderError
+
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text(template)
+    encoder = ChatEncoder(os.path.join(ROOT, "data", "tokenizer"), str(jinja))
+    tracemalloc.start()
+    try:
+        with pytest.raises(TemplateRenderError, match=re.escape(message)):
+            encoder.render([{"role": "user", "content": "a"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 2**20, f"{peak / 2**20:.0f} MiB allocated"
+
+
+def test_bounded_templates_still_render(tmp_path) -> None:
+    """The checks refuse only what is over the bound: ordinary uses of the same filters and methods render."""
+    from llama_megatron.data.chat_template import ChatEncoder
+
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{{ '%03d' % 7 }}|{{ 'ab'|center(6) }}|{{ ['a', 'b']|join(',') }}|{{ '{:>4}'.format('z') }}|"
+                     "{{ 'x'|indent(2, true) }}|{{ 'aXa'.replace('X', '-') }}|{{ '%s=%d'|format('n', 2) }}")
+    encoder = ChatEncoder(os.path.join(ROOT, "data", "tokenizer"), str(jinja))
+    assert encoder.render([{"role": "user", "content": "a"}]) == "007|  ab  |a,b|   z|  x|a-a|n=2"
+
+
+def test_a_listing_that_disagrees_with_the_hashed_files_fails_the_save(tmp_path, monkeypatch) -> None:
+    """Rank 0's listing (a stale NFS directory cache) lacks a file another rank wrote and hashed: the save fails
+    with one line instead of publishing a manifest that does not describe the tag; latest is untouched."""
+    save_dir = tmp_path / "ckpt"
+    _save(save_dir, 1, 1e9, monkeypatch)
+    real = ckpt.tag_files
+    monkeypatch.setattr(ckpt, "tag_files", lambda d: [n for n in real(d) if not n.startswith("zero_pp_rank_1")])
+    tmp = save_dir / ".tmp-global_step2"
+    tmp.mkdir()
+    (tmp / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"x" * 10)
+    share = {"zero_pp_rank_1_mp_rank_00_optim_states.pt": {"size": 10, "sha256": "0" * 64}}
+    meta = CheckpointMeta(step=2, consumed_samples=2, tensor=1, pipeline=1, data_parallel=1, zero_stage=0,
+                          model={}, padded_vocab_size=128)
+    with pytest.raises(SaveFailed, match="lacks zero_pp_rank_1_mp_rank_00_optim_states.pt, which the ranks wrote"):
+        ckpt.PendingSave("global_step2", str(save_dir), str(tmp), str(save_dir / "global_step2"), meta, 0, ONE,
+                         None).finish([share])
+    assert (save_dir / LATEST_FILE).read_text() == "global_step1" and not tmp.exists()

@@ -95,6 +95,29 @@ class CheckpointMeta:
         return json.dumps(data, indent=2, sort_keys=True)
 
 
+_POSITIVE = ("tensor", "pipeline", "data_parallel", "context", "expert", "padded_vocab_size")
+_COUNTS = ("step", "consumed_samples")
+
+
+def _check_fields(data: dict) -> None:
+    """The fields everything after reads as numbers and objects are ones (an untrusted or hand-edited file would
+    otherwise fail later, as a division by zero or a traceback deep in a reader)."""
+    def integer(value) -> bool:
+        return type(value) is int
+
+    for key in _POSITIVE:
+        if key in data and not (integer(data[key]) and data[key] >= 1):
+            raise ValueError(f"{key} {data[key]!r} is not a positive integer")
+    for key in _COUNTS:
+        if key in data and not (integer(data[key]) and data[key] >= 0):
+            raise ValueError(f"{key} {data[key]!r} is not an integer >= 0")
+    if "zero_stage" in data and data["zero_stage"] not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage {data['zero_stage']!r} is not 0, 1, 2 or 3")
+    for key in ("model", "lora", "layer_placement"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise ValueError(f"{key} is not an object")
+
+
 def read_latest(load_dir: str) -> str:
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"checkpoint directory not found: {load_dir}")
@@ -118,11 +141,14 @@ def read_meta(load_dir: str, tag: str | None = None) -> CheckpointMeta:
     try:
         with open(meta_path, encoding="utf-8") as fh:
             data = json.load(fh)
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        _check_fields(data)
         meta = CheckpointMeta(**data, tag=tag)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete or not a llama_megatron checkpoint "
                               f"(no {META_FILE})") from None
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint metadata {meta_path} is corrupt: {exc}") from None
     if meta.format_version != FORMAT_VERSION:
         raise CheckpointError(f"{meta_path}: format version {meta.format_version}, expected {FORMAT_VERSION}")

@@ -410,8 +410,14 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
     error = error or _attempt(lambda: _save_rng_state(tmp_dir, rank))
     _agree(error, where, tmp_dir, pctx)
+    # one listing, rank 0's, shared: ranks listing the directory themselves (NFS caches listings per client) could
+    # each miss or double a file, leaving it unhashed or hashed twice
+    listing: list[str] = []
+    error = _attempt(lambda: listing.extend(tag_files(tmp_dir))) if rank == 0 else None
+    gathered = all_gather_objects((error, listing))
+    _agree_gathered([e for e, _ in gathered], where, tmp_dir, pctx)
     digests: dict = {}
-    error = _attempt(lambda: digests.update(digest_files(tmp_dir, tag_files(tmp_dir)[rank::world], fsync=True)))
+    error = _attempt(lambda: digests.update(digest_files(tmp_dir, gathered[0][1][rank::world], fsync=True)))
     _agree(error, where, tmp_dir, pctx)
     pending.finish(all_gather_objects(digests))
     return tag
@@ -450,6 +456,7 @@ class PendingSave:
 
         def finish() -> None:
             entries = {name: entry for share in shares for name, entry in share.items()}
+            _check_listing(self.tmp_dir, entries, exact=False)
             entries.update(digest_files(self.tmp_dir, [n for n in tag_files(self.tmp_dir) if n not in entries]))
             self.meta.saved_at = time.time()
             self.meta.save_index = next_save_index(self.save_dir)
@@ -457,12 +464,26 @@ class PendingSave:
             entries.update(digest_files(self.tmp_dir, [META_FILE]))
             write_manifest(self.tmp_dir, entries)
             fsync_tree(self.tmp_dir)
+            _check_listing(self.tmp_dir, entries, exact=True)
             _replace_tag(self.save_dir, self.tmp_dir, self.final_dir)
             write_text_atomic(os.path.join(self.save_dir, LATEST_FILE), self.tag)
             fsync_dir(self.save_dir)
             _prune(self.save_dir, self.keep_last, self.tag)
 
         _agree(_attempt(finish) if self.pctx.rank == 0 else None, self.where, self.tmp_dir, self.pctx)
+
+
+def _check_listing(tag_dir: str, entries: dict, exact: bool) -> None:
+    """The tag's listing (rank 0's) shows every file the ranks hashed, and with ``exact`` no file the manifest
+    lacks: a listing that disagrees (a stale NFS directory cache, a writer still adding files) would publish a tag
+    whose manifest does not describe it."""
+    listed = set(tag_files(tag_dir))
+    unseen = sorted(set(entries) - listed)
+    extra = sorted(listed - set(entries)) if exact else []
+    if unseen or extra:
+        detail = (f"lacks {', '.join(unseen[:3])}, which the ranks wrote" if unseen else
+                  f"shows {', '.join(extra[:3])}, which the manifest lacks")
+        raise OSError(f"the listing of {tag_dir} {detail} (a stale directory listing?)")
 
 
 def _attempt(action) -> str | None:

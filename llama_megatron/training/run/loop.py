@@ -16,7 +16,7 @@ from llama_megatron.training.diagnostics.flops import training_flops_per_token
 from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.faults.guard import StepGuard
 from llama_megatron.training.faults.preemption import StopRequests
-from llama_megatron.training.faults.watchdog import StallWatchdog
+from llama_megatron.training.faults.watchdog import StallWatchdog, job_nonce
 from llama_megatron.training.pipeline.schedules import analytic_bubble
 from llama_megatron.training.run.batches import build_datasets, step_batches
 from llama_megatron.training.run.metrics import device_peak_tflops, format_eta
@@ -93,7 +93,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     guard = StepGuard(train.max_bad_steps, train.loss_spike_factor, train.loss_spike_window, engine.device)
     stops = StopRequests(train.stop_signals, train.max_minutes, launcher_chain())
     watchdog = StallWatchdog(config.distributed.timeout_minutes, pctx.rank, pctx.world_size,
-                             (pctx.pp_rank, pctx.pp_size), rendezvous_address())
+                             (pctx.pp_rank, pctx.pp_size), rendezvous_address(), job_nonce())
     last_metrics: dict = {}
     background = BackgroundSaves() if config.checkpoint.async_save else None
     pending: ckpt.PendingSave | None = None  # an asynchronous save in flight (at most one)

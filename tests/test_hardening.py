@@ -168,6 +168,23 @@ def test_a_killed_conversion_temp_is_reclaimed(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == [live.name, "out"]
 
 
+def test_a_killed_preprocess_temps_are_reclaimed(tmp_path) -> None:
+    """``PREFIX.bin.tmp-<pid>`` and the index spools of a preprocess that is gone go when the prefix is written
+    again; another prefix's, and a live writer's, stay."""
+    import numpy as np
+
+    from llama_megatron.data.indexed_dataset import IndexedDatasetWriter
+
+    dead = ["o.bin.tmp-4194304", "o.idx.tmp-4194304", "o.idx.tmp-4194304.sizes", "o.idx.tmp-4194304.docs"]
+    kept = [f"o.bin.tmp-{os.getppid()}", "other.bin.tmp-4194304"]
+    for name in dead + kept:
+        (tmp_path / name).write_bytes(b"x")
+    with IndexedDatasetWriter(str(tmp_path / "o"), np.uint16) as writer:
+        writer.add_document([1, 2, 3])
+        writer.finalize()
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["o.bin", "o.idx"])
+
+
 # ---- the watchdog's store ----
 
 @pytest.fixture
@@ -189,8 +206,8 @@ def test_the_job_store_listens_on_the_master_address_only(job_store) -> None:
     store.set("k", "v")
 
 
-def _watching(monkeypatch, address, nonce: str):
-    """A 2-rank watchdog for rank 0 with a 1.2 s timeout whose exit is recorded instead of taken."""
+def _watching(monkeypatch, address, nonce: str, world_size: int = 2):
+    """A watchdog for rank 0 with a 1.2 s timeout whose exit is recorded instead of taken."""
     from llama_megatron.training.faults import watchdog
 
     exits: list[int] = []
@@ -203,7 +220,7 @@ def _watching(monkeypatch, address, nonce: str):
         dogs[0]._stop.set()  # its thread ends, as the real exit would end the process
 
     monkeypatch.setattr(watchdog.os, "_exit", record)
-    dogs.append(watchdog.StallWatchdog(0.02, 0, 2, (0, 1), address, nonce))
+    dogs.append(watchdog.StallWatchdog(0.02, 0, world_size, (0, 1), address, nonce))
     return dogs[0], exits, ended
 
 
@@ -312,3 +329,36 @@ def test_a_listing_that_disagrees_with_the_hashed_files_fails_the_save(tmp_path,
         ckpt.PendingSave("global_step2", str(save_dir), str(tmp), str(save_dir / "global_step2"), meta, 0, ONE,
                          None).finish([share])
     assert (save_dir / LATEST_FILE).read_text() == "global_step1" and not tmp.exists()
+
+
+# ---- beats through a long save and evaluation ----
+
+def test_a_save_longer_than_the_timeout_beats_as_it_goes(tmp_path, monkeypatch, capfd) -> None:
+    """1.2 s timeout: a save that writes for 3 s (no beat from the main thread, as inside DeepSpeed's torch.save
+    or a barrier while another rank writes) and hashes for 2 s keeps the rank alive; once its files stop
+    growing and nothing beats, the rank ends (exit 5): the watch is live."""
+    from llama_megatron.checkpoint.manifest import file_digest
+
+    dog, exits, ended = _watching(monkeypatch, None, "", world_size=1)
+    writing = tmp_path / ".tmp-global_step9"
+    writing.mkdir()
+    with dog.working(9, "checkpoint save", str(writing)) as progress:
+        for _ in range(10):  # another rank's shard growing on the shared file system
+            with open(writing / "layer_01-model_00-model_states.pt", "ab") as fh:
+                fh.write(b"x" * 1000)
+            time.sleep(0.3)
+        assert exits == []
+        shard = tmp_path / "shard"
+        shard.write_bytes(b"y" * (1 << 24) * 2)
+        calls = []
+
+        def slow_beat() -> None:  # hashing 32 MiB: two chunks, 1 s each
+            calls.append(1)
+            progress()
+            time.sleep(1.0)
+
+        file_digest(str(shard), progress=slow_beat)
+        assert calls == [1, 1] and exits == []
+        assert ended.wait(10) and exits == [5]  # nothing grows, nothing beats
+    assert "stalled at step 9 (checkpoint save) on rank 0" in capfd.readouterr().err
+    dog.close()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from llama_megatron.errors import CheckpointError
+from llama_megatron.temps import reclaim_temps
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -32,37 +33,6 @@ def write_text_atomic(path: str, text: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host (one of another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def reclaim_temps(directory: str, pattern: str, only_dead: bool = True) -> list[str]:
-    """Remove what killed writers left in ``directory``: entries whose names match ``pattern`` (a regex with a
-    ``pid`` group), where that process is gone (every match without ``only_dead``: the caller owns the directory).
-    A writer killed by SIGKILL (the launcher's 30 s after SIGTERM, the OOM killer) never cleans up after itself."""
-    removed = []
-    regex = re.compile(pattern)
-    for entry in os.listdir(directory) if os.path.isdir(directory) else []:
-        match = regex.fullmatch(entry)
-        if not match or (only_dead and pid_alive(int(match.group("pid")))):
-            continue
-        path = os.path.join(directory, entry)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        removed.append(entry)
-    return removed
 
 
 def check_output(path: str, overwrite: bool, inputs: tuple[str, ...] = ()) -> str:

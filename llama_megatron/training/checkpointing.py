@@ -29,6 +29,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -368,14 +369,15 @@ def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
 
 
 def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, pctx,
-                    background: BackgroundSaves | None = None) -> str | PendingSave:
+                    background: BackgroundSaves | None = None,
+                    progress: Callable[[], None] | None = None) -> str | PendingSave:
     """Write ``meta``'s tag: DeepSpeed's files and each rank's RNG state into ``.tmp-<tag>``, every file hashed
     (SHA-256, spread over the ranks) and fsynced, the manifest and metadata, then the rename, ``latest`` and
     retention (rank 0), each directory fsynced. A failure on any rank (a full disk, an I/O error) is seen by all:
     the temporary directory is removed and :class:`SaveFailed` is raised with one line; ``latest`` and the tags
     already there are untouched. With ``background`` (``checkpoint.async_save``) the files are copied to host
     memory and written by a thread: the :class:`PendingSave` returned finishes the same way once every rank's
-    writer is done."""
+    writer is done. ``progress`` is called as files are hashed (the watchdog's beat)."""
     rank, world = pctx.rank, pctx.world_size
     tag = step_tag(meta.step)
     tmp_dir, final_dir = os.path.join(save_dir, TMP_PREFIX + tag), os.path.join(save_dir, tag)
@@ -393,7 +395,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         engine.engine.save_checkpoint(save_dir, tag=TMP_PREFIX + tag, client_state=client_state,
                                       save_latest=False, exclude_frozen_parameters=lora is not None)
 
-    pending = PendingSave(tag, save_dir, tmp_dir, final_dir, meta, keep_last, pctx, background)
+    pending = PendingSave(tag, save_dir, tmp_dir, final_dir, meta, keep_last, pctx, background, progress)
     if background is not None:
         background.writer.reset()
         with background.capturing(engine.engine):
@@ -417,7 +419,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
     gathered = all_gather_objects((error, listing))
     _agree_gathered([e for e, _ in gathered], where, tmp_dir, pctx)
     digests: dict = {}
-    error = _attempt(lambda: digests.update(digest_files(tmp_dir, gathered[0][1][rank::world], fsync=True)))
+    error = _attempt(lambda: digests.update(digest_files(tmp_dir, gathered[0][1][rank::world], True, progress)))
     _agree(error, where, tmp_dir, pctx)
     pending.finish(all_gather_objects(digests))
     return tag
@@ -428,9 +430,11 @@ class PendingSave:
     (manifest, rename, ``latest``, retention) once every rank's writer is done, or raises its failure."""
 
     def __init__(self, tag: str, save_dir: str, tmp_dir: str, final_dir: str, meta: CheckpointMeta,
-                 keep_last: int, pctx, background: BackgroundSaves | None) -> None:
+                 keep_last: int, pctx, background: BackgroundSaves | None,
+                 progress: Callable[[], None] | None = None) -> None:
         self.tag, self.save_dir, self.tmp_dir, self.final_dir = tag, save_dir, tmp_dir, final_dir
         self.meta, self.keep_last, self.pctx, self.background = meta, keep_last, pctx, background
+        self.progress = progress
 
     @property
     def where(self) -> str:
@@ -457,7 +461,8 @@ class PendingSave:
         def finish() -> None:
             entries = {name: entry for share in shares for name, entry in share.items()}
             _check_listing(self.tmp_dir, entries, exact=False)
-            entries.update(digest_files(self.tmp_dir, [n for n in tag_files(self.tmp_dir) if n not in entries]))
+            entries.update(digest_files(self.tmp_dir, [n for n in tag_files(self.tmp_dir) if n not in entries],
+                                        progress=self.progress))
             self.meta.saved_at = time.time()
             self.meta.save_index = next_save_index(self.save_dir)
             write_text_atomic(os.path.join(self.tmp_dir, META_FILE), self.meta.to_json())

@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 from llama_megatron.errors import Stalled, print_error
 from llama_megatron.parallel.launch import rendezvous_store
@@ -73,6 +74,8 @@ class StallWatchdog:
         self._last = time.monotonic()
         self._interval = max(0.5, min(self.timeout / 4, 10.0))  # how often the thread looks and publishes
         self._address = store_address
+        self._growing: str | None = None  # a directory whose growth counts as progress (:meth:`working`)
+        self._grown: tuple[int, int] | None = None
         self._key = KEY.replace("{nonce}", nonce)
         self._ending_key = ENDING_KEY.format(nonce=nonce)
         self._store = None
@@ -84,6 +87,32 @@ class StallWatchdog:
         """Progress: this rank is now at ``step``, doing ``doing`` (main thread; no I/O)."""
         self.step, self.doing, self._last = step, doing, time.monotonic()
 
+    @contextlib.contextmanager
+    def working(self, step: int, doing: str, growing: str | None = None) -> Iterator[Callable[[], None]]:
+        """A long phase (a save, an evaluation) that beats as it goes, so one longer than the timeout does not end
+        healthy ranks: yields the beat for the main thread's own loops (a file hashed, a forward pass), and with
+        ``growing`` the thread also counts growth of that directory as progress (any rank's files, on the shared
+        file system), for the writes the main thread cannot beat from (DeepSpeed's own torch.save, a barrier
+        while another rank writes). A rank stopped inside a collective still stops every beat and every write."""
+        self.beat(step, doing)
+        self._growing, self._grown = growing, None
+        try:
+            yield lambda: self.beat(step, doing)
+        finally:
+            self._growing = None
+
+    def _note_growth(self) -> None:
+        path = self._growing
+        if path is None:
+            return
+        size = (0, 0)
+        for root, _, files in os.walk(path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    size = (size[0] + 1, size[1] + os.stat(os.path.join(root, name)).st_size)
+        if size != self._grown:
+            self._grown, self._last = size, time.monotonic()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._interval + 1)
@@ -92,6 +121,8 @@ class StallWatchdog:
         self._publish()
         while not self._stop.wait(self._interval):
             self._publish()
+            with contextlib.suppress(Exception):  # noqa: BLE001 - a directory that vanished: no growth
+                self._note_growth()
             idle = time.monotonic() - self._last
             if self._stop.is_set():
                 break

@@ -4,8 +4,9 @@ For each layout (DP2 ZeRO-1 and PP2, fp32, a 0.5B-parameter LLaMA shape by defau
 trainer in one launch of the deepspeed launcher, from the same seed on synthetic tokens: no saves, a synchronous save every
 ``--interval`` steps, an asynchronous one. Each rank times, around the trainer's own calls:
 
-* the stall: how long the training loop is stopped by a save (the synchronous save whole; for an asynchronous one,
-  the copy to host memory plus every later wait for its writer and the step boundaries' agreement on it);
+* the stall: how long the training loop is stopped by a save during training (the synchronous save whole; for an
+  asynchronous one, the copy to host memory plus every later wait for its writer and the step boundaries'
+  agreement on it; the save at the last step, whose writer the end of the run waits for, is left out);
 * the time to a complete tag (an asynchronous save: from its start until the tag is renamed and ``latest``);
 * the bytes of its host copy (what ``estimate`` reports as the async save's host memory, per stage).
 
@@ -15,7 +16,7 @@ steps after the ``--warmup`` first (saves included). One JSON line; the issue's 
 writer shares the ranks' cores: on a machine with a core per rank and none spare (2 ranks on this 2-core CPU) its
 hashing and serialisation slow the steps it overlaps, which a GPU run's idle host cores absorb.
 
-    python benchmarks/checkpoint_save.py                   # 0.5B, DP2 ZeRO-1 and PP2, 20 steps, saves every 10
+    python benchmarks/checkpoint_save.py                   # 0.5B, DP2 ZeRO-1 and PP2, 30 steps, saves every 10
     python benchmarks/checkpoint_save.py --layouts pp2 --steps 30 --dir /mnt/nvme/tmp
     python benchmarks/checkpoint_save.py --smoke           # a tiny model: checks the script runs
 """
@@ -101,10 +102,10 @@ def worker(timings_dir: str, config_paths: list[str]) -> int:
     save_checkpoint, complete = ckpt.save_checkpoint, ckpt.PendingSave.complete
     background_init = background_save.BackgroundSaves.__init__
 
-    def timed_save(engine, save_dir, meta, keep_last, pctx, background=None):
+    def timed_save(engine, save_dir, meta, keep_last, pctx, *args, **kwargs):
         where.update(rank=pctx.rank, pp_rank=pctx.pp_rank, dp_rank=pctx.dp_rank)
         start = time.perf_counter()
-        result = save_checkpoint(engine, save_dir, meta, keep_last, pctx, background)
+        result = save_checkpoint(engine, save_dir, meta, keep_last, pctx, *args, **kwargs)
         end = time.perf_counter()
         saves.append({"step": meta.step, "start": start, "stall": end - start,
                       "complete": None if isinstance(result, ckpt.PendingSave) else end - start})
@@ -207,11 +208,14 @@ def measure(args, layout: str, work: str) -> dict:
     estimated = _estimated_host_copy(runs["async"]["config"])
     per_rank = []
     for sync, background in zip(runs["sync"]["ranks"], runs["async"]["ranks"], strict=True):
-        sync_stall = _mean([s["stall"] for s in sync["saves"]])
-        async_stall = _mean([s["stall"] for s in background["saves"]])
+        # the stall of the saves during training: the last step's save is followed by the end of the run, which
+        # waits for its writer (training is over; that wait is its time to a complete tag, reported below)
+        sync_stall = _mean([s["stall"] for s in sync["saves"] if s["step"] < args.steps])
+        async_stall = _mean([s["stall"] for s in background["saves"] if s["step"] < args.steps])
         per_rank.append({
             "rank": sync["rank"], "pp_rank": sync["pp_rank"], "dp_rank": sync["dp_rank"],
-            "saves": len(background["saves"]), "sync_stall_s": round(sync_stall, 3),
+            "saves": len(background["saves"]),
+            "saves_during_training": sum(s["step"] < args.steps for s in background["saves"]), "sync_stall_s": round(sync_stall, 3),
             "async_stall_s": round(async_stall, 3), "async_stall_vs_sync": round(async_stall / sync_stall, 4),
             "async_complete_s": round(_mean([s["complete"] for s in background["saves"]]), 3),
             "host_copy_bytes": background["host_copy_bytes"],
@@ -229,7 +233,7 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
                         help="model shape (0.5b at DP2 ZeRO-1 fp32: about 9 GiB per rank, plus its host copy)")
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--interval", type=int, default=10, help="steps between saves")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of tokens/s")
     parser.add_argument("--seq-length", type=int, default=32)

@@ -56,7 +56,8 @@ def test_checkpoint_save_smoke() -> None:
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     pp2 = line["pp2"]
-    assert [(r["pp_rank"], r["dp_rank"], r["saves"]) for r in pp2["ranks"]] == [(0, 0, 2), (1, 0, 2)]
+    assert [(r["pp_rank"], r["dp_rank"], r["saves"], r["saves_during_training"]) for r in pp2["ranks"]] == [
+        (0, 0, 2, 1), (1, 0, 2, 1)]
     for rank in pp2["ranks"]:
         assert 0 < rank["async_stall_s"] <= rank["async_complete_s"] and rank["sync_stall_s"] > 0
         assert 0 <= rank["host_copy_bytes"] - rank["estimated_host_copy_bytes"] <= 16

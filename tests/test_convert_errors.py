@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from model_utils import hf_model, tiny_config
 from test_convert_roundtrip import save_hf, save_meta
 
@@ -133,3 +134,55 @@ def test_cli_prints_one_line_and_exits_2(tmp_path) -> None:
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if "real_accelerator" not in line]
     assert lines == [f"error: checkpoint directory not found: {tmp_path / 'none'}"], result.stderr
+
+
+def _index(hf_dir: str) -> tuple[str, dict]:
+    path = os.path.join(hf_dir, "model.safetensors.index.json")
+    return path, json.load(open(path))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("list", "its weight_map is not an object of tensor names to file names"),
+    ("outside", "names shard '../outside.safetensors', which is not a file inside the model directory"),
+    ("f8", "has dtype F8_E4M3, which conversion does not read"),
+])
+def test_malformed_hf_inputs(damage, message, hf_dir, tmp_path, capsys) -> None:
+    """An index whose weight_map is a list, one that sends the reader outside the model directory (the file
+    there exists: it is read otherwise), a float8 tensor: one line each, not a traceback."""
+    from safetensors.torch import load_file, save_file
+
+    path, index = _index(hf_dir)
+    shard = sorted(set(index["weight_map"].values()))[0]
+    if damage == "list":
+        index["weight_map"] = sorted(index["weight_map"].items())
+    elif damage == "outside":
+        os.replace(os.path.join(hf_dir, shard), tmp_path / "outside.safetensors")
+        index["weight_map"] = {k: "../outside.safetensors" if v == shard else v for k, v in index["weight_map"].items()}
+    else:
+        tensors = load_file(os.path.join(hf_dir, shard))
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+        save_file(tensors, os.path.join(hf_dir, shard))
+    json.dump(index, open(path, "w"))
+    fails(capsys, ["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", str(tmp_path / "o"), "--tp", "1"],
+          message)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tensor", 0, "tensor 0 is not a positive integer"),
+    ("model", [], "model is not an object"),
+    ("step", "7", "step '7' is not an integer >= 0"),
+])
+def test_malformed_checkpoint_metadata(key, value, message, converted, tmp_path, capsys) -> None:
+    """A hand-edited llama_megatron.json (its manifest rewritten to match): one line naming the field."""
+    from llama_megatron.checkpoint.manifest import write_manifest_for
+
+    tag = os.path.join(converted, "converted")
+    meta_path = os.path.join(tag, "llama_megatron.json")
+    meta = json.load(open(meta_path))
+    meta[key] = value
+    json.dump(meta, open(meta_path, "w"))
+    os.remove(os.path.join(tag, "manifest.json"))
+    write_manifest_for(tag)
+    fails(capsys, ["export", "--input", converted, "--output", str(tmp_path / "o")], message)
+    fails(capsys, ["reshard", "--input", converted, "--output", str(tmp_path / "r"), "--tp", "1"], message)

@@ -149,9 +149,13 @@ def test_hf_datasets_inputs(tmp_path, tok, records, monkeypatch):
         ('["a", "list"]', "expected a JSON object, got list"),
         ('{"body": "no text key"}', "no key 'text' (keys: body)"),
         ('{"text": 42}', "key 'text' is int, not a string"),
+        ("[" * 100_000, "invalid JSON (nested too deeply)"),  # RecursionError in the parser
+        ('{"text": "' + "x" * 200_000 + '"}', "line longer than 150000 bytes"),
     ],
+    ids=["unterminated", "list", "no-key", "not-a-string", "nested", "overlong"],
 )
-def test_malformed_json_line_names_file_and_line(tmp_path, capsys, bad_line, message):
+def test_malformed_json_line_names_file_and_line(tmp_path, capsys, monkeypatch, bad_line, message):
+    monkeypatch.setattr("llama_megatron.data.readers.MAX_LINE_BYTES", 150_000)  # read in the main process
     src = write_jsonl(
         tmp_path / "bad.jsonl", [{"text": "fine"}, "", {"text": "also fine"}, bad_line, {"text": "end"}]
     )

@@ -64,7 +64,12 @@ def test_a_healthy_job_under_the_deepspeed_launcher(shakespeare_prefix, tmp_path
 
 def test_ranks_that_disagree_are_named(shakespeare_prefix, tmp_path) -> None:
     """Rank 1 runs another config (seed) and, behind the same relative data path, a copy of the data with one byte
-    changed."""
+    changed; behind the same relative checkpoint path rank 0 cannot create the directory (a file is there: the
+    check used to skip a barrier rank 1 entered). The tokenizer dir holds a subdirectory (HF's
+    ``.cache/huggingface/``), which is not one of its files."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(TOKENIZER, tokenizer)
+    (tokenizer / ".cache" / "huggingface").mkdir(parents=True)
     for node in ("node0", "node1"):
         (tmp_path / node / "data").mkdir(parents=True)
         for suffix in (".bin", ".idx"):
@@ -73,19 +78,21 @@ def test_ranks_that_disagree_are_named(shakespeare_prefix, tmp_path) -> None:
     raw = bytearray(idx.read_bytes())
     raw[-1] ^= 1
     idx.write_bytes(bytes(raw))
+    (tmp_path / "node0" / "ckpt").write_text("not a directory")
 
     def args_of(rank: int) -> list[str]:
-        return train_args(CONFIG, ["data.prefix=data/corpus", f"tokenizer={TOKENIZER}", f"output_dir={tmp_path}",
-                                   "parallel.tensor=2", *(["seed=7"] if rank == 1 else [])])
+        return train_args(CONFIG, ["data.prefix=data/corpus", f"tokenizer={tokenizer}", f"output_dir={tmp_path}",
+                                   "checkpoint.save=ckpt", "parallel.tensor=2", *(["seed=7"] if rank == 1 else [])])
 
     results = _ranks(2, args_of, cwd_of=lambda rank: str(tmp_path / f"node{rank}"))
     assert [r.returncode for r in results] == [2, 0], results[0].stderr[-3000:]
-    assert _errors(results[0].stderr) == [f"error: doctor: 2 check(s) failed: config, data and tokenizer files "
-                                          f"(table above, {tmp_path}/doctor.json)"]
+    assert _errors(results[0].stderr) == [f"error: doctor: 3 check(s) failed: config, data and tokenizer files, "
+                                          f"checkpoint directory (table above, {tmp_path}/doctor.json)"]
     rows = {line.split("  ")[0].strip(): line for line in results[0].stdout.splitlines()}
     assert "failed" in rows["config"] and "differs: rank 1 (" in rows["config"]
     assert "data/corpus.idx differ on rank 1 (" in rows["data and tokenizer files"]
-    assert "data/corpus.bin" not in rows["data and tokenizer files"]
+    assert "data/corpus.bin" not in rows["data and tokenizer files"] and ".cache" not in results[0].stdout
+    assert "ckpt: rank 0 (" in rows["checkpoint directory"] and "FileExistsError" in rows["checkpoint directory"]
 
 
 def test_a_rank_that_never_starts_is_named(shakespeare_prefix, tmp_path) -> None:

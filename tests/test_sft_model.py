@@ -10,6 +10,7 @@ TP1 against each family's class (Qwen2 with windows shorter than a sample, Qwen3
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -192,7 +193,9 @@ def _distributed_worker(rank: int, world_size: int, cache_dir: str) -> None:
             # the loss rule over both micro batches, only this sample's targets counting
             parts = [only_sample(m, row, start, end) if i == index else only_sample(m, None)
                      for i, m in enumerate(micro_batches)]
-            loss = engine.eval_loss(parts)
+            beats: list[int] = []  # the watchdog's beat: every pipeline stage calls it per forward pass
+            loss = engine.eval_loss(parts, functools.partial(beats.append, 1))
+            assert len(beats) == len(parts), (pctx.pp_rank, len(beats))
             assert abs(loss - ref_loss.item()) <= 1e-5 * ref_loss.item(), (index, row, start, loss, ref_loss)
             checked += 1
     assert checked >= 2 * 2 * len(micro_batches)

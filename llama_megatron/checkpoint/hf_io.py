@@ -40,8 +40,13 @@ def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None, list[str]]:
                     weight_map = json.load(fh)["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index_path} is not a valid weight index: {exc}") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise CheckpointError(f"{index_path} is not a valid weight index: its weight_map is not an object "
+                                      "of tensor names to file names")
             files = sorted(set(weight_map.values()))
             for name in files:
+                _check_inside(hf_dir, name, index)
                 if not os.path.isfile(os.path.join(hf_dir, name)):
                     raise CheckpointError(f"{hf_dir}: shard {name} listed in {index} is missing")
             return kind, weight_map, files
@@ -49,6 +54,16 @@ def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None, list[str]]:
             return kind, None, [single]
     raise CheckpointError(f"no weights in {hf_dir}: expected model.safetensors, pytorch_model.bin or a sharded "
                           "index (model.safetensors.index.json / pytorch_model.bin.index.json)")
+
+
+def _check_inside(hf_dir: str, name: str, index: str) -> None:
+    """A shard an index names is a file of the model directory: an untrusted index must not make the reader open
+    ``../outside.safetensors`` or ``/etc/...``, also not through a symlink."""
+    root = os.path.realpath(hf_dir)
+    path = os.path.realpath(os.path.join(hf_dir, name))
+    if os.path.isabs(name) or not path.startswith(root + os.sep):
+        raise CheckpointError(f"{hf_dir}: {index} names shard {name!r}, which is not a file inside the model "
+                              "directory")
 
 
 class HFCheckpoint:
@@ -99,12 +114,18 @@ class HFCheckpoint:
                 view = handle.get_slice(name)
             except Exception:
                 raise CheckpointError(f"{self._path(file)}: index lists {name} but the file lacks it") from None
-            return tuple(view.get_shape()), _SAFE_TO_TORCH[view.get_dtype()]
+            dtype = view.get_dtype()
+            if dtype not in _SAFE_TO_TORCH:
+                raise CheckpointError(f"{self._path(file)}: tensor {name} has dtype {dtype}, which conversion does not "
+                                      f"read (it reads {', '.join(_SAFE_TO_TORCH)}): dequantize the model first")
+            return tuple(view.get_shape()), _SAFE_TO_TORCH[dtype]
         if name not in handle:
             raise CheckpointError(f"{self._path(file)}: index lists {name} but the file lacks it")
         return tuple(handle[name].shape), handle[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
+        if self.kind == "safetensors":
+            self.info(name)  # its dtype one we read (header only), before any data
         file = self._file_of(name)
         handle = self._handle(file)
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from llama_megatron.errors import CheckpointError
 
@@ -38,20 +38,24 @@ def tag_files(tag_dir: str) -> list[str]:
     return sorted(found)
 
 
-def file_digest(path: str, fsync: bool = False) -> dict:
-    """Size and SHA-256 of ``path``; with ``fsync``, the file is also flushed to the disk."""
+def file_digest(path: str, fsync: bool = False, progress: Callable[[], None] | None = None) -> dict:
+    """Size and SHA-256 of ``path``; with ``fsync``, the file is also flushed to the disk. ``progress`` is called
+    per 16 MiB read (a training save's watchdog beat: hashing a 7B save's shards takes minutes)."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
+            if progress is not None:
+                progress()
         if fsync:
             os.fsync(fh.fileno())
         size = fh.tell()
     return {"size": size, "sha256": digest.hexdigest()}
 
 
-def digest_files(tag_dir: str, names: Iterable[str], fsync: bool = False) -> dict[str, dict]:
-    return {name: file_digest(os.path.join(tag_dir, name), fsync) for name in names}
+def digest_files(tag_dir: str, names: Iterable[str], fsync: bool = False,
+                 progress: Callable[[], None] | None = None) -> dict[str, dict]:
+    return {name: file_digest(os.path.join(tag_dir, name), fsync, progress) for name in names}
 
 
 def write_manifest(tag_dir: str, entries: dict[str, dict]) -> None:

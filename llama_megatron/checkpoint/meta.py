@@ -62,7 +62,10 @@ class CheckpointMeta:
     expert: int = 1  # expert-parallel degree: > 1 keeps the experts in files of their own (checkpoint/weights.py)
     format_version: int = FORMAT_VERSION
     lora: dict[str, Any] | None = None  # adapter-only checkpoint: rank, alpha, dropout, targets, base
-    saved_at: float | None = None  # wall-clock time of the save (retention keeps the newest saves by it)
+    saved_at: float | None = None  # wall-clock time of the save (informational: clocks of nodes disagree)
+    # this save's place among the save dir's saves (1 + the highest there): retention and the load fallback order
+    # tags by it, never by a clock; None for older checkpoints and other tools' (ordered by step, below every save)
+    save_index: int | None = None
     # which layers each pipeline rank holds (training.config.PipelineConfig.layer_placement; None: PP 1, or an
     # older checkpoint: DeepSpeed's one block per rank)
     layer_placement: dict[str, Any] | None = None
@@ -86,10 +89,33 @@ class CheckpointMeta:
     def to_json(self) -> str:
         data = dict(self.__dict__)
         data.pop("tag")
-        for key in ("lora", "saved_at"):
+        for key in ("lora", "saved_at", "save_index"):
             if data[key] is None:
                 data.pop(key)
         return json.dumps(data, indent=2, sort_keys=True)
+
+
+_POSITIVE = ("tensor", "pipeline", "data_parallel", "context", "expert", "padded_vocab_size")
+_COUNTS = ("step", "consumed_samples")
+
+
+def _check_fields(data: dict) -> None:
+    """The fields everything after reads as numbers and objects are ones (an untrusted or hand-edited file would
+    otherwise fail later, as a division by zero or a traceback deep in a reader)."""
+    def integer(value) -> bool:
+        return type(value) is int
+
+    for key in _POSITIVE:
+        if key in data and not (integer(data[key]) and data[key] >= 1):
+            raise ValueError(f"{key} {data[key]!r} is not a positive integer")
+    for key in _COUNTS:
+        if key in data and not (integer(data[key]) and data[key] >= 0):
+            raise ValueError(f"{key} {data[key]!r} is not an integer >= 0")
+    if "zero_stage" in data and data["zero_stage"] not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage {data['zero_stage']!r} is not 0, 1, 2 or 3")
+    for key in ("model", "lora", "layer_placement"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise ValueError(f"{key} is not an object")
 
 
 def read_latest(load_dir: str) -> str:
@@ -115,20 +141,26 @@ def read_meta(load_dir: str, tag: str | None = None) -> CheckpointMeta:
     try:
         with open(meta_path, encoding="utf-8") as fh:
             data = json.load(fh)
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        _check_fields(data)
         meta = CheckpointMeta(**data, tag=tag)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete or not a llama_megatron checkpoint "
                               f"(no {META_FILE})") from None
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint metadata {meta_path} is corrupt: {exc}") from None
     if meta.format_version != FORMAT_VERSION:
         raise CheckpointError(f"{meta_path}: format version {meta.format_version}, expected {FORMAT_VERSION}")
     return meta
 
 
-def saved_tags(save_dir: str) -> list[str]:
-    """The complete tags in ``save_dir`` (holding ``llama_megatron.json``; temporaries and universal conversions
-    excluded), newest save first: by the save time their metadata records, else the metadata file's mtime."""
+_STEP_TAG = re.compile(r"global_step(\d+)")
+
+
+def _tag_order(save_dir: str) -> list[tuple[int, int, str]]:
+    """(save index, step, name) of each complete tag in ``save_dir``: a tag without a save index (written before
+    there were any, or by another tool) counts -1, and one not named by step -1 for its step."""
     found = []
     for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
         meta_path = os.path.join(save_dir, name, META_FILE)
@@ -136,8 +168,21 @@ def saved_tags(save_dir: str) -> list[str]:
             continue
         try:
             with open(meta_path, encoding="utf-8") as fh:
-                saved_at = json.load(fh).get("saved_at")
+                index = json.load(fh).get("save_index")
         except (OSError, ValueError, AttributeError):
-            saved_at = None
-        found.append((saved_at if isinstance(saved_at, (int, float)) else os.path.getmtime(meta_path), name))
-    return [name for _, name in sorted(found, reverse=True)]
+            index = None
+        step = _STEP_TAG.fullmatch(name)
+        found.append((index if type(index) is int else -1, int(step.group(1)) if step else -1, name))
+    return sorted(found, reverse=True)
+
+
+def saved_tags(save_dir: str) -> list[str]:
+    """The complete tags in ``save_dir`` (holding ``llama_megatron.json``; temporaries and universal conversions
+    excluded), newest save first: by the save index their metadata records, then by step. Never by wall-clock
+    time: a node whose clock is behind would make its newer save look older (and retention delete it)."""
+    return [name for _, _, name in _tag_order(save_dir)]
+
+
+def next_save_index(save_dir: str) -> int:
+    """The save index of the next save into ``save_dir``: one above every tag there."""
+    return 1 + max((index for index, _, _ in _tag_order(save_dir)), default=-1)

@@ -18,12 +18,14 @@ and megatron-core ``IndexedDataset``, so data preprocessed by either loads uncha
 from __future__ import annotations
 
 import os
+import re
 import struct
 from collections.abc import Iterable
 
 import numpy as np
 
 from llama_megatron.errors import DataError
+from llama_megatron.temps import reclaim_temps
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -195,6 +197,10 @@ class IndexedDatasetWriter:
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         tag = f".tmp-{os.getpid()}"
         self._bin_path, self._idx_path = data_paths(prefix)
+        # a killed writer's temps for the same prefix (its pid gone): otherwise they would stay forever
+        base = re.escape(os.path.basename(prefix))
+        reclaim_temps(os.path.dirname(os.path.abspath(prefix)),
+                      rf"{base}\.(?:bin|idx)\.tmp-(?P<pid>\d+)(?:\.sizes|\.docs)?")
         self._tmp = {name: path + tag for name, path in (("bin", self._bin_path), ("idx", self._idx_path))}
         self._tmp["sizes"] = self._idx_path + tag + ".sizes"
         self._tmp["docs"] = self._idx_path + tag + ".docs"

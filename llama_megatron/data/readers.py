@@ -34,6 +34,7 @@ class Chunk:
     items: list[bytes] = field(default_factory=list)
     columns: dict[str, list] = field(default_factory=dict)
     nbytes: int = 0
+    rejected: list[str] = field(default_factory=list)  # "file:line: why" of lines refused while reading
 
 
 def detect_format(path: str) -> str:
@@ -57,10 +58,30 @@ def _open_binary(path: str) -> IO[bytes]:
         raise DataError(f"cannot open {path}: {exc.strerror}") from None
 
 
+# The longest JSONL line read: a record is a document or a conversation, far below this; a longer line (a file
+# that is not JSONL, a corrupt one without newlines) is a bad record, read past in bounded pieces, never held whole.
+MAX_LINE_BYTES = 1 << 26
+
+
+def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
+    """The file's lines, None for one longer than :data:`MAX_LINE_BYTES`."""
+    limit = MAX_LINE_BYTES
+    while raw := f.readline(limit + 1):
+        if len(raw) <= limit:
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):  # the rest of the overlong line
+            raw = f.readline(limit)
+        yield None
+
+
 def iter_jsonl(path: str, chunk_bytes: int) -> Iterator[Chunk]:
     chunk = Chunk("jsonl", path, [])
     with _open_binary(path) as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in enumerate(_lines(f), start=1):
+            if raw is None:
+                chunk.rejected.append(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
+                continue
             if not raw.strip():
                 continue
             chunk.items.append(raw)
@@ -69,7 +90,7 @@ def iter_jsonl(path: str, chunk_bytes: int) -> Iterator[Chunk]:
             if chunk.nbytes >= chunk_bytes:
                 yield chunk
                 chunk = Chunk("jsonl", path, [])
-    if chunk.items:
+    if chunk.items or chunk.rejected:
         yield chunk
 
 
@@ -239,11 +260,15 @@ def json_objects(chunk: Chunk, bad: list[str]):
     ``bad`` instead."""
     import json
 
+    bad.extend(chunk.rejected)
     for raw, lineno in zip(chunk.items, chunk.locations):
         try:
             record = json.loads(raw)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
             bad.append(f"{chunk.file}:{lineno}: invalid JSON ({exc})")
+            continue
+        except RecursionError:  # "[[[[..." deeper than the parser's recursion limit
+            bad.append(f"{chunk.file}:{lineno}: invalid JSON (nested too deeply)")
             continue
         if not isinstance(record, dict):
             bad.append(f"{chunk.file}:{lineno}: expected a JSON object, got {type(record).__name__}")

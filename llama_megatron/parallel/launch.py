@@ -206,6 +206,49 @@ class RendezvousStore:
         return value
 
 
+def _listen_host(host: str, port: int, where: Placement) -> str | None:
+    """The address rank 0's store listens on: MASTER_ADDR as this host resolves it. None (every interface,
+    torch's default) for a wildcard, a name that does not resolve, or a loopback address in a job spanning nodes
+    (a hostname some /etc/hosts map to 127.0.1.1 locally, which the other nodes resolve to the real address)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, IndexError):
+        return None
+    ip = sockaddr[0]
+    if ip in ("0.0.0.0", "::") or (ip.startswith("127.") or ip == "::1") and where.nodes > 1:
+        return None
+    return ip
+
+
+_SERVERS: list = []  # the job store's server and its listening socket: alive as long as the process
+
+
+def serve_job_store(address: tuple[str, int], where: Placement, timeout_s: float):
+    """Rank 0's server of the job's store (the rendezvous at MASTER_ADDR:MASTER_PORT), listening on MASTER_ADDR
+    only: torch's own listens on every interface, where any host that reaches the port may read and write the
+    job's keys without authentication. None where the address gives no safe interface (:func:`_listen_host`):
+    torch then serves it as before."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host = _listen_host(address[0], address[1], where)
+    if host is None:
+        return None
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server does
+    try:
+        sock.bind((host, address[1]))
+        sock.listen(max(128, where.world_size))
+        store = dist.TCPStore(address[0], address[1], where.world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    _SERVERS.append((store, sock))
+    return store
+
+
 def rendezvous_store(timeout_s: float, address: tuple[str, int] | None = None) -> RendezvousStore | None:
     """The job's store with requests bounded by ``timeout_s`` (:class:`RendezvousStore`); None without a rendezvous
     address (``address`` overrides MASTER_ADDR:MASTER_PORT)."""
@@ -298,9 +341,27 @@ def init_distributed(timeout_minutes: float = 30) -> None:
     import deepspeed
 
     quiet_library_warnings()
+    where = placement()
     if skip_cpu_shared_memory_op() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(placement().local_world_size, 1)))
-    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(where.local_world_size, 1)))
+    address = rendezvous_address()
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
+    server = None
+    import torch.distributed as dist
+
+    started = dist.is_available() and dist.is_initialized()  # a later run in the same processes (tests)
+    if where.rank == 0 and where.world_size > 1 and address is not None and not agent_store and not started:
+        server = serve_job_store(address, where, 60.0 * timeout_minutes)
+    if server is None:
+        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+        return
+    # rank 0 serves the store itself, bound to MASTER_ADDR: torch's env:// rendezvous then connects to it as a
+    # client, as it does to torchrun's agent store (the variable says so only for this call)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    try:
+        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    finally:
+        del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
 
 
 def barrier() -> None:

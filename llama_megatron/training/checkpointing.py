@@ -24,14 +24,17 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import shutil
 import socket
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from llama_megatron.checkpoint.atomic import write_text_atomic
+from llama_megatron.checkpoint.atomic import reclaim_temps, write_text_atomic
 from llama_megatron.checkpoint.manifest import (
     digest_files,
     fsync_dir,
@@ -45,6 +48,7 @@ from llama_megatron.checkpoint.meta import (
     META_FILE,
     TMP_PREFIX,
     CheckpointMeta,
+    next_save_index,
     read_latest,
     read_meta,
     saved_tags,
@@ -121,18 +125,45 @@ def check_save_dir(cfg: CheckpointConfig, load_dir: str | None) -> None:
 class SaveDirLock:
     """``checkpoint.save`` owned by one run at a time: rank 0 holds an exclusive ``flock`` on ``.lock`` in it for
     the whole run. The kernel drops the lock when the process ends, so a crashed run never leaves it stuck. The file
-    names the holder (host, pid, start) for the message the next run prints."""
+    names the holder (host, pid, start) for the message the next run prints.
+
+    Where the file system refuses ``flock`` (ENOLCK, EOPNOTSUPP: Lustre mounted without ``-o flock``, some NFS
+    setups) the run says so in one line and owns the dir by ``.lock.owner`` instead: created exclusively, naming
+    the holder, its mtime touched every ``HEARTBEAT_S`` by a thread; another run refuses the dir while the heartbeat
+    is fresh and takes over one older than ``STALE_S`` (its holder was killed: nothing removed the file). Both
+    files are opened without following symlinks: a link planted there would have its target truncated."""
 
     FILE = ".lock"
+    OWNER_FILE = ".lock.owner"
+    HEARTBEAT_S = 30.0
+    STALE_S = 300.0  # ten missed heartbeats: generous against clock skew between the hosts sharing the dir
 
     def __init__(self, save_dir: str) -> None:
         self.path = os.path.join(save_dir, self.FILE)
+        self.owner_path = os.path.join(save_dir, self.OWNER_FILE)
+        self.note: str | None = None  # the one line saying how the dir is owned, when not by flock
         self._fh = None
+        self._owner_text: str | None = None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    @staticmethod
+    def _holder_text() -> str:
+        return f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+
+    def _open(self, path: str, flags: int) -> int:
+        try:
+            return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ConfigError(f"{path} is a symbolic link: remove it (the save dir's lock is never followed "
+                                  "through a link)") from None
+            raise
 
     def acquire(self) -> str | None:
-        """None when taken (or when the file system has no locks); else who holds it."""
+        """None when taken; else who holds it."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fh = open(self.path, "a+", encoding="utf-8")
+        fh = os.fdopen(self._open(self.path, os.O_RDWR | os.O_CREAT), "r+", encoding="utf-8")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -141,15 +172,53 @@ class SaveDirLock:
             fh.close()
             return holder
         except OSError as exc:
+            fh.close()
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
+            self.note = (f"{os.path.dirname(self.path)}: the file system refuses flock ({errno.errorcode[exc.errno]}); "
+                         f"the run owns it by {self.OWNER_FILE} with a heartbeat every {self.HEARTBEAT_S:g} s instead")
+            return self._acquire_owner_file()
         fh.seek(0)
         fh.truncate()
-        fh.write(f"pid {os.getpid()} on host {socket.gethostname()} since "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        fh.write(self._holder_text() + "\n")
         fh.flush()
         self._fh = fh
         return None
+
+    def _acquire_owner_file(self) -> str | None:
+        text = self._holder_text()
+        for _ in range(2):
+            try:
+                fd = self._open(self.owner_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                try:
+                    with open(self._open(self.owner_path, os.O_RDONLY), encoding="utf-8") as fh:
+                        holder = fh.read().strip() or "unknown"
+                    age = time.time() - os.stat(self.owner_path).st_mtime
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                if age < self.STALE_S:
+                    return f"{holder}; heartbeat {age:.0f} s ago"
+                # a killed holder's file: move it aside (one of several runs taking over wins the rename)
+                aside = f"{self.owner_path}.stale.{os.getpid()}"
+                try:
+                    os.rename(self.owner_path, aside)
+                except FileNotFoundError:
+                    continue
+                os.remove(aside)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+            self._owner_text = text
+            self._heartbeat = threading.Thread(target=self._beat, name="save-dir-heartbeat", daemon=True)
+            self._heartbeat.start()
+            return None
+        return "unknown (another run took the lock file over at the same time)"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.owner_path)
 
     def release(self) -> None:
         if self._fh is not None:
@@ -157,6 +226,21 @@ class SaveDirLock:
                 fcntl.flock(self._fh, fcntl.LOCK_UN)
             self._fh.close()
             self._fh = None
+        if self._owner_text is not None:
+            self._stop.set()
+            if self._heartbeat is not None:
+                self._heartbeat.join()
+            with contextlib.suppress(OSError), open(self.owner_path, encoding="utf-8") as fh:
+                mine = fh.read().strip() == self._owner_text
+            if mine:
+                with contextlib.suppress(OSError):
+                    os.remove(self.owner_path)
+            self._owner_text = None
+
+
+# What a killed save leaves in the save dir: its tag's temp dir, a replaced tag moved aside, temp `latest` files.
+_SAVE_TEMPS = (rf"{re.escape(TMP_PREFIX)}global_step\d+|\.old-global_step\d+-(?P<pid>\d+)|"
+               rf"{LATEST_FILE}\.tmp\..*")
 
 
 def take_save_dir(cfg: CheckpointConfig, load_dir: str | None, pctx, log) -> SaveDirLock | None:
@@ -166,10 +250,17 @@ def take_save_dir(cfg: CheckpointConfig, load_dir: str | None, pctx, log) -> Sav
         return None
     lock = SaveDirLock(cfg.save)
     holder = lock.acquire() if pctx.rank == 0 else None
-    holder = all_gather_objects(holder)[0]
+    holder, note = all_gather_objects((holder, lock.note))[0]
     if holder is not None:
         raise ConfigError(f"checkpoint.save {cfg.save} is in use by another run ({holder}): one run at a time "
                           "writes a save dir")
+    if note:
+        log.info(f"note: checkpoint.save {note}")
+    if pctx.rank == 0:
+        # this run owns the dir now: whatever temps are there, a killed save (SIGKILL: nothing cleaned up) left
+        reclaimed = reclaim_temps(cfg.save, _SAVE_TEMPS, only_dead=False)
+        if reclaimed:
+            log.info(f"removed what killed saves left in {cfg.save}: {', '.join(sorted(reclaimed))}")
     continuing = load_dir is not None and os.path.isdir(load_dir) and os.path.samefile(load_dir, cfg.save)
     if cfg.overwrite and not continuing:
         removed = _remove_checkpoints(cfg.save) if pctx.rank == 0 else 0
@@ -278,14 +369,15 @@ def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
 
 
 def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, pctx,
-                    background: BackgroundSaves | None = None) -> str | PendingSave:
+                    background: BackgroundSaves | None = None,
+                    progress: Callable[[], None] | None = None) -> str | PendingSave:
     """Write ``meta``'s tag: DeepSpeed's files and each rank's RNG state into ``.tmp-<tag>``, every file hashed
     (SHA-256, spread over the ranks) and fsynced, the manifest and metadata, then the rename, ``latest`` and
     retention (rank 0), each directory fsynced. A failure on any rank (a full disk, an I/O error) is seen by all:
     the temporary directory is removed and :class:`SaveFailed` is raised with one line; ``latest`` and the tags
     already there are untouched. With ``background`` (``checkpoint.async_save``) the files are copied to host
     memory and written by a thread: the :class:`PendingSave` returned finishes the same way once every rank's
-    writer is done."""
+    writer is done. ``progress`` is called as files are hashed (the watchdog's beat)."""
     rank, world = pctx.rank, pctx.world_size
     tag = step_tag(meta.step)
     tmp_dir, final_dir = os.path.join(save_dir, TMP_PREFIX + tag), os.path.join(save_dir, tag)
@@ -303,7 +395,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         engine.engine.save_checkpoint(save_dir, tag=TMP_PREFIX + tag, client_state=client_state,
                                       save_latest=False, exclude_frozen_parameters=lora is not None)
 
-    pending = PendingSave(tag, save_dir, tmp_dir, final_dir, meta, keep_last, pctx, background)
+    pending = PendingSave(tag, save_dir, tmp_dir, final_dir, meta, keep_last, pctx, background, progress)
     if background is not None:
         background.writer.reset()
         with background.capturing(engine.engine):
@@ -320,8 +412,14 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
     error = error or _attempt(lambda: _save_rng_state(tmp_dir, rank))
     _agree(error, where, tmp_dir, pctx)
+    # one listing, rank 0's, shared: ranks listing the directory themselves (NFS caches listings per client) could
+    # each miss or double a file, leaving it unhashed or hashed twice
+    listing: list[str] = []
+    error = _attempt(lambda: listing.extend(tag_files(tmp_dir))) if rank == 0 else None
+    gathered = all_gather_objects((error, listing))
+    _agree_gathered([e for e, _ in gathered], where, tmp_dir, pctx)
     digests: dict = {}
-    error = _attempt(lambda: digests.update(digest_files(tmp_dir, tag_files(tmp_dir)[rank::world], fsync=True)))
+    error = _attempt(lambda: digests.update(digest_files(tmp_dir, gathered[0][1][rank::world], True, progress)))
     _agree(error, where, tmp_dir, pctx)
     pending.finish(all_gather_objects(digests))
     return tag
@@ -332,10 +430,12 @@ class PendingSave:
     (manifest, rename, ``latest``, retention) once every rank's writer is done, or raises its failure."""
 
     def __init__(self, tag: str, save_dir: str, tmp_dir: str, final_dir: str, meta: CheckpointMeta,
-                 keep_last: int, pctx, background: BackgroundSaves | None) -> None:
+                 keep_last: int, pctx, background: BackgroundSaves | None,
+                 progress: Callable[[], None] | None = None) -> None:
         self.tag, self.save_dir, self.tmp_dir, self.final_dir = tag, save_dir, tmp_dir, final_dir
         self.meta, self.keep_last, self.pctx, self.background = meta, keep_last, pctx, background
         self.host_copy_bytes = 0  # once complete: the largest rank's host copy (what ``estimate`` reports)
+        self.progress = progress
 
     @property
     def where(self) -> str:
@@ -363,18 +463,35 @@ class PendingSave:
 
         def finish() -> None:
             entries = {name: entry for share in shares for name, entry in share.items()}
-            entries.update(digest_files(self.tmp_dir, [n for n in tag_files(self.tmp_dir) if n not in entries]))
+            _check_listing(self.tmp_dir, entries, exact=False)
+            entries.update(digest_files(self.tmp_dir, [n for n in tag_files(self.tmp_dir) if n not in entries],
+                                        progress=self.progress))
             self.meta.saved_at = time.time()
+            self.meta.save_index = next_save_index(self.save_dir)
             write_text_atomic(os.path.join(self.tmp_dir, META_FILE), self.meta.to_json())
             entries.update(digest_files(self.tmp_dir, [META_FILE]))
             write_manifest(self.tmp_dir, entries)
             fsync_tree(self.tmp_dir)
+            _check_listing(self.tmp_dir, entries, exact=True)
             _replace_tag(self.save_dir, self.tmp_dir, self.final_dir)
             write_text_atomic(os.path.join(self.save_dir, LATEST_FILE), self.tag)
             fsync_dir(self.save_dir)
             _prune(self.save_dir, self.keep_last, self.tag)
 
         _agree(_attempt(finish) if self.pctx.rank == 0 else None, self.where, self.tmp_dir, self.pctx)
+
+
+def _check_listing(tag_dir: str, entries: dict, exact: bool) -> None:
+    """The tag's listing (rank 0's) shows every file the ranks hashed, and with ``exact`` no file the manifest
+    lacks: a listing that disagrees (a stale NFS directory cache, a writer still adding files) would publish a tag
+    whose manifest does not describe it."""
+    listed = set(tag_files(tag_dir))
+    unseen = sorted(set(entries) - listed)
+    extra = sorted(listed - set(entries)) if exact else []
+    if unseen or extra:
+        detail = (f"lacks {', '.join(unseen[:3])}, which the ranks wrote" if unseen else
+                  f"shows {', '.join(extra[:3])}, which the manifest lacks")
+        raise OSError(f"the listing of {tag_dir} {detail} (a stale directory listing?)")
 
 
 def _attempt(action) -> str | None:
@@ -439,7 +556,7 @@ def _replace_tag(save_dir: str, tmp_dir: str, final_dir: str) -> None:
 
 
 def _prune(save_dir: str, keep_last: int, just_saved: str) -> None:
-    """Keep the ``keep_last`` newest saves by save time (never the one just written, nor the one ``latest``
+    """Keep the ``keep_last`` newest saves by save index (never the one just written, nor the one ``latest``
     names), with their universal conversions; 0 keeps every save."""
     if keep_last <= 0:
         return

@@ -79,7 +79,7 @@ AUTO_LOAD = "auto"  # checkpoint.load: resume from checkpoint.save when it holds
 class CheckpointConfig:
     save: str | None = None  # the directory checkpoints are saved to
     interval: int = 0  # steps between saves (and one at the last step); 0: no periodic saves
-    keep_last: int = 0  # keep the newest saves by save time; 0: all
+    keep_last: int = 0  # keep the newest saves (by save order, never by clock); 0: all
     # a checkpoint directory to load, or "auto": resume from save if it holds a checkpoint, else start fresh
     load: str | None = None
     tag: str | None = None  # the tag to load (default: the one latest names); a plain name

@@ -75,17 +75,17 @@ _submit, _complete = background_save.BackgroundWriter.submit, checkpointing.Pend
 _lift: list = []  # the file size limit to restore once an asynchronous save is done
 
 
-def save_checkpoint(engine, save_dir, meta, keep_last, pctx, background=None):
+def save_checkpoint(engine, save_dir, meta, keep_last, pctx, background=None, progress=None):
     _saves[0] += 1
     fault = FAULTS.get("file_size")
     if not (fault and fault["save"] == _saves[0] and fault.get("rank", 0) == RANK):
-        return _save(engine, save_dir, meta, keep_last, pctx, background)
+        return _save(engine, save_dir, meta, keep_last, pctx, background, progress)
     if background is None:
-        return _with_file_size_limit(fault["bytes"], _save, engine, save_dir, meta, keep_last, pctx)
+        return _with_file_size_limit(fault["bytes"], _save, engine, save_dir, meta, keep_last, pctx, None, progress)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     _lift.append(resource.getrlimit(resource.RLIMIT_FSIZE))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fault["bytes"], _lift[-1][1]))
-    return _save(engine, save_dir, meta, keep_last, pctx, background)
+    return _save(engine, save_dir, meta, keep_last, pctx, background, progress)
 
 
 def complete(self, wait):

@@ -40,10 +40,15 @@ from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.data.index_cache import file_fingerprint
 from llama_megatron.errors import ConfigError, Stalled, print_error
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.launch import Placement, rendezvous_address, skip_cpu_shared_memory_op
+from llama_megatron.parallel.launch import (
+    Placement,
+    rendezvous_address,
+    serve_job_store,
+    skip_cpu_shared_memory_op,
+)
 from llama_megatron.training.checkpointing import all_gather_objects
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.faults.watchdog import StallWatchdog
+from llama_megatron.training.faults.watchdog import StallWatchdog, job_nonce
 
 SLOW = 1.25  # a rank this much slower than the median at the same matmul is a straggler
 
@@ -70,7 +75,7 @@ def run_doctor(config: TrainingConfig, where: Placement, timeout_minutes: float,
     skip_cpu_shared_memory_op()
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("doctor/pg", store),
                             rank=where.rank, world_size=where.world_size, timeout=timeout)
-    watchdog = StallWatchdog(timeout_minutes, where.rank, where.world_size, (0, 1), address)
+    watchdog = StallWatchdog(timeout_minutes, where.rank, where.world_size, (0, 1), address, job_nonce())
     try:
         par = config.parallel
         pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context, par.expert)
@@ -99,6 +104,9 @@ def run_doctor(config: TrainingConfig, where: Placement, timeout_minutes: float,
 def _store(where: Placement, address: tuple[str, int], timeout: datetime.timedelta):
     # torchrun's agent already serves the store at MASTER_PORT; under other launchers rank 0 hosts it
     hosts_store = where.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    server = serve_job_store(address, where, timeout.total_seconds()) if hosts_store else None
+    if server is not None:
+        return server
     return dist.TCPStore(address[0], address[1], where.world_size if hosts_store else None, is_master=hosts_store,
                          wait_for_workers=False, timeout=timeout)
 
@@ -145,8 +153,9 @@ def _local_report(config: TrainingConfig, where: Placement) -> dict:
     files = list(config.data.files())
     if config.tokenizer:
         tokenizer = config.tokenizer
-        files += sorted(os.path.join(tokenizer, n) for n in os.listdir(tokenizer)) if os.path.isdir(tokenizer) \
-            else [tokenizer]
+        # the tokenizer's files only: a subdirectory (``.cache/huggingface/`` that HF tools leave) is not one
+        files += sorted(path for n in os.listdir(tokenizer) if os.path.isfile(path := os.path.join(tokenizer, n))) \
+            if os.path.isdir(tokenizer) else [tokenizer]
     seen = {}
     for path in files:
         seen[path] = file_fingerprint(path) if os.path.isfile(path) else None
@@ -229,15 +238,19 @@ def _filesystem(config: TrainingConfig, pctx: ParallelContext) -> Check:
         os.makedirs(directory, exist_ok=True)
         if pctx.rank == 0:
             write_text_atomic(probe, token)
-        dist.barrier()
-        with open(probe, encoding="utf-8") as fh:
-            if fh.read() != token:
-                error = "reads another file at the same path (not one filesystem)"
-        mine = f"{probe}.rank{pctx.rank}"
-        with open(mine, "w", encoding="utf-8") as fh:
-            fh.write(token)
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc.strerror or exc}"
+    dist.barrier()  # entered by every rank whatever failed: a rank that skipped it would pair with the gather below
+    if error is None:
+        try:
+            with open(probe, encoding="utf-8") as fh:
+                if fh.read() != token:
+                    error = "reads another file at the same path (not one filesystem)"
+            mine = f"{probe}.rank{pctx.rank}"
+            with open(mine, "w", encoding="utf-8") as fh:
+                fh.write(token)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc.strerror or exc}"
     errors = all_gather_objects((pctx.rank, socket.gethostname(), error))
     unseen = []
     if pctx.rank == 0:

@@ -17,6 +17,8 @@ Evaluation uses the same rule over its batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -103,7 +105,17 @@ class TrainingEngine:
         return self._dp_mean(total / len(micro_batches))
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
+    def eval_loss(self, micro_batches: list[MicroBatch], progress: Callable[[], None] | None = None) -> float:
+        """The mean loss over ``micro_batches``; ``progress`` is called before each forward of the model (every
+        pipeline stage runs one per micro batch and chunk: the watchdog's beat through a long evaluation)."""
+        hook = self.engine.module.register_forward_pre_hook(lambda *_: progress()) if progress else None
+        try:
+            return self._eval_loss(micro_batches)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def _eval_loss(self, micro_batches: list[MicroBatch]) -> float:
         self.engine.eval()
         targets = self._loss_targets(micro_batches)
         if self.pipelined:

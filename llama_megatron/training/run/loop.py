@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
+from collections.abc import Callable
 
-from llama_megatron.checkpoint.meta import CheckpointMeta
+from llama_megatron.checkpoint.meta import TMP_PREFIX, CheckpointMeta, step_tag
 from llama_megatron.data.sft_config import PreferenceData
 from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.launch import barrier, launcher_chain, rendezvous_address
@@ -16,7 +19,7 @@ from llama_megatron.training.diagnostics.flops import training_flops_per_token
 from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.faults.guard import StepGuard
 from llama_megatron.training.faults.preemption import StopRequests
-from llama_megatron.training.faults.watchdog import StallWatchdog
+from llama_megatron.training.faults.watchdog import StallWatchdog, job_nonce
 from llama_megatron.training.pipeline.schedules import analytic_bubble
 from llama_megatron.training.run.batches import build_datasets, step_batches
 from llama_megatron.training.run.metrics import device_peak_tflops, format_eta
@@ -24,13 +27,14 @@ from llama_megatron.training.run.reference import prepare_reference
 from llama_megatron.training.run.setup import Session, open_session
 
 
-def evaluate(session: Session, valid_ds) -> dict:
-    """Loss and perplexity over ``eval.iters`` global batches of the validation split (from its start)."""
+def evaluate(session: Session, valid_ds, progress: Callable[[], None] | None = None) -> dict:
+    """Loss and perplexity over ``eval.iters`` global batches of the validation split (from its start);
+    ``progress`` is called at each forward pass (the watchdog's beat)."""
     config = session.config
     if valid_ds is None:
         raise ConfigError("evaluation needs a validation split (data.split gives it no documents)")
     batches = [mb for batch in step_batches(valid_ds, config, session.pctx, 0, config.eval.iters) for mb in batch]
-    loss = session.engine.eval_loss(batches)
+    loss = session.engine.eval_loss(batches, progress)
     if config.data.type == PreferenceData.type:  # a preference loss is no token mean: no perplexity
         return {"val_loss": loss}
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
@@ -93,7 +97,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     guard = StepGuard(train.max_bad_steps, train.loss_spike_factor, train.loss_spike_window, engine.device)
     stops = StopRequests(train.stop_signals, train.max_minutes, launcher_chain())
     watchdog = StallWatchdog(config.distributed.timeout_minutes, pctx.rank, pctx.world_size,
-                             (pctx.pp_rank, pctx.pp_size), rendezvous_address())
+                             (pctx.pp_rank, pctx.pp_size), rendezvous_address(), job_nonce())
     last_metrics: dict = {}
     background = BackgroundSaves() if config.checkpoint.async_save else None
     pending: ckpt.PendingSave | None = None  # an asynchronous save in flight (at most one)
@@ -101,10 +105,14 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     def settle(wait: bool) -> None:
         """Finish the save in flight when every rank's files are written (``wait``: now); its failure ends the run."""
         nonlocal pending
-        if pending is not None and pending.complete(wait):
-            log.info(f"saved checkpoint {pending.where} (written in the background from a host copy of "
-                     f"{pending.host_copy_bytes / 2**20:.3f} MiB on the largest rank)")
-            pending = None
+        if pending is None:
+            return
+        # waiting for the writers: their files growing is this rank's progress
+        with watchdog.working(step, "the last save's files", pending.tmp_dir) if wait else contextlib.nullcontext():
+            if pending.complete(wait):
+                log.info(f"saved checkpoint {pending.where} (written in the background from a host copy of "
+                         f"{pending.host_copy_bytes / 2**20:.3f} MiB on the largest rank)")
+                pending = None
 
     start_step = step
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
@@ -139,8 +147,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                 stop, log_now = None, True
             metrics: dict = {}
             if evaluate_now:
-                watchdog.beat(step, "evaluation")
-                metrics.update(evaluate(session, valid_ds))
+                with watchdog.working(step, "evaluation") as progress:
+                    metrics.update(evaluate(session, valid_ds, progress))
             if log_now:
                 last = reports[-1]
                 elapsed = time.perf_counter() - window_start
@@ -181,10 +189,12 @@ def _train(session: Session, config: TrainingConfig) -> dict:
             guard.stop()  # TrainingStopped (exit 3) after train.max_bad_steps bad steps in a row, once logged
             saved = None
             if save_now or (stop and save.save):
-                watchdog.beat(step, "checkpoint save")
                 settle(wait=True)  # at most one save in flight: its buffers are the next one's
-                saved = _save_if_good(engine, guard, config, pctx, ds_config, step, consumed, log,
-                                      session.pre.checkpoint_lora(), background)
+                # a save longer than distributed.timeout_minutes (a 7B one) beats as its files grow and are hashed
+                writing = os.path.join(save.save, TMP_PREFIX + step_tag(step)) if save.save else None
+                with watchdog.working(step, "checkpoint save", writing) as progress:
+                    saved = _save_if_good(engine, guard, config, pctx, ds_config, step, consumed, log,
+                                          session.pre.checkpoint_lora(), background, progress)
                 if isinstance(saved, ckpt.PendingSave):
                     pending, saved = saved, saved.tag
             if stop:
@@ -206,7 +216,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
 
 
 def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consumed, log, lora,
-                  background: BackgroundSaves | None = None) -> str | ckpt.PendingSave | None:
+                  background: BackgroundSaves | None = None,
+                  progress: Callable[[], None] | None = None) -> str | ckpt.PendingSave | None:
     """Save unless the latest step was bad or left non-finite weights (a poisoned state is never written, so
     ``latest`` and what retention keeps stay good); returns the tag, or None."""
     if not guard.clean:
@@ -215,18 +226,20 @@ def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consu
     if not engine.parameters_finite():
         log.info(f"not saving a checkpoint at step {step}: the weights are not finite")
         return None
-    return _save(engine, config, pctx, ds_config, step, consumed, log, lora, background)
+    return _save(engine, config, pctx, ds_config, step, consumed, log, lora, background, progress)
 
 
 def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None,
-          background: BackgroundSaves | None = None) -> str | ckpt.PendingSave:
+          background: BackgroundSaves | None = None,
+          progress: Callable[[], None] | None = None) -> str | ckpt.PendingSave:
     meta = CheckpointMeta(
         step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size, data_parallel=pctx.dp_size,
         context=pctx.cp_size, expert=pctx.ep_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
         padded_vocab_size=config.local_shapes.padded_vocab_size, lora=lora,
         layer_placement=config.pipeline.layer_placement(pctx.pp_size),
     )
-    saved = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx, background)
+    saved = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx, background,
+                                 progress)
     if isinstance(saved, ckpt.PendingSave):
         log.info(f"saving checkpoint {saved.where} in the background")
     else:

@@ -29,11 +29,19 @@ from llama_megatron.parallel.launch import init_distributed
 
 MIXTRAL = dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
                output_router_logits=True, router_aux_loss_coef=0.02)
+QWEN_MOE = dict(num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                output_router_logits=True, router_aux_loss_coef=0.02)
 CASES = {
     "top2-of-4-window": {**MIXTRAL, "sliding_window": 6},
     "top3-of-8-tied": {**MIXTRAL, "num_local_experts": 8, "num_experts_per_tok": 3, "tie_word_embeddings": True,
                        "hidden_size": 96, "intermediate_size": 48},
     "no-aux-loss": {**MIXTRAL, "output_router_logits": False},
+    # Qwen3-MoE: q/k norms, experts narrower than the dense layer 1 (mlp_only_layers), weights renormalised
+    "qwen3-moe": {**QWEN_MOE, "model_type": "qwen3_moe", "norm_topk_prob": True, "mlp_only_layers": [1]},
+    # Qwen2-MoE: q/k/v biases, a shared expert beside the routed ones, weights not renormalised, a window (layer 0)
+    "qwen2-moe": {**QWEN_MOE, "model_type": "qwen2_moe", "attention_bias": True,
+                  "shared_expert_intermediate_size": 80,
+                  "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
 }
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
@@ -101,11 +109,12 @@ def _four_process_worker(rank: int, world_size: int) -> None:
     init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
     dp_lane = (rank % 2, rank % 2 + 2)  # TP2: a TP lane's data coordinates
     layouts = [  # (cases, layout, this rank's EP group: consecutive data coordinates within its TP lane)
-        (("top2-of-4-window", "top3-of-8-tied"), dict(tensor=2, sequence_parallel=True), (rank,)),
-        (("top2-of-4-window", "top3-of-8-tied"), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+        (("top2-of-4-window", "top3-of-8-tied", "qwen3-moe", "qwen2-moe"), dict(tensor=2, sequence_parallel=True),
+         (rank,)),
+        (("top2-of-4-window", "top3-of-8-tied", "qwen2-moe"), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
         (("top3-of-8-tied",), dict(expert=4), (0, 1, 2, 3)),
         (("top3-of-8-tied",), dict(tensor=2, expert=2, sequence_parallel=True), dp_lane),
-        (("top2-of-4-window",), dict(context=2, expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+        (("top2-of-4-window", "qwen3-moe"), dict(context=2, expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
     ]
     for names, layout, ep_ranks in layouts:
         pctx = ParallelContext.build(**layout)

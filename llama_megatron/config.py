@@ -145,6 +145,9 @@ class ModelConfig:
 
     def _validate_windows(self) -> None:
         window = self.sliding_window
+        if window == 0 and "use_sliding_window" in self.family.keys and not self.use_sliding_window:
+            # what transformers' Qwen2-MoE config writes for "no window" (the family reads no window then)
+            window = None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
             raise ConfigError(f"model.sliding_window must be a positive integer or null, got {window!r}")
         if not isinstance(self.max_window_layers, int) or self.max_window_layers < 0:

@@ -15,7 +15,9 @@ is shorter than a sample):
 - fine-tuning: SFT of the Mistral model on the shipped chat set, packed (documents and window together), and LoRA
   on a random Qwen3ForCausalLM converted to TP1 and TP2 checkpoints, at TP2 x PP2 with SP against TP1-PP1 (1e-4 rel
   per step, train and validation loss); LoRA on a converted Mixtral's attention and experts at EP2 x DP2 and EP2 x
-  TP2 (SP) against TP1-PP1, exported to PEFT.
+  TP2 (SP) against TP1-PP1, exported to PEFT;
+- Qwen3-MoE (HF's key names, a dense layer, windows on every layer) at EP2 x PP2 and Qwen2-MoE (q/k/v biases, the
+  shared expert, MoE on every other layer) at TP2 x PP2 with SP and recomputation, against TP1-PP1 as Mixtral's runs.
 """
 
 from __future__ import annotations

@@ -133,7 +133,8 @@ def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
 
 
 def test_moe_flops_count_the_active_experts() -> None:
-    """MFU's model FLOPs count the router and the k experts a token passes through, not the experts it skips."""
+    """MFU's model FLOPs count the router and the k experts a token passes through (and a shared expert), not the
+    experts it skips."""
     from llama_megatron.training.diagnostics.flops import forward_flops_per_token
 
     shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
@@ -141,6 +142,15 @@ def test_moe_flops_count_the_active_experts() -> None:
     moe = ModelConfig(**shape, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
     assert forward_flops_per_token(moe, 100) - dense == 4 * 2 * (3 * 64 * 96 + 64 * 8)  # one more expert, router
     assert moe.num_active_parameters() == moe.num_parameters() - 4 * 6 * 3 * 64 * 96
+    # Qwen2-MoE with MoE on layers 1 and 3 only: each adds its router, 2 experts of 32, the shared expert (48) and its
+    # gate, and drops the dense MLP (96); its q/k/v biases are no matmul
+    qwen = ModelConfig(**shape, model_type="qwen2_moe", attention_bias=True, num_local_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=2)
+    routed = 2 * 3 * 64 * 32 + 64 * 8 + 3 * 64 * 48 + 64
+    assert [qwen.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert forward_flops_per_token(qwen, 100) - dense == 2 * 2 * (routed - 3 * 64 * 96)
+    assert qwen.num_active_parameters() == qwen.num_parameters() - 2 * 6 * 3 * 64 * 32
 
 
 def test_moe_config_checks() -> None:
@@ -159,6 +169,31 @@ def test_moe_config_checks() -> None:
         ParallelConfig(expert=2).validate(tiny_config())
     with pytest.raises(ConfigError, match="expert parallel degree 4 does not divide the data axis"):
         ParallelConfig(tensor=2, expert=4).check_world_size(4)
+
+
+
+def test_qwen_moe_config_keys() -> None:
+    """HF's names are read and written back (``num_experts``, Qwen2-MoE's ``qkv_bias``), the family defaults are
+    transformers', and the new keys are checked in one line."""
+    config = ModelConfig.from_dict({"model_type": "qwen2_moe", "num_experts": 8, "num_attention_heads": 4,
+                                    "hidden_size": 64, "moe_intermediate_size": 24, "sliding_window": 0})
+    assert (config.num_local_experts, config.attention_bias, config.norm_topk_prob) == (8, True, False)
+    assert config.shared_expert_intermediate_size == 5632 and config.layer_windows() == [None] * 32
+    hf = config.to_hf_dict()
+    assert hf["num_experts"] == 8 and hf["qkv_bias"] is True and "num_local_experts" not in hf
+    assert ModelConfig.from_dict(config.to_dict()) == config == ModelConfig.from_dict(hf)
+    qwen3 = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    for bad, message in (({"num_local_experts": 8}, "num_local_experts and model.num_experts name the same key"),
+                         ({"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive integer"),
+                         ({"mlp_only_layers": [32]}, r"mlp_only_layers must list layer indices in \[0, 32\)"),
+                         ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+                         ({"shared_expert_intermediate_size": 8}, "unknown model config keys for the qwen3_moe")):
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_dict({**qwen3, **bad})
+    with pytest.raises(ConfigError, match="norm_topk_prob is not a key of the mixtral family"):
+        tiny_config(**MIXTRAL, norm_topk_prob=True)
+    with pytest.raises(ConfigError, match="tensor parallel degree 2 does not divide moe_intermediate_size 25"):
+        ParallelConfig(tensor=2).validate(ModelConfig.from_dict({**qwen3, "moe_intermediate_size": 25}))
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -280,6 +280,10 @@ ACTIVATION_CASES = [
     # an MoE model's router, expert inputs, intermediates and outputs (routing near balanced at this size)
     (MOE, False),
     ([*MOE, "kernels=compiled", "activation_checkpointing.interval=1"], True),
+    # Qwen2-MoE's shared expert and its gate beside the routed experts (every layer an MoE layer)
+    (["model.model_type=qwen2_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+      "model.moe_intermediate_size=64", "model.shared_expert_intermediate_size=96", "model.output_router_logits=true"],
+     False),
 ]
 
 

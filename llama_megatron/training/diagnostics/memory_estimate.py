@@ -279,8 +279,9 @@ def _layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool, moe: bool) 
         # fp32 probabilities and top-k weights, the int64 expert ids and permutations
         router = 4 * tokens * m.num_local_experts + 4 * tokens + rows * (8 * 4 + 4 * 3)
         mlp = router + swiglu * e * rows * local.expert_intermediate + 2 * e * rows * h  # + experts' inputs, outputs
-        if local.shared_intermediate:  # the shared expert (a SwiGLU on every token) and its gate's logit and sigmoid
-            mlp += swiglu * e * tokens * local.shared_intermediate + 2 * e * tokens
+        if local.shared_intermediate:  # the shared expert (a SwiGLU on every token), its output and its gate's
+            # logit and sigmoid, both kept by the product that scales it
+            mlp += swiglu * e * tokens * local.shared_intermediate + e * tokens * h + 2 * e * tokens
     return norms + attention + rotary + mlp
 
 

@@ -69,6 +69,14 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False  # HF adds the load-balancing loss to the training loss only when set
     router_jitter_noise: float = 0.0
+    # family keys: Qwen's mixtures of experts (families.py): the experts' width (Mixtral's is intermediate_size,
+    # which is the dense layers' width here), a shared expert's, whether the k routing weights are renormalised
+    # (Mixtral always), and which layers route
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # HF's default (Mixtral, which has no such key, always renormalises)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -118,6 +126,16 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if top_k > experts:
             raise ConfigError(f"model.num_experts_per_tok {top_k} exceeds num_local_experts {experts}")
+        widths = [self.family.moe.width_key] + ["shared_expert_intermediate_size"] * self.family.moe.shared_expert
+        for name in (*widths, "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        only = self.mlp_only_layers
+        if only is not None and (not isinstance(only, list) or any(
+                not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_hidden_layers for i in only)):
+            raise ConfigError(f"model.mlp_only_layers must list layer indices in [0, {self.num_hidden_layers}), "
+                              f"got {only!r}")
         coef = self.router_aux_loss_coef
         if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
             raise ConfigError(f"model.router_aux_loss_coef must be a number >= 0, got {coef!r}")
@@ -127,6 +145,9 @@ class ModelConfig:
 
     def _validate_windows(self) -> None:
         window = self.sliding_window
+        if window == 0 and "use_sliding_window" in self.family.keys and not self.use_sliding_window:
+            # what transformers' Qwen2-MoE config writes for "no window" (the family reads no window then)
+            window = None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
             raise ConfigError(f"model.sliding_window must be a positive integer or null, got {window!r}")
         if not isinstance(self.max_window_layers, int) or self.max_window_layers < 0:
@@ -154,6 +175,15 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.family.qk_norm
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) routes its tokens to experts (else it has a dense MLP)."""
+        return self.family.moe is not None and self.family.moe.routed(self, layer)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One routed expert's FFN width (0 for a dense family)."""
+        return getattr(self, self.family.moe.width_key) if self.family.moe else 0
+
     def layer_windows(self) -> list[int | None]:
         """The sliding window of each decoder layer in tokens (a query sees itself and the window - 1 before it),
         None where attention is fully causal."""
@@ -176,25 +206,27 @@ class ModelConfig:
         attn = h * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * h
         attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.qkv_bias + h * self.o_bias
         attn += 2 * hd * self.qk_norm
-        mlp = self._mlp_parameters(self.num_local_experts)
-        per_layer = attn + mlp + 2 * h
+        mlp = sum(self.mlp_parameters(i, self.num_local_experts) for i in range(self.num_hidden_layers))
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + embeddings + h
+        return self.num_hidden_layers * (attn + 2 * h) + mlp + embeddings + h
 
     def num_active_parameters(self) -> int:
-        """Parameters one token passes through: a mixture of experts counts its router and the
-        ``num_experts_per_tok`` experts a token uses (the convention of Mixtral's "12.9B active"); the whole model
-        when dense."""
-        if not self.family.moe:
-            return self.num_parameters()
-        unused = self._mlp_parameters(self.num_local_experts) - self._mlp_parameters(self.num_experts_per_tok)
-        return self.num_parameters() - self.num_hidden_layers * unused
+        """Parameters one token passes through: a mixture of experts counts its router, its shared expert and the
+        ``num_experts_per_tok`` experts a token uses (the convention of Mixtral's "12.9B active" and Qwen3's
+        "A3B"); the whole model when dense."""
+        unused = sum(self.mlp_parameters(i, self.num_local_experts) - self.mlp_parameters(i, self.num_experts_per_tok)
+                     for i in range(self.num_hidden_layers))
+        return self.num_parameters() - unused
 
-    def _mlp_parameters(self, experts: int) -> int:
-        """One layer's MLP: dense SwiGLU (with biases when ``mlp_bias``), or a router and ``experts`` of them."""
-        h, ffn = self.hidden_size, self.intermediate_size
-        swiglu = 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
-        return experts * swiglu + self.num_local_experts * h if self.family.moe else swiglu
+    def mlp_parameters(self, layer: int, experts: int) -> int:
+        """Decoder layer ``layer``'s MLP counting ``experts`` routed experts: a dense SwiGLU (with biases when
+        ``mlp_bias``), or a router, the experts and a shared expert with its gate when the family has one."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            ffn = self.intermediate_size
+            return 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
+        shared = (3 * self.shared_expert_intermediate_size + 1) * h if self.family.moe.shared_expert else 0
+        return experts * 3 * h * self.expert_intermediate_size + self.num_local_experts * h + shared
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -209,6 +241,12 @@ class ModelConfig:
                 data["rope_scaling"] = rope_parameters
         family = _family_of(data)
         data["model_type"] = family.model_type
+        for ours, theirs in family.hf_keys.items():  # the HF config class's names for our keys
+            if theirs in data:
+                if ours in data:
+                    raise ConfigError(f"model.{ours} and model.{theirs} name the same key of the "
+                                      f"{family.model_type} family: give one")
+                data[ours] = data.pop(theirs)
         data = {**family.defaults, **data}
         known = {f.name for f in dataclasses.fields(cls)} - (FAMILY_KEYS - set(family.keys))
         unknown = set(data) - known - _HF_IGNORED_KEYS
@@ -231,7 +269,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """Keys for the family's transformers config class (v4 and v5 both accept ``rope_theta``/``rope_scaling``)."""
-        return {**self.to_dict(), "architectures": [self.family.architecture]}
+        renamed = {self.family.hf_keys.get(key, key): value for key, value in self.to_dict().items()}
+        return {**renamed, "architectures": [self.family.architecture]}
 
 
 def _family_of(data: dict[str, Any]) -> ModelFamily:
@@ -308,6 +347,11 @@ class ParallelConfig:
             raise ConfigError(
                 f"tensor parallel degree {tp} does not divide intermediate_size {model.intermediate_size}"
             )
+        moe = model.family.moe
+        widths = [] if moe is None else [moe.width_key] + ["shared_expert_intermediate_size"] * moe.shared_expert
+        for name in widths:  # every expert is split over TP as the dense MLP is
+            if getattr(model, name) % tp:
+                raise ConfigError(f"tensor parallel degree {tp} does not divide {name} {getattr(model, name)}")
         if self.sequence_parallel and tp == 1:
             raise ConfigError("sequence_parallel needs tensor parallel degree > 1")
         if self.pipeline > model.num_hidden_layers:
@@ -388,6 +432,8 @@ class LocalShapes:
     kv_repeats: int = 1  # copies of each KV head before the context-parallel all-to-all
     experts: int = 0  # MoE experts per expert-parallel rank (0: a dense model)
     expert: int = 1  # the expert-parallel degree they are split over
+    expert_intermediate: int = 0  # a routed expert's rows per TP rank (gate and up each)
+    shared_intermediate: int = 0  # the shared expert's rows per TP rank (Qwen2-MoE; 0: none)
 
     @property
     def vocab_rows(self) -> int:
@@ -401,7 +447,8 @@ class LocalShapes:
         kv_heads = model.num_key_value_heads // tensor
         return cls(tensor, padded_vocab_size, model.num_attention_heads // tensor, kv_heads,
                    model.intermediate_size // tensor, kv_head_repeats(kv_heads, context),
-                   model.num_local_experts // expert, expert)
+                   model.num_local_experts // expert, expert, model.expert_intermediate_size // tensor,
+                   model.shared_expert_intermediate_size // tensor)
 
     def expert_ids(self, ep_rank: int) -> range:
         """The global ids of the experts expert-parallel rank ``ep_rank`` holds (a contiguous block)."""

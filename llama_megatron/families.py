@@ -7,7 +7,10 @@ them once, and every reader asks it rather than keeping its own list:
 - the config keys it accepts beyond the shared decoder's (``ModelConfig`` refuses the others);
 - the parameters it adds (biases on q/k/v and o, per-head q/k RMSNorm weights), which
   :mod:`llama_megatron.model.param_layout` turns into rows of the one parameter table;
-- its attention options: the sliding window of each layer (None: full causal attention).
+- its attention options: the sliding window of each layer (None: full causal attention);
+- a mixture of experts' shape and names (:class:`MoEFamily`): which layers route, the experts' width, whether a
+  shared expert runs beside them, how the routing weights are formed, the checkpoint's tensor names;
+- the config keys its HF config class names differently (Qwen's ``num_experts``), renamed on load and export.
 
 =========  ===========================================================================================
 llama      q/k/v/o biases and MLP biases when ``attention_bias`` / ``mlp_bias`` (LLaMA 1-3.x, Yi, ...)
@@ -17,16 +20,42 @@ qwen2      q/k/v biases (never o); sliding windows on the layers ``layer_types``
 qwen3      per-head RMSNorm on q and k before RoPE; q/k/v/o biases when ``attention_bias``; windows as qwen2
 mixtral    Mistral's attention; the MLP replaced by a router and ``num_local_experts`` SwiGLU experts, of which
            each token uses ``num_experts_per_tok`` (:mod:`llama_megatron.model.moe`)
+qwen3_moe  Qwen3's attention (q/k norms, no window layers: ``sliding_window`` on every layer when
+           ``use_sliding_window``); MoE on the layers ``decoder_sparse_step`` / ``mlp_only_layers`` name (a dense
+           MLP of ``intermediate_size`` on the others), experts of ``moe_intermediate_size``, the k weights
+           renormalised only when ``norm_topk_prob``; HF's ``num_experts`` is our ``num_local_experts``
+qwen2_moe  Qwen2's q/k/v biases (HF's ``qkv_bias``, our ``attention_bias``), MoE layers and experts as qwen3_moe, and
+           beside the routed experts a shared SwiGLU expert of ``shared_expert_intermediate_size`` scaled by
+           ``sigmoid(x W_gate)``; windows on the even layers below ``max_window_layers`` (or as ``layer_types``)
 =========  ===========================================================================================
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """How a family's mixture of experts differs from Mixtral's (the defaults)."""
+
+    # the MoE block's module in released checkpoints, and one expert's gate, up and down projections under it
+    block: str = "block_sparse_moe"
+    leaves: tuple[str, str, str] = ("w1", "w3", "w2")
+    width_key: str = "intermediate_size"  # config key of one routed expert's FFN width
+    # (config, layer) -> whether the layer's MLP is the MoE block (else a dense SwiGLU of intermediate_size)
+    routed: Callable[[Any, int], bool] = lambda config, layer: True
+    # Qwen2-MoE: a SwiGLU of shared_expert_intermediate_size on every token, scaled by sigmoid(x W), added
+    shared_expert: bool = False
+    norm_topk: Callable[[Any], bool] = lambda config: True  # the k routing weights renormalised to sum to 1
+    # HF's Qwen router casts the (fp32) routing weights to the model's dtype before they scale the experts'
+    # outputs; Mixtral's scales in fp32 and casts the product (the same in fp32, not in bf16)
+    weights_in_model_dtype: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,7 +68,8 @@ class ModelFamily:
     o_bias: Callable[[Any], bool]
     qk_norm: bool  # RMSNorm over head_dim on every query and key head, before RoPE
     window: Callable[[Any, int], int | None]  # (config, layer) -> sliding window in tokens, or None
-    moe: bool = False  # every decoder layer's MLP is a mixture of experts (the family's keys say how many)
+    moe: MoEFamily | None = None  # a mixture of experts (the family's keys say how many experts)
+    hf_keys: dict[str, str] = field(default_factory=dict)  # our config key -> the HF config class's name for it
 
     def windows(self, config: Any) -> list[int | None]:
         return [self.window(config, i) for i in range(config.num_hidden_layers)]
@@ -68,10 +98,29 @@ def _never(config: Any) -> bool:
     return False
 
 
-MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
-            "router_jitter_noise")
+def _qwen2_moe_window(config: Any, layer: int) -> int | None:
+    """HF's Qwen2-MoE: ``layer_types`` names the windowed layers, and without it every other layer (0, 2, ...) below
+    ``max_window_layers`` is, all only with ``use_sliding_window``."""
+    if not config.use_sliding_window:
+        return None
+    if config.layer_types is not None:
+        return config.sliding_window if config.layer_types[layer] == SLIDING_ATTENTION else None
+    return config.sliding_window if layer % 2 == 0 and layer < config.max_window_layers else None
+
+
+def _qwen_routed(config: Any, layer: int) -> bool:
+    """HF's Qwen MoE decoder layer: the MoE block unless ``mlp_only_layers`` lists the layer or it is not one of
+    every ``decoder_sparse_step``."""
+    return layer not in (config.mlp_only_layers or ()) and (layer + 1) % config.decoder_sparse_step == 0
+
+
+MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits")
 MOE_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
-                "output_router_logits": False, "router_jitter_noise": 0.0}
+                "output_router_logits": False}
+QWEN_MOE_KEYS = (*MOE_KEYS, "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+QWEN_MOE = MoEFamily(block="mlp", leaves=("gate_proj", "up_proj", "down_proj"), width_key="moe_intermediate_size",
+                     routed=_qwen_routed, norm_topk=lambda config: config.norm_topk_prob,
+                     weights_in_model_dtype=True)
 QWEN_WINDOW_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 QWEN_WINDOW_DEFAULTS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 
@@ -84,8 +133,28 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
                 qk_norm=False, window=_qwen_window),
     ModelFamily("qwen3", "Qwen3ForCausalLM", ("attention_bias", *QWEN_WINDOW_KEYS), QWEN_WINDOW_DEFAULTS,
                 _attention_bias, _attention_bias, qk_norm=True, window=_qwen_window),
-    ModelFamily("mixtral", "MixtralForCausalLM", ("sliding_window", *MOE_KEYS), {"sliding_window": None, **MOE_DEFAULTS},
-                _never, _never, qk_norm=False, window=lambda c, i: c.sliding_window, moe=True),
+    ModelFamily("mixtral", "MixtralForCausalLM", ("sliding_window", *MOE_KEYS, "router_jitter_noise"),
+                {"sliding_window": None, **MOE_DEFAULTS, "router_jitter_noise": 0.0},
+                _never, _never, qk_norm=False, window=lambda c, i: c.sliding_window, moe=MoEFamily()),
+    # max_window_layers: in the released config.json files, unread by HF's Qwen3-MoE (every layer is windowed)
+    ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM",
+                ("attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", *QWEN_MOE_KEYS),
+                {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_local_experts": 128,
+                 "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+                 "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                 "mlp_only_layers": []},
+                _attention_bias, _attention_bias, qk_norm=True,
+                window=lambda c, i: c.sliding_window if c.use_sliding_window else None, moe=QWEN_MOE,
+                hf_keys={"num_local_experts": "num_experts"}),
+    ModelFamily("qwen2_moe", "Qwen2MoeForCausalLM",
+                ("attention_bias", *QWEN_WINDOW_KEYS, *QWEN_MOE_KEYS, "shared_expert_intermediate_size"),
+                {**QWEN_WINDOW_DEFAULTS, "attention_bias": True, "num_local_experts": 60, "num_experts_per_tok": 4,
+                 "router_aux_loss_coef": 0.001, "output_router_logits": False, "moe_intermediate_size": 1408,
+                 "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                 "mlp_only_layers": []},
+                _attention_bias, _never, qk_norm=False, window=_qwen2_moe_window,
+                moe=dataclasses.replace(QWEN_MOE, shared_expert=True),
+                hf_keys={"num_local_experts": "num_experts", "attention_bias": "qkv_bias"}),
 )}
 FAMILY_KEYS = frozenset(key for family in FAMILIES.values() for key in family.keys)
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}

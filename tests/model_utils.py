@@ -47,18 +47,20 @@ def hf_model(config: ModelConfig, seed: int = 0) -> PreTrainedModel:
 
 def to_transformers(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of ``param_layout.as_checkpoint_tensors``: checkpoint-named tensors as a transformers 5 model's state
-    dict (a Mixtral layer's experts stacked into its fused 3-D tensors, the router as ``mlp.gate``)."""
-    if not config.family.moe:
+    dict (an MoE layer's experts stacked into its fused 3-D tensors, the router as ``mlp.gate``)."""
+    family = config.family.moe
+    if family is None:
         return tensors
-    out = {k: v for k, v in tensors.items() if ".block_sparse_moe." not in k}
-    for i in range(config.num_hidden_layers):
-        moe, mlp = f"model.layers.{i}.block_sparse_moe", f"model.layers.{i}.mlp"
+    gate, up, down = family.leaves
+    out = dict(tensors)
+    for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):
+        moe, mlp = f"model.layers.{i}.{family.block}", f"model.layers.{i}.mlp"
         experts = range(config.num_local_experts)
-        out[f"{mlp}.gate.weight"] = tensors[f"{moe}.gate.weight"]
+        out[f"{mlp}.gate.weight"] = out.pop(f"{moe}.gate.weight")
         out[f"{mlp}.experts.gate_up_proj"] = torch.stack([
-            torch.cat([tensors[f"{moe}.experts.{e}.w1.weight"], tensors[f"{moe}.experts.{e}.w3.weight"]])
+            torch.cat([out.pop(f"{moe}.experts.{e}.{gate}.weight"), out.pop(f"{moe}.experts.{e}.{up}.weight")])
             for e in experts])
-        out[f"{mlp}.experts.down_proj"] = torch.stack([tensors[f"{moe}.experts.{e}.w2.weight"] for e in experts])
+        out[f"{mlp}.experts.down_proj"] = torch.stack([out.pop(f"{moe}.experts.{e}.{down}.weight") for e in experts])
     return out
 
 

@@ -70,13 +70,13 @@ def hf_tensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_same_weights(exported: dict[str, torch.Tensor], model, dtype: torch.dtype | None = None) -> None:
+def assert_same_weights(exported: dict[str, torch.Tensor], model, dtype: torch.dtype | None = None,
+                        config: ModelConfig | None = None) -> None:
+    """``config``: ours, for a mixture of experts (its experts under the released, per-expert names, as
+    save_pretrained writes them)."""
     want = dict(model.state_dict())
-    if model.config.model_type == "mixtral":  # released (per-expert) names, as save_pretrained writes them
-        config = model.config
-        want = as_checkpoint_tensors(want, tiny_config(model_type="mixtral", num_local_experts=config.num_local_experts,
-                                                       num_experts_per_tok=config.num_experts_per_tok,
-                                                       intermediate_size=config.intermediate_size))
+    if config is not None:
+        want = as_checkpoint_tensors(want, config)
     if model.config.tie_word_embeddings:
         assert "lm_head.weight" not in exported, "tied embeddings must not export lm_head.weight"
         want.pop("lm_head.weight")
@@ -97,6 +97,12 @@ CASES = {
     "qwen3-tied": dict(model_type="qwen3", num_key_value_heads=2, head_dim=12, tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=8),
     "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    # layer 0 dense (decoder_sparse_step 2), layer 1 MoE: one of each on the two pipeline stages
+    "qwen3-moe": dict(model_type="qwen3_moe", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2),
+    "qwen2-moe-tied": dict(model_type="qwen2_moe", attention_bias=True, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                           tie_word_embeddings=True),
 }
 
 
@@ -177,7 +183,7 @@ def test_hf_to_tp2_pp2_and_back_is_exact(case, tmp_path) -> None:
             assert torch.equal(read(spec, rank), reference[spec.module_name]), spec.name
 
     assert cli(["convert", "megatron-to-hf", "--input", ckpt, "--output", out]) == 0
-    assert_same_weights(hf_tensors(out), model)
+    assert_same_weights(hf_tensors(out), model, config=config)
     assert {"config.json", "generation_config.json", "tokenizer.model", "tokenizer_config.json"} <= set(os.listdir(out))
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # the family's class, same function
     assert type(loaded) is type(model)

@@ -280,6 +280,10 @@ ACTIVATION_CASES = [
     # an MoE model's router, expert inputs, intermediates and outputs (routing near balanced at this size)
     (MOE, False),
     ([*MOE, "kernels=compiled", "activation_checkpointing.interval=1"], True),
+    # Qwen2-MoE's shared expert and its gate beside the routed experts (every layer an MoE layer)
+    (["model.model_type=qwen2_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+      "model.moe_intermediate_size=64", "model.shared_expert_intermediate_size=96", "model.output_router_logits=true"],
+     False),
 ]
 
 
@@ -376,6 +380,26 @@ def test_mixtral_recipe(monkeypatch):
     ep1 = estimate(config, ds, 16).stages
     assert all(one.parameters > 2.5 * four.parameters for one, four in zip(ep1, ep4))
     assert all(abs(one.optimizer / four.optimizer - 1) < 0.05 for one, four in zip(ep1, ep4))
+
+
+def test_qwen3_moe_recipe(monkeypatch):
+    """The Qwen3-30B-A3B SFT recipe (EP8 x DP16, 16 GPUs, seq 4096) fits 80 GiB, with room for micro batch 4; on 8
+    GPUs (EP8 x DP8) each rank's 16 experts per layer keep their whole fp32 optimizer state (their expert-data-parallel
+    group is one rank), which does not fit. Its FLOPs and parameters count the 8 experts of 128 a token uses."""
+    from llama_megatron.training.diagnostics.flops import forward_flops_per_token
+
+    monkeypatch.chdir(ROOT)
+    config = TrainingConfig.from_file(os.path.join(ROOT, "configs", "finetune", "qwen3-30b-a3b-sft-ep8-16gpu.json"))
+    m = config.model
+    assert (m.model_type, m.num_local_experts, m.num_experts_per_tok, m.norm_topk_prob) == ("qwen3_moe", 128, 8, True)
+    dense_equivalent = m.num_active_parameters() - m.vocab_size * m.hidden_size  # the matmuls a token passes
+    attention_scores = 2 * 2 * config.seq_length * m.num_attention_heads * m.head_dim * m.num_hidden_layers
+    norms = m.num_hidden_layers * (2 * m.hidden_size + 2 * m.head_dim) + m.hidden_size
+    assert forward_flops_per_token(m, config.seq_length) == 2 * (dense_equivalent - norms) + attention_scores
+    ds = build_deepspeed_config(config, config.deepspeed_config, 16, "cuda")
+    sixteen = estimate(config, ds, 16)
+    assert max(stage.gpu_total for stage in sixteen.stages) <= 80 * 2**30
+    assert estimate(config, ds, 8).stages[0].gpu_total > 80 * 2**30
 
 
 def test_expert_lora_adapters_are_split_with_their_experts(monkeypatch):

@@ -82,6 +82,11 @@ FAMILIES = {  # windows far shorter than prompt + 32 new tokens: the cache holds
     "qwen3": dict(model_type="qwen3", head_dim=12, use_sliding_window=True, sliding_window=6,
                   layer_types=["sliding_attention", "full_attention"]),
     "mixtral": dict(model_type="mixtral", sliding_window=7, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=12, use_sliding_window=True, sliding_window=6,
+                      num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]),
+    "qwen2_moe": dict(model_type="qwen2_moe", attention_bias=True, use_sliding_window=True, sliding_window=9,
+                      max_window_layers=1, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
 }
 
 

@@ -1,5 +1,6 @@
-"""Mixture of experts (Mixtral) is the same function as transformers' MixtralForCausalLM: logits, the loss with its
-load-balancing term (``output_router_logits``) and every gradient, fp32, in every layout of the model.
+"""Mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE) is the same function as transformers' MixtralForCausalLM,
+Qwen3MoeForCausalLM and Qwen2MoeForCausalLM: logits, the loss with its load-balancing term (``output_router_logits``)
+and every gradient, fp32, in every layout of the model.
 
 Expert parallelism puts different samples on the ranks of an EP group (it lives in the data axis), so each data
 rank's reference is HF on that rank's own samples, and the gradients to compare are summed over the data ranks: the
@@ -29,11 +30,19 @@ from llama_megatron.parallel.launch import init_distributed
 
 MIXTRAL = dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
                output_router_logits=True, router_aux_loss_coef=0.02)
+QWEN_MOE = dict(num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                output_router_logits=True, router_aux_loss_coef=0.02)
 CASES = {
     "top2-of-4-window": {**MIXTRAL, "sliding_window": 6},
     "top3-of-8-tied": {**MIXTRAL, "num_local_experts": 8, "num_experts_per_tok": 3, "tie_word_embeddings": True,
                        "hidden_size": 96, "intermediate_size": 48},
     "no-aux-loss": {**MIXTRAL, "output_router_logits": False},
+    # Qwen3-MoE: q/k norms, experts narrower than the dense layer 1 (mlp_only_layers), weights renormalised
+    "qwen3-moe": {**QWEN_MOE, "model_type": "qwen3_moe", "norm_topk_prob": True, "mlp_only_layers": [1]},
+    # Qwen2-MoE: q/k/v biases, a shared expert beside the routed ones, weights not renormalised, a window (layer 0)
+    "qwen2-moe": {**QWEN_MOE, "model_type": "qwen2_moe", "attention_bias": True,
+                  "shared_expert_intermediate_size": 80,
+                  "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
 }
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
@@ -101,11 +110,14 @@ def _four_process_worker(rank: int, world_size: int) -> None:
     init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
     dp_lane = (rank % 2, rank % 2 + 2)  # TP2: a TP lane's data coordinates
     layouts = [  # (cases, layout, this rank's EP group: consecutive data coordinates within its TP lane)
-        (("top2-of-4-window", "top3-of-8-tied"), dict(tensor=2, sequence_parallel=True), (rank,)),
+        (("top2-of-4-window", "top3-of-8-tied", "qwen3-moe", "qwen2-moe"), dict(tensor=2, sequence_parallel=True),
+         (rank,)),
         (("top2-of-4-window", "top3-of-8-tied"), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
         (("top3-of-8-tied",), dict(expert=4), (0, 1, 2, 3)),
         (("top3-of-8-tied",), dict(tensor=2, expert=2, sequence_parallel=True), dp_lane),
-        (("top2-of-4-window",), dict(context=2, expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+        # the Qwen families' EP2 is this one's (their experts are Mixtral's, the all-to-all the same)
+        (("top2-of-4-window", "qwen3-moe", "qwen2-moe"), dict(context=2, expert=2),
+         (rank - rank % 2, rank - rank % 2 + 1)),
     ]
     for names, layout, ep_ranks in layouts:
         pctx = ParallelContext.build(**layout)
@@ -115,12 +127,14 @@ def _four_process_worker(rank: int, world_size: int) -> None:
 
 
 def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
-    """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2."""
+    """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2; the
+    Qwen MoE families at TP2 with SP and CP2 x EP2."""
     run_distributed(_four_process_worker, 4)
 
 
 def test_moe_flops_count_the_active_experts() -> None:
-    """MFU's model FLOPs count the router and the k experts a token passes through, not the experts it skips."""
+    """MFU's model FLOPs count the router and the k experts a token passes through (and a shared expert), not the
+    experts it skips."""
     from llama_megatron.training.diagnostics.flops import forward_flops_per_token
 
     shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
@@ -128,6 +142,15 @@ def test_moe_flops_count_the_active_experts() -> None:
     moe = ModelConfig(**shape, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
     assert forward_flops_per_token(moe, 100) - dense == 4 * 2 * (3 * 64 * 96 + 64 * 8)  # one more expert, router
     assert moe.num_active_parameters() == moe.num_parameters() - 4 * 6 * 3 * 64 * 96
+    # Qwen2-MoE with MoE on layers 1 and 3 only: each adds its router, 2 experts of 32, the shared expert (48) and its
+    # gate, and drops the dense MLP (96); its q/k/v biases are no matmul
+    qwen = ModelConfig(**shape, model_type="qwen2_moe", attention_bias=True, num_local_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=2)
+    routed = 2 * 3 * 64 * 32 + 64 * 8 + 3 * 64 * 48 + 64
+    assert [qwen.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert forward_flops_per_token(qwen, 100) - dense == 2 * 2 * (routed - 3 * 64 * 96)
+    assert qwen.num_active_parameters() == qwen.num_parameters() - 2 * 6 * 3 * 64 * 32
 
 
 def test_moe_config_checks() -> None:
@@ -146,6 +169,31 @@ def test_moe_config_checks() -> None:
         ParallelConfig(expert=2).validate(tiny_config())
     with pytest.raises(ConfigError, match="expert parallel degree 4 does not divide the data axis"):
         ParallelConfig(tensor=2, expert=4).check_world_size(4)
+
+
+
+def test_qwen_moe_config_keys() -> None:
+    """HF's names are read and written back (``num_experts``, Qwen2-MoE's ``qkv_bias``), the family defaults are
+    transformers', and the new keys are checked in one line."""
+    config = ModelConfig.from_dict({"model_type": "qwen2_moe", "num_experts": 8, "num_attention_heads": 4,
+                                    "hidden_size": 64, "moe_intermediate_size": 24, "sliding_window": 0})
+    assert (config.num_local_experts, config.attention_bias, config.norm_topk_prob) == (8, True, False)
+    assert config.shared_expert_intermediate_size == 5632 and config.layer_windows() == [None] * 32
+    hf = config.to_hf_dict()
+    assert hf["num_experts"] == 8 and hf["qkv_bias"] is True and "num_local_experts" not in hf
+    assert ModelConfig.from_dict(config.to_dict()) == config == ModelConfig.from_dict(hf)
+    qwen3 = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    for bad, message in (({"num_local_experts": 8}, "num_local_experts and model.num_experts name the same key"),
+                         ({"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive integer"),
+                         ({"mlp_only_layers": [32]}, r"mlp_only_layers must list layer indices in \[0, 32\)"),
+                         ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+                         ({"shared_expert_intermediate_size": 8}, "unknown model config keys for the qwen3_moe")):
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_dict({**qwen3, **bad})
+    with pytest.raises(ConfigError, match="norm_topk_prob is not a key of the mixtral family"):
+        tiny_config(**MIXTRAL, norm_topk_prob=True)
+    with pytest.raises(ConfigError, match="tensor parallel degree 2 does not divide moe_intermediate_size 25"):
+        ParallelConfig(tensor=2).validate(ModelConfig.from_dict({**qwen3, "moe_intermediate_size": 25}))
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -86,7 +86,7 @@ class MergedSource:
         # each adapted HF weight: the names of its adapter's A and B (an expert's gate and up weights: B's rows for it)
         self.pairs = {base_weight_name(i, t): (peft_key(i, t, "A"), peft_key(i, t, "B"))
                       for i in range(base.config.num_hidden_layers) for t in lora.module_targets}
-        for i in range(base.config.num_hidden_layers):
+        for i in filter(base.config.is_moe_layer, range(base.config.num_hidden_layers)):
             for e in range(base.config.num_local_experts):
                 for t in lora.expert_targets:
                     weights = base.layout[f"layers.{i}.{ALL_TARGETS[t].linear_of(e)}.weight"].hf_names

@@ -84,12 +84,13 @@ class DecoderLayerPipe(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
         self.self_attn = ParallelAttention(config, pctx, shapes, kernels, layer_number)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
-        self.moe = config.family.moe
+        self.carries_stats = config.family.moe is not None  # every layer passes them on, dense ones (Qwen's) too
+        self.moe = config.is_moe_layer(layer_number)
         self.mlp = MoEMLP(config, pctx, shapes, kernels) if self.moe else ParallelMLP(config, pctx, kernels)
 
     def forward(self, inputs: Payload, kv_cache: LayerKVCache | None = None) -> Payload:
         hidden, position_ids, *rest = inputs
-        stats = rest.pop() if self.moe else None
+        stats = rest.pop() if self.carries_stats else None
         segment_ids = rest[0] if rest else None
         attention = self.self_attn(self.input_layernorm(hidden), position_ids, segment_ids, kv_cache)
         hidden, normed = self.post_attention_layernorm(attention, residual=hidden)  # one fused kernel when fast
@@ -97,7 +98,7 @@ class DecoderLayerPipe(nn.Module):
             out, layer_stats = self.mlp(normed)
             return (hidden + out, position_ids, *rest, stats + layer_stats)
         hidden = hidden + self.mlp(normed)
-        return (hidden, position_ids, *rest)
+        return (hidden, position_ids, *rest) if stats is None else (hidden, position_ids, *rest, stats)
 
 
 class FinalNormPipe(nn.Module):
@@ -106,7 +107,7 @@ class FinalNormPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
-        self.moe = config.family.moe
+        self.moe = config.family.moe is not None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
 
     def forward(self, inputs: Payload) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -156,7 +156,7 @@ def _attach_experts(moe: MoEMLP, config: ModelConfig, lora: LoraConfig, pctx: Pa
     for expert in moe.experts.values():
         if gate_up in lora.targets:
             setattr(expert.gate_up_proj, ADAPTER_MODULE, ColumnLoRA(
-                config.hidden_size, [(gate_up, 2 * shapes.intermediate)], 1, lora, pctx, b_split="gate_up"))
+                config.hidden_size, [(gate_up, 2 * shapes.expert_intermediate)], 1, lora, pctx, b_split="gate_up"))
         if down in lora.targets:
             out_features, in_features = target_shapes(config, down)
             setattr(expert.down_proj, ADAPTER_MODULE, RowLoRA(down, in_features, out_features, lora, pctx))

@@ -145,11 +145,11 @@ class LoraConfig:
 
 def target_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
     """(out_features, in_features) of the HF linear ``target``."""
-    h, ffn = config.hidden_size, config.intermediate_size
+    h, ffn, expert = config.hidden_size, config.intermediate_size, config.expert_intermediate_size
     q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     return {"q_proj": (q_rows, h), "k_proj": (kv_rows, h), "v_proj": (kv_rows, h), "o_proj": (h, q_rows),
             "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn),
-            EXPERT_TARGETS[0]: (2 * ffn, h), EXPERT_TARGETS[1]: (h, ffn)}[target]  # one expert's
+            EXPERT_TARGETS[0]: (2 * expert, h), EXPERT_TARGETS[1]: (h, expert)}[target]  # one expert's
 
 
 def adapter_param_name(target: str, matrix: str) -> str:
@@ -183,8 +183,8 @@ def base_weight_name(layer: int, target: str) -> str:
 
 def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
     specs = []
-    experts = range(config.num_local_experts) if config.family.moe else ()
     for i in range(config.num_hidden_layers):
+        experts = range(config.num_local_experts) if config.is_moe_layer(i) else ()  # Qwen's dense layers: none
         for target in (*lora.module_targets, *lora.expert_targets):
             t = ALL_TARGETS[target]
             out_features, in_features = target_shapes(config, target)
@@ -242,11 +242,11 @@ def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
 
 def from_peft(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """Inverse of :func:`to_peft`: PEFT's adapter tensors under the table's names (views)."""
-    fused = {peft_key(i, t, m, lora.targets) for i in range(config.num_hidden_layers) for t in lora.expert_targets
-             for m in "AB"}
+    fused = {peft_key(i, t, m, lora.targets) for i in filter(config.is_moe_layer, range(config.num_hidden_layers))
+             for t in lora.expert_targets for m in "AB"}
     out = {name: t for name, t in state.items() if name not in fused}
     experts = config.num_local_experts
-    for i in range(config.num_hidden_layers):
+    for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):
         for target in lora.expert_targets:
             a = state[peft_key(i, target, "A", lora.targets)].view(experts, lora.rank, -1)
             b = state[peft_key(i, target, "B", lora.targets)].view(-1, lora.rank, experts)

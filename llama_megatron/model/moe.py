@@ -1,8 +1,10 @@
-"""Mixture-of-experts MLP (Mixtral): a router picks ``num_experts_per_tok`` of ``num_local_experts`` SwiGLU experts
-per token, and the token's output is their weighted sum.
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE): a router picks ``num_experts_per_tok`` of
+``num_local_experts`` SwiGLU experts per token, and the token's output is their weighted sum.
 
-Routing is transformers' ``MixtralTopKRouter``: softmax of the router logits in fp32, top-k, the k weights
-renormalised to sum to 1; no capacity, no token dropped, no noise. DeepSpeed's ``TopKGate`` differs on each of
+Routing is transformers' ``MixtralTopKRouter`` / ``Qwen2MoeTopKRouter``: softmax of the router logits in fp32,
+top-k, the k weights renormalised to sum to 1 (Qwen: only with ``norm_topk_prob``); no capacity, no token dropped,
+no noise. Qwen2-MoE adds a shared expert every token passes through, scaled by ``sigmoid(x W_gate)``
+(:attr:`~llama_megatron.families.MoEFamily.shared_expert`). DeepSpeed's ``TopKGate`` differs on each of
 these (capacity and dropping, random second-expert sampling, another auxiliary loss), so the router is ours; the
 expert-parallel groups and the token all-to-all are plain DeepSpeed/torch.distributed collectives.
 
@@ -16,6 +18,8 @@ Layouts:
   assignment (token, chosen expert) to the rank holding the expert, the experts run on what arrives from every
   rank, and the outputs travel back (two all-to-alls each way). The router is replicated like any other weight.
 - The combination of a token's k expert outputs is a sum over k in ascending expert order, whatever the layout.
+- A shared expert is split over TP as a routed one, and is replicated over EP like the attention (every rank runs it
+  on its own tokens); its gate, one row ``[1, hidden]``, is replicated as the router is, for the same reason.
 
 The load-balancing loss (HF's ``load_balancing_loss_func``, Switch Transformer eq. 4-6) needs, over every layer's
 router, the count of assignments per expert and the sum of router probabilities per expert: each MoE layer adds
@@ -43,29 +47,29 @@ from llama_megatron.parallel.weight_grad import WeightGradStore, linear
 
 
 class ExpertMLP(nn.Module):
-    """One expert: SwiGLU with this TP rank's rows of gate/up (fused as the dense MLP's) and columns of down."""
+    """One expert: SwiGLU with this TP rank's ``rows`` of gate/up (fused as the dense MLP's) and columns of down."""
 
-    def __init__(self, config: ModelConfig, shapes: LocalShapes, kernels: Kernels = REFERENCE) -> None:
+    def __init__(self, config: ModelConfig, rows: int, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.kernels = kernels
-        self.gate_up_proj = LocalLinear(config.hidden_size, 2 * shapes.intermediate, "gate_up")
-        self.down_proj = LocalLinear(shapes.intermediate, config.hidden_size, "row")
+        self.gate_up_proj = LocalLinear(config.hidden_size, 2 * rows, "gate_up")
+        self.down_proj = LocalLinear(rows, config.hidden_size, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))
 
 
 class Router(nn.Module):
-    """Router logits ``x W^T`` (W: [experts, hidden], replicated over TP).
+    """Router logits ``x W^T`` (W: [experts, hidden], replicated over TP); also the shared expert's gate (one row).
 
     Under TP each rank's experts yield a partial sum, so the gradient reaching the routing weights (through the
     combination) is partial too: the weight's gradient is summed over the TP group, as an SP norm's is.
     """
 
-    def __init__(self, config: ModelConfig, pctx: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, outputs: int) -> None:
         super().__init__()
         self.pctx = pctx
-        self.weight = mark_replicated(nn.Parameter(torch.empty(config.num_local_experts, config.hidden_size)))
+        self.weight = mark_replicated(nn.Parameter(torch.empty(outputs, config.hidden_size)))
         if pctx.tp_size > 1:
             self.weight.sequence_parallel = True
         # a zero-bubble schedule's W computes the weight's gradient (and its TP sum) later (weight_grad.py)
@@ -84,10 +88,17 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.pctx = pctx
         self.num_experts, self.top_k = config.num_local_experts, config.num_experts_per_tok
+        self.norm_topk = config.family.moe.norm_topk(config)
+        self.weights_in_model_dtype = config.family.moe.weights_in_model_dtype
         self.local_ids = shapes.expert_ids(pctx.ep_rank)
-        self.router = Router(config, pctx)
+        self.router = Router(config, pctx, config.num_local_experts)
         # keyed by global expert id, so parameter names are the same whichever EP rank holds the expert
-        self.experts = nn.ModuleDict({str(e): ExpertMLP(config, shapes, kernels) for e in self.local_ids})
+        self.experts = nn.ModuleDict({str(e): ExpertMLP(config, shapes.expert_intermediate, kernels)
+                                      for e in self.local_ids})
+        self.shared = config.family.moe.shared_expert
+        if self.shared:
+            self.shared_expert = ExpertMLP(config, shapes.shared_intermediate, kernels)
+            self.shared_expert_gate = Router(config, pctx, 1)
         self.mark_experts()
 
     def mark_experts(self) -> None:
@@ -108,12 +119,17 @@ class MoEMLP(nn.Module):
         logits = self.router(tokens)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_model_dtype:
+            weights = weights.to(tokens.dtype)
         chosen, order = chosen.sort(dim=-1)  # ascending expert id: the order a token's outputs are summed in
         weights = weights.gather(-1, order)
         outputs = self._run_experts(tokens, chosen.reshape(-1))
-        weighted = (outputs * weights.reshape(-1, 1)).to(tokens.dtype)  # HF: fp32 product, cast back
+        weighted = (outputs * weights.reshape(-1, 1)).to(tokens.dtype)  # Mixtral: fp32 product, cast back
         combined = weighted.view(tokens.shape[0], self.top_k, -1).sum(dim=1)
+        if self.shared:  # this TP rank's partial sum, reduced with the routed experts'
+            combined = combined + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         out = row_parallel_output(combined.view_as(full), self.pctx)
         return out, self._statistics(logits, probs, chosen)
 

@@ -141,16 +141,8 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
             specs.append(row("self_attn.o_proj.bias", ["self_attn.o_proj.bias"], [(h,)], "replicated", "zeros"))
         specs.append(row("post_attention_layernorm.weight", ["post_attention_layernorm.weight"], [(h,)],
                          "replicated", "ones"))
-        if config.family.moe:  # HF's (and the released checkpoints') names: block_sparse_moe, w1 gate, w3 up, w2 down
-            moe = "block_sparse_moe"
-            specs.append(row("mlp.router.weight", [f"{moe}.gate.weight"], [(config.num_local_experts, h)],
-                             "replicated", "normal"))
-            for e in range(config.num_local_experts):
-                specs += [row(f"mlp.experts.{e}.gate_up_proj.weight", [f"{moe}.experts.{e}.w1.weight",
-                                                                       f"{moe}.experts.{e}.w3.weight"],
-                              [(ffn, h), (ffn, h)], "gate_up", "normal", expert=e),
-                          row(f"mlp.experts.{e}.down_proj.weight", [f"{moe}.experts.{e}.w2.weight"], [(h, ffn)],
-                              "row", "normal", expert=e)]
+        if config.is_moe_layer(i):
+            specs += _moe_rows(config, row)
             continue
         specs.append(row("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
                          [(ffn, h), (ffn, h)], "gate_up", "normal"))
@@ -171,30 +163,58 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
 
 
 
+def _moe_rows(config: ModelConfig, row) -> list[ParamSpec]:
+    """One MoE layer's rows under the released checkpoints' names (the family's): Mixtral's ``block_sparse_moe``
+    with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); Qwen's ``mlp`` with ``gate_proj``, ``up_proj``,
+    ``down_proj`` and Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``. The router is ``gate`` in both."""
+    moe, h, ffn = config.family.moe, config.hidden_size, config.expert_intermediate_size
+    gate, up, down = moe.leaves
+    rows = [row("mlp.router.weight", [f"{moe.block}.gate.weight"], [(config.num_local_experts, h)], "replicated",
+                "normal")]
+    for e in range(config.num_local_experts):
+        expert = f"{moe.block}.experts.{e}"
+        rows += [row(f"mlp.experts.{e}.gate_up_proj.weight", [f"{expert}.{gate}.weight", f"{expert}.{up}.weight"],
+                     [(ffn, h), (ffn, h)], "gate_up", "normal", expert=e),
+                 row(f"mlp.experts.{e}.down_proj.weight", [f"{expert}.{down}.weight"], [(h, ffn)], "row", "normal",
+                     expert=e)]
+    if moe.shared_expert:
+        shared, width = f"{moe.block}.shared_expert", config.shared_expert_intermediate_size
+        rows += [row("mlp.shared_expert.gate_up_proj.weight", [f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"],
+                     [(width, h), (width, h)], "gate_up", "normal"),
+                 row("mlp.shared_expert.down_proj.weight", [f"{shared}.down_proj.weight"], [(h, width)], "row",
+                     "normal"),
+                 row("mlp.shared_expert_gate.weight", [f"{moe.block}.shared_expert_gate.weight"], [(1, h)],
+                     "replicated", "normal")]
+    return rows
+
+
 def as_checkpoint_tensors(state: dict, config: ModelConfig) -> dict:
     """A transformers model's state dict under the table's (the released checkpoints') names.
 
-    transformers 5 holds each Mixtral layer's experts fused, ``mlp.experts.gate_up_proj`` [E, 2 x ffn, h] (gate rows,
+    transformers 5 holds each MoE layer's experts fused, ``mlp.experts.gate_up_proj`` [E, 2 x ffn, h] (gate rows,
     then up) and ``mlp.experts.down_proj`` [E, h, ffn], and the router as ``mlp.gate``; it saves them per expert, as
-    released: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down), ``block_sparse_moe.gate``.
-    This does the same renaming in memory, as views. Other families' state dicts are returned as they are.
+    released (the family's names, :func:`_moe_rows`): Mixtral's ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3``
+    (up), ``w2`` (down), ``block_sparse_moe.gate``; Qwen's ``mlp.experts.{e}.gate_proj`` ... This does the same
+    renaming in memory, as views. Dense families' state dicts are returned as they are.
     """
-    if not config.family.moe:
+    moe = config.family.moe
+    if moe is None:
         return state
-    out, ffn = {}, config.intermediate_size
+    out, ffn = {}, config.expert_intermediate_size
+    gate, up, down = moe.leaves
     for name, tensor in state.items():
         prefix, fused, leaf = name.partition(".mlp.")
-        if not fused:
-            out[name] = tensor
-        elif leaf == "gate.weight":
-            out[f"{prefix}.block_sparse_moe.gate.weight"] = tensor
+        if leaf == "gate.weight":
+            out[f"{prefix}.{moe.block}.gate.weight"] = tensor
         elif leaf in ("experts.gate_up_proj", "experts.down_proj"):
             for e in range(config.num_local_experts):
-                expert = f"{prefix}.block_sparse_moe.experts.{e}"
+                expert = f"{prefix}.{moe.block}.experts.{e}"
                 if leaf == "experts.down_proj":
-                    out[f"{expert}.w2.weight"] = tensor[e]
+                    out[f"{expert}.{down}.weight"] = tensor[e]
                 else:
-                    out[f"{expert}.w1.weight"], out[f"{expert}.w3.weight"] = tensor[e, :ffn], tensor[e, ffn:]
+                    out[f"{expert}.{gate}.weight"], out[f"{expert}.{up}.weight"] = tensor[e, :ffn], tensor[e, ffn:]
+        elif not fused or moe.block == "mlp":  # a dense layer's or a shared expert's MLP is named as released
+            out[name] = tensor
         else:
-            raise KeyError(f"not a Mixtral MLP tensor: {name}")
+            raise KeyError(f"not a {config.model_type} MLP tensor: {name}")
     return out

@@ -4,9 +4,10 @@ Per token and forward pass, each weight matmul costs 2 FLOPs per weight element:
 q and o: h * (n_heads * head_dim) each, k and v: h * (n_kv_heads * head_dim) each, MLP: 3 * h * ffn, LM head: h * V.
 Attention scores QK^T and the weighted sum AV cost 2 * s * n_heads * head_dim each per token per layer; the
 causal mask is *not* halved (Megatron's convention, so figures compare with published MFU); a sliding-window layer
-(Mistral, Qwen) counts min(s, window) keys per query. A mixture-of-experts layer counts its router (h * experts) and
-the ``num_experts_per_tok`` experts each token passes through (active parameters, as Mixtral's "12.9B active" and
-Megatron-Core's MoE throughput count them), not the experts a token skips.
+(Mistral, Qwen) counts min(s, window) keys per query. A mixture-of-experts layer counts its router (h * experts),
+the ``num_experts_per_tok`` experts each token passes through and a shared expert with its gate (Qwen2-MoE) (active
+parameters, as Mixtral's "12.9B active", Qwen3's "A3B" and Megatron-Core's MoE throughput count them), not the
+experts a token skips; Qwen's dense layers (``mlp_only_layers``) count their own MLP.
 Training = 3x forward (backward = 2x). Activation recomputation is deliberately not counted: MFU measures
 model FLOPs, not hardware FLOPs.
 """
@@ -19,12 +20,13 @@ from llama_megatron.config import ModelConfig
 def forward_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     h, hd, L = config.hidden_size, config.head_dim, config.num_hidden_layers
     q_dim, kv_dim = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    mlp = 3 * h * config.intermediate_size
-    if config.family.moe:
-        mlp = config.num_experts_per_tok * mlp + h * config.num_local_experts
-    weights_per_layer = h * q_dim + 2 * h * kv_dim + q_dim * h + mlp
+    # an MoE layer's active weights are all matmuls (router, k experts, a shared expert and its gate); a dense
+    # layer's biases are not
+    mlp = sum(config.mlp_parameters(i, config.num_experts_per_tok) if config.is_moe_layer(i)
+              else 3 * h * config.intermediate_size for i in range(L))
+    attention = h * q_dim + 2 * h * kv_dim + q_dim * h
     keys = sum(seq_len if window is None else min(seq_len, window) for window in config.layer_windows())
-    return L * 2 * weights_per_layer + 2 * 2 * keys * q_dim + 2 * h * config.vocab_size
+    return 2 * (L * attention + mlp) + 2 * 2 * keys * q_dim + 2 * h * config.vocab_size
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:

@@ -249,7 +249,14 @@ def _states(params: list[tuple[int, bool, bool, bool]], ds: dict, wrapper: str, 
 
 
 def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> int:
-    """Saved-for-backward bytes of one decoder layer, per TP and CP rank (llama_megatron/model/*.py)."""
+    """Saved-for-backward bytes of one decoder layer, per TP and CP rank (llama_megatron/model/*.py): of the larger
+    kind where a model has both dense and MoE layers (Qwen's ``mlp_only_layers``, ``decoder_sparse_step``)."""
+    m = config.model
+    return max(_layer_bytes(config, b, e, fast, moe) for moe in {m.is_moe_layer(i) for i in range(m.num_hidden_layers)})
+
+
+def _layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool, moe: bool) -> int:
+    """:func:`_decoder_layer_bytes` of a dense (``moe`` False) or an MoE decoder layer."""
     m, t, s, cp = config.model, config.parallel.tensor, config.seq_length, config.parallel.context
     sp = config.parallel.sequence_parallel
     h, hd = m.hidden_size, m.head_dim
@@ -270,11 +277,14 @@ def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> 
         attention = 4 * e * tokens * q_width + lse + ulysses
         rotary = 4 * e * tokens * hd if e != 4 else 0  # cos and sin cast to bf16 once per q and k
     mlp = swiglu * e * tokens * local.intermediate
-    if m.family.moe:  # every TP rank routes the whole (SP-gathered) sequence of its CP shard
+    if moe:  # every TP rank routes the whole (SP-gathered) sequence of its CP shard
         rows = tokens * m.num_experts_per_tok  # assignments, balanced over the EP ranks' experts
         # fp32 probabilities and top-k weights, the int64 expert ids and permutations
         router = 4 * tokens * m.num_local_experts + 4 * tokens + rows * (8 * 4 + 4 * 3)
-        mlp = router + swiglu * e * rows * local.intermediate + 2 * e * rows * h  # + the experts' inputs, outputs
+        mlp = router + swiglu * e * rows * local.expert_intermediate + 2 * e * rows * h  # + experts' inputs, outputs
+        if local.shared_intermediate:  # the shared expert (a SwiGLU on every token), its output and its gate's
+            # logit and sigmoid, both kept by the product that scales it
+            mlp += swiglu * e * tokens * local.shared_intermediate + e * tokens * h + 2 * e * tokens
     return norms + attention + rotary + mlp
 
 

@@ -218,6 +218,9 @@ def measure(args, layout: str, work: str) -> dict:
             "saves_during_training": sum(s["step"] < args.steps for s in background["saves"]), "sync_stall_s": round(sync_stall, 3),
             "async_stall_s": round(async_stall, 3), "async_stall_vs_sync": round(async_stall / sync_stall, 4),
             "async_complete_s": round(_mean([s["complete"] for s in background["saves"]]), 3),
+            # each save during training: the first allocates the host buffers the later ones reuse
+            "sync_stalls_s": [round(s["stall"], 3) for s in sync["saves"] if s["step"] < args.steps],
+            "async_stalls_s": [round(s["stall"], 3) for s in background["saves"] if s["step"] < args.steps],
             "host_copy_bytes": background["host_copy_bytes"],
             "estimated_host_copy_bytes": estimated[background["pp_rank"]] if background["dp_rank"] == 0 else None})
     save_dir = os.path.join(work, f"{layout}-sync", "checkpoints")

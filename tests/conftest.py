@@ -54,6 +54,9 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     "test_context_parallel.py": 80, "test_checkpoint_safety.py": 76, "test_convert_deepspeed.py": 72,
     "test_model_parity.py": 62, "test_doctor.py": 59, "test_init_invariance.py": 47, "test_data_sft.py": 36,
     "test_sft_model.py": 34, "test_moe.py": 30, "test_parallel_layers.py": 28, "test_launcher_signals.py": 120,
+    # files added since (2026-11-26's CI: 120 s and 70 s in their slowest fixtures alone), which otherwise ran last
+    "test_preference_train.py": 200, "test_async_save.py": 150, "test_preference_data.py": 30,
+    "test_hardening.py": 25,
 }
 
 

@@ -525,7 +525,10 @@ def _agree_gathered(errors: list, where: str, tmp_dir: str, pctx) -> None:
     rank, reason = failed[0]
     save_dir = os.path.dirname(tmp_dir)
     latest = os.path.join(save_dir, LATEST_FILE)
-    kept = f"latest still names {open(latest).read().strip()}" if os.path.isfile(latest) else "nothing was saved before"
+    kept = "nothing was saved before"
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as fh:
+            kept = f"latest still names {fh.read().strip()}"
     with contextlib.suppress(OSError):
         reason += f"; {shutil.disk_usage(save_dir).free / 2**20:,.0f} MiB free there"
     raise SaveFailed(f"saving checkpoint {where} failed on rank {rank} ({reason}); the partial save was removed and "

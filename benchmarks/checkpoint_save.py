@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llama_megatron.parallel.launch import launcher_command  # noqa: E402
+from trainer_throughput import launch_logged, tokens_per_s_after  # noqa: E402  (this directory is on the path)
 
 _LLAMA_1024 = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
                "num_key_value_heads": 16, "max_position_embeddings": 256, "tie_word_embeddings": False}
@@ -74,17 +73,6 @@ def _config(args, layout: str, mode: str, work: str) -> dict:
         "output_dir": out,
         "seed": 1234,
     }
-
-
-def _launch(nprocs: int, entry: list[str], log_path: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    with open(log_path, "w", encoding="utf-8") as log:
-        result = subprocess.run([*launcher_command(nprocs), *entry], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        with open(log_path, encoding="utf-8") as log:
-            raise SystemExit(f"{' '.join(entry)} failed ({result.returncode}):\n{log.read()[-3000:]}")
 
 
 def worker(timings_dir: str, config_paths: list[str]) -> int:
@@ -143,14 +131,6 @@ def worker(timings_dir: str, config_paths: list[str]) -> int:
     return 0
 
 
-def _tokens_per_s(output_dir: str, warmup: int, tokens_per_step: int) -> float:
-    """Over the steps after ``warmup`` (each step's window holds the save before it: the loop logs, then saves)."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        windows = [json.loads(line) for line in fh]
-    timed = [w["tokens_per_s"] for w in windows if w["step"] > warmup and "tokens_per_s" in w]
-    return tokens_per_step * len(timed) / sum(tokens_per_step / t for t in timed)
-
-
 def disk_write_gib_per_s(directory: str) -> float:
     path = os.path.join(directory, "disk-probe")
     block = os.urandom(2**24)
@@ -195,7 +175,8 @@ def measure(args, layout: str, work: str) -> dict:
             json.dump(_config(args, layout, mode, work), fh)
     timings = os.path.join(work, f"{layout}-timings")
     os.makedirs(timings)
-    _launch(2, [os.path.abspath(__file__), "--worker", timings, *paths.values()], os.path.join(work, f"{layout}.log"))
+    launch_logged(2, [os.path.abspath(__file__), "--worker", timings, *paths.values()],
+                  os.path.join(work, f"{layout}.log"))
     runs = {}
     for mode in MODES:
         ranks = []
@@ -203,8 +184,10 @@ def measure(args, layout: str, work: str) -> dict:
             with open(os.path.join(timings, f"{layout}-{mode}-rank{rank}.json"), encoding="utf-8") as fh:
                 ranks.append(json.load(fh))
         runs[mode] = {"config": paths[mode], "ranks": ranks,
-                      "tokens_per_s": _tokens_per_s(os.path.join(work, f"{layout}-{mode}"), args.warmup,
-                                                    2 * args.seq_length)}
+                      # logged every step: a window is a step, holding the save before it (the loop logs, then
+                      # saves)
+                      "tokens_per_s": tokens_per_s_after(os.path.join(work, f"{layout}-{mode}"), args.warmup,
+                                                         2 * args.seq_length)}
     estimated = _estimated_host_copy(runs["async"]["config"])
     per_rank = []
     for sync, background in zip(runs["sync"]["ranks"], runs["async"]["ranks"], strict=True):
@@ -246,6 +229,7 @@ def main() -> int:
     args, _ = parser.parse_known_args()  # the launcher appends --local_rank=N to a worker's arguments
     if args.worker:
         return worker(args.worker[0], args.worker[1:])
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank: the ranks share the cores
     if args.smoke:
         args.shape, args.steps, args.interval, args.warmup, args.seq_length = "tiny", 4, 2, 1, 16
     work = tempfile.mkdtemp(prefix="checkpoint-save-", dir=args.dir)

@@ -36,8 +36,8 @@ SMOKE_OVERRIDES = ["model=configs/models/tiny.json", "seq_length=64", "batch.mic
 HF_VARIANTS = {"hf_trainer": False, "hf_trainer_liger": True}  # name -> use_liger_kernel
 
 
-def _launch(num_gpus: int, entry: list[str], log_path: str) -> None:
-    """``entry`` under the deepspeed launcher."""
+def launch_logged(num_gpus: int, entry: list[str], log_path: str) -> None:
+    """``entry`` under the deepspeed launcher, its output in ``log_path`` (its tail in the error)."""
     cmd = [*launcher_command(num_gpus), *entry]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     with open(log_path, "w", encoding="utf-8") as log:
@@ -57,13 +57,18 @@ def ours_tokens_per_s(args, overrides: list[str], work: str) -> float:
     out = os.path.join(work, "ours")
     run = [*overrides, f"train.steps={args.steps}", f"logging.interval={args.warmup}", f"output_dir={out}",
            "checkpoint.save=null", "eval.interval=0"]
-    _launch(args.num_gpus, ["--module", "llama_megatron.train", "--config", args.config, *_set_args(run)],
+    launch_logged(args.num_gpus, ["--module", "llama_megatron.train", "--config", args.config, *_set_args(run)],
             os.path.join(work, "ours.log"))
     config = TrainingConfig.from_file(args.config, run)
-    tokens_per_window = config.batch.global_batch_size * config.seq_length * args.warmup
-    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+    return tokens_per_s_after(out, args.warmup, config.batch.global_batch_size * config.seq_length * args.warmup)
+
+
+def tokens_per_s_after(output_dir: str, warmup: int, tokens_per_window: int) -> float:
+    """A run's tokens/s over its logging windows (each of ``tokens_per_window`` tokens) after step ``warmup``, from
+    its metrics.jsonl: total tokens over total time."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         windows = [json.loads(line) for line in fh]
-    timed = [w["tokens_per_s"] for w in windows if args.warmup < w["step"] <= args.steps]
+    timed = [w["tokens_per_s"] for w in windows if w["step"] > warmup and "tokens_per_s" in w]
     return tokens_per_window * len(timed) / sum(tokens_per_window / t for t in timed)
 
 
@@ -126,7 +131,7 @@ def hf_tokens_per_s(args, variant: str, zero: int, work: str) -> float:
     result = os.path.join(work, f"{variant}.json")
     entry = [os.path.abspath(__file__), "--worker", variant, "--result", result, "--work", work,
              "--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup), *_set_args(args.set)]
-    _launch(args.num_gpus, entry, os.path.join(work, f"{variant}.log"))
+    launch_logged(args.num_gpus, entry, os.path.join(work, f"{variant}.log"))
     with open(result, encoding="utf-8") as fh:
         measured = json.load(fh)
     if (measured["zero"], measured["steps"]) != (zero, args.steps):

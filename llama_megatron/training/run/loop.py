@@ -205,8 +205,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                          "continues from there")
                 break
             watchdog.beat(step + 1, "reading its batches")
-        watchdog.beat(step, "the last save's files")
-        settle(wait=True)
+        settle(wait=True)  # beats "the last save's files" while a save is in flight
         watchdog.beat(step, "the final barrier")
         barrier()
     finally:

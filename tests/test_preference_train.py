@@ -4,8 +4,8 @@ A random HF LLaMA (the e2e model) is tuned on twelve preference pairs (implicit 
 prompt ends in a space) by ``DPOTrainer`` (one batch of all twelve per step, its reference a copy of the start) and by
 us from the same weights converted to TP1 and TP2 (a global batch of the twelve pairs cut into micro batches; the
 reference log-probabilities computed before the first step): ``sigmoid``, ``ipo`` and ``["sigmoid", "sft"]`` at TP1,
-TP2 with SP, TP2 x PP2 and CP2; LoRA adapters on the frozen base against TRL + PEFT (its reference: the adapters
-disabled) at TP1 and TP2 with SP; packed rows (whole pairs first-fit, per-document attention, a global batch of every
+TP2 with SP, TP2 x PP2 and CP2 (under ZeRO-2); LoRA adapters on the frozen base against TRL + PEFT (its reference:
+the adapters disabled) at TP1 and TP2 with SP; packed rows (whole pairs first-fit, per-document attention, a global batch of every
 row) at TP1 and TP2 x PP2. Each step's loss and each metric TRL logs (rewards chosen/rejected/accuracies/margins,
 logps chosen/rejected) within 1e-4 relative (rewards near zero: 1e-5 absolute, a few float32 ulps of a sequence's
 log-probability times beta). At the first step the policy is the reference, so every reward is 0 up to the rounding
@@ -48,7 +48,8 @@ LAYOUTS = {  # name -> (checkpoint TP, processes, overrides)
     "tp1": (1, 1, ["batch.micro_batch_size=3"]),
     "tp2-sp": (2, 2, ["parallel.tensor=2", "parallel.sequence_parallel=true", "batch.micro_batch_size=6", ZERO1]),
     "tp2-pp2": (2, 4, ["parallel.tensor=2", "parallel.pipeline=2", "batch.micro_batch_size=3", ZERO1]),
-    "cp2": (1, 2, ["parallel.context=2", "batch.micro_batch_size=3", ZERO1]),
+    # ZeRO-2 here: its gradient partitions over DP x CP = 2 ranks
+    "cp2": (1, 2, ["parallel.context=2", "batch.micro_batch_size=3", "deepspeed_config=ds_configs/zero2_fp32.json"]),
 }
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 LAYOUTS.update({  # LoRA adapters on the frozen base, against TRL + PEFT (its reference: the adapters disabled)

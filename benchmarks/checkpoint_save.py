@@ -5,8 +5,9 @@ trainer in one launch of the deepspeed launcher, from the same seed on synthetic
 ``--interval`` steps, an asynchronous one. Each rank times, around the trainer's own calls:
 
 * the stall: how long the training loop is stopped by a save during training (the synchronous save whole; for an
-  asynchronous one, the copy to host memory plus every later wait for its writer and the step boundaries'
-  agreement on it; the save at the last step, whose writer the end of the run waits for, is left out);
+  asynchronous one, the capture of its state, the next optimizer step's wait for the host copy the writer makes
+  meanwhile, every later wait for its writer and the step boundaries' agreement on it; the save at the last step,
+  whose writer the end of the run waits for, is left out);
 * the time to a complete tag (an asynchronous save: from its start until the tag is renamed and ``latest``);
 * the bytes of its host copy (what ``estimate`` reports as the async save's host memory, per stage).
 
@@ -89,6 +90,7 @@ def worker(timings_dir: str, config_paths: list[str]) -> int:
     backgrounds: list = []
     save_checkpoint, complete = ckpt.save_checkpoint, ckpt.PendingSave.complete
     background_init = background_save.BackgroundSaves.__init__
+    wait_copied = background_save.BackgroundWriter.wait_copied
 
     def timed_save(engine, save_dir, meta, keep_last, pctx, *args, **kwargs):
         where.update(rank=pctx.rank, pp_rank=pctx.pp_rank, dp_rank=pctx.dp_rank)
@@ -108,12 +110,19 @@ def worker(timings_dir: str, config_paths: list[str]) -> int:
             saves[-1]["complete"] = end - saves[-1]["start"]
         return done
 
+    def timed_wait_copied(self) -> None:
+        start = time.perf_counter()
+        wait_copied(self)
+        if saves:  # the optimizer step waits here for the host copy of the save in flight
+            saves[-1]["stall"] += time.perf_counter() - start
+
     def kept_init(self) -> None:
         background_init(self)
         backgrounds.append(self)
 
     ckpt.save_checkpoint, ckpt.PendingSave.complete = timed_save, timed_complete
     background_save.BackgroundSaves.__init__ = kept_init
+    background_save.BackgroundWriter.wait_copied = timed_wait_copied
     for config_path in config_paths:
         saves.clear()
         backgrounds.clear()

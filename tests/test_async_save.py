@@ -4,8 +4,9 @@ deepspeed launcher (gloo, CPU), DP2 and PP2:
 
 - a checkpoint saved in the background resumes bit for bit, at ZeRO-0, 1, 2 and 3 (DP2), at PP2, with expert
   parallelism (a Mixtral model at EP2) and for LoRA adapters (on the ZeRO-1 run's checkpoint);
-- faults injected while a save is in flight (tests/scripts/inject_faults.py; each file written 0.5 s late so that
-  steps run meanwhile): SIGTERM to one rank (the run waits for the save in flight, saves the stopping step, exits 0,
+- faults injected while a save is in flight (tests/scripts/inject_faults.py; the host copy made 0.5 s late, so the
+  next step's optimizer step waits for it, and each file written 0.5 s late so that steps run meanwhile; a copy
+  that read a weight after that step changed it fails the exact resumes below): SIGTERM to one rank (the run waits for the save in flight, saves the stopping step, exits 0,
   and the restart continues bit for bit); saves every step, back to back (each waits for the one before); the run
   ending with a save in flight (the last tag complete and latest); a full disk on one rank during the background
   write (exit 4 at the next step boundary, one line, the temporary removed, latest still the previous tag, which
@@ -92,7 +93,7 @@ def test_a_background_save_resumes_bit_for_bit(name, resumes, work) -> None:
 
 def _fault_run(prefix: str, out, *overrides: str, expect: int = 0, faults: dict | None = None) -> dict:
     argv = _args(prefix, out, ZERO[1], ASYNC, f"checkpoint.save={out}/ckpt", *overrides)
-    return {"argv": argv, "expect": expect, "faults": {"write_delay": 0.5, **(faults or {})}}
+    return {"argv": argv, "expect": expect, "faults": {"write_delay": 0.5, "copy_delay": 0.5, **(faults or {})}}
 
 
 def _inject(nprocs: int, runs: list[dict], runs_file, check: bool = True) -> subprocess.CompletedProcess:

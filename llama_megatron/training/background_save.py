@@ -1,16 +1,22 @@
 """What an asynchronous save (``checkpoint.async_save``) runs in the background, and the copy that lets training go on.
 
 A save asks DeepSpeed's engine to save as always, with its checkpoint engine swapped for :class:`SnapshotEngine`:
-each state dict it would write is copied to host memory (:class:`HostSnapshots`: buffers kept and reused by the next
-save, pinned for a GPU's tensors) and handed to :class:`BackgroundWriter`, one thread that writes the files in
-order with DeepSpeed's own writer, fsyncs and hashes each. Training goes on once the copies are made; the manifest,
-the rename and ``latest`` wait until every rank's writer is done (training/checkpointing.py, ``PendingSave``).
+each state dict it would write is captured (:class:`HostSnapshots`: its numbers and lists copied at once, each tensor
+given a host buffer kept and reused by the next save, pinned for a GPU's tensors) and handed to
+:class:`BackgroundWriter`, one thread that first copies every captured tensor into its buffer, then writes the files
+in order with DeepSpeed's own writer, fsyncs and hashes each. Training goes on as soon as the state is captured: the
+next step's forward and backward passes read the weights but change neither them nor the optimizer state, so the
+copy runs beside them and only the next optimizer step waits for it (:meth:`BackgroundWriter.wait_copied`, called
+by the engine right before its model step: training/engine/step_fence.py), as torchtitan's pinned-memory async
+checkpoint waits for its staging. The manifest, the rename and ``latest`` wait until every rank's writer is done
+(training/checkpointing.py, ``PendingSave``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import queue
 import threading
@@ -24,59 +30,85 @@ from llama_megatron.checkpoint.manifest import digest_files
 
 class HostSnapshots:
     """Host copies of state dicts in buffers reused across saves (a save copies into the previous save's buffers,
-    which is why at most one save is in flight)."""
+    which is why at most one save is in flight). :meth:`capture` takes a state dict's structure at the save point,
+    :meth:`fill` copies its tensors into their buffers later (the writer thread)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, the tensor to copy into it)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
-    def copy(self, obj: Any, key: tuple) -> Any:
-        """``obj`` with every tensor copied to host memory and everything else deep-copied (a state dict's lists
-        and numbers change as training goes on)."""
+    def capture(self, obj: Any, key: tuple) -> Any:
+        """``obj`` with every tensor replaced by its host buffer (filled by :meth:`fill`) and everything else
+        deep-copied now (a state dict's lists and numbers change as training goes on)."""
         if isinstance(obj, torch.Tensor):
             slot = (key, obj.dtype, tuple(obj.shape))
             buffer = self._buffers.get(slot)
             if buffer is None:
                 buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
                 self._buffers[slot] = buffer
-            buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
+            self._pending.append((buffer, obj.detach()))
             return buffer
         if isinstance(obj, dict):
-            return type(obj)((k, self.copy(v, (*key, k))) for k, v in obj.items())
+            return type(obj)((k, self.capture(v, (*key, k))) for k, v in obj.items())
         if isinstance(obj, (list, tuple)):
-            items = [self.copy(v, (*key, i)) for i, v in enumerate(obj)]
+            items = [self.capture(v, (*key, i)) for i, v in enumerate(obj)]
             if hasattr(obj, "_fields"):  # a namedtuple
                 return type(obj)(*items)
             return type(obj)(items)
         return copy.deepcopy(obj)
 
+    def fill(self) -> None:
+        """Copy every captured tensor into its buffer, and let the tensors go."""
+        pending, self._pending = self._pending, []
+        for buffer, source in pending:
+            buffer.copy_(source, non_blocking=source.is_cuda)
+        if any(source.is_cuda for _, source in pending):
+            torch.cuda.synchronize()  # the copies were queued without waiting: done before they are written
+
+    def discard(self) -> None:
+        """Forget what was captured (a save that failed while DeepSpeed was still handing over its state)."""
+        self._pending = []
+
 
 class BackgroundWriter:
-    """One thread running the queued writes in order; each file written is fsynced and hashed (its manifest entry).
-    The first failure is kept (the writes after it are skipped) for the training thread to report."""
+    """One thread running the queued work in order: a save's host copy first (:meth:`copy`), then its writes, each
+    file fsynced and hashed (its manifest entry). The first failure is kept (the work after it is skipped) for the
+    training thread to report."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
         self.digests: dict[str, dict] = {}
         self.error: str | None = None
 
-    def submit(self, write: Callable[[], None], tag_dir: str, name: str) -> None:
+    def _put(self, item: tuple) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
             self._thread.start()
-        self._queue.put((write, tag_dir, name))
+        self._queue.put(item)
+
+    def copy(self, fill: Callable[[], None]) -> None:
+        """Run ``fill`` (the host copy) before the writes queued after it; :meth:`wait_copied` waits for it."""
+        self._copied.clear()
+        self._put((fill, None, None))
+
+    def submit(self, write: Callable[[], None], tag_dir: str, name: str) -> None:
+        self._put((write, tag_dir, name))
 
     def _run(self) -> None:
         while True:
-            write, tag_dir, name = self._queue.get()
+            work, tag_dir, name = self._queue.get()
             try:
                 if self.error is None:
-                    write()
-                    self.digests.update(digest_files(tag_dir, [name], fsync=True))
+                    work()
+                    if name is not None:
+                        self.digests.update(digest_files(tag_dir, [name], fsync=True))
             except OSError as exc:
                 self.error = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[0]
             except Exception as exc:  # noqa: BLE001 - reported by the training thread, one line
@@ -85,7 +117,14 @@ class BackgroundWriter:
                     mark in str(exc) for mark in ("PytorchStreamWriter", "inline_container", "file write failed")
                 ) else f"{type(exc).__name__}: {text[0] if text else ''}"
             finally:
+                if name is None:
+                    self._copied.set()  # a failed copy too: its error ends the run at the next step boundary
                 self._queue.task_done()
+
+    def wait_copied(self) -> None:
+        """Return once the save in flight no longer needs the weights and optimizer state as they were (its host
+        copy is made): what the engine calls before it changes them."""
+        self._copied.wait()
 
     def done(self) -> bool:
         return self._queue.unfinished_tasks == 0
@@ -100,22 +139,24 @@ class BackgroundWriter:
 
 
 class SnapshotEngine:
-    """DeepSpeed's checkpoint engine, with ``save`` copying to host and queueing the write (everything else passes
+    """DeepSpeed's checkpoint engine, with ``save`` capturing the state dict for the writer (everything else passes
     through to the engine it wraps)."""
 
-    def __init__(self, inner: Any, snapshots: HostSnapshots, writer: BackgroundWriter) -> None:
-        self._inner, self._snapshots, self._writer = inner, snapshots, writer
+    def __init__(self, inner: Any, snapshots: HostSnapshots) -> None:
+        self._inner, self._snapshots = inner, snapshots
+        self.captured: list[tuple[Any, str]] = []  # (snapshot, path), in DeepSpeed's order
 
     def save(self, state_dict: Any, path: str) -> None:
-        name = os.path.basename(path)
-        snapshot = self._snapshots.copy(state_dict, (name,))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the copies were queued without waiting: done before the thread reads them
-        inner = self._inner
-        self._writer.submit(lambda: inner.save(snapshot, path), os.path.dirname(path), name)
+        self.captured.append((self._snapshots.capture(state_dict, (os.path.basename(path),)), path))
 
     def commit(self, info: Any) -> bool:
         return True  # the tag is committed by our finish, once every rank's files are written
+
+    def preserves_storage_sharing(self) -> bool:
+        # False: DeepSpeed then skips its clone of each state dict before ``save`` (a second copy of the weights,
+        # made while training waits). The host copy already gives each tensor a compact buffer of its own, which is
+        # what that clone is for (a view saved without the whole storage behind it).
+        return False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -130,10 +171,19 @@ class BackgroundSaves:
 
     @contextlib.contextmanager
     def capturing(self, ds_engine: Any) -> Iterator[None]:
-        """``ds_engine.save_checkpoint`` copies and queues instead of writing, while inside."""
+        """``ds_engine.save_checkpoint`` captures instead of writing, while inside; on leaving, the host copy and
+        the writes are queued (nothing is, if the save raised)."""
         inner = ds_engine.checkpoint_engine
-        ds_engine.checkpoint_engine = SnapshotEngine(inner, self.snapshots, self.writer)
+        engine = ds_engine.checkpoint_engine = SnapshotEngine(inner, self.snapshots)
         try:
             yield
+        except BaseException:
+            self.snapshots.discard()
+            raise
+        else:
+            self.writer.copy(self.snapshots.fill)
+            for snapshot, path in engine.captured:
+                self.writer.submit(functools.partial(inner.save, snapshot, path), os.path.dirname(path),
+                                   os.path.basename(path))
         finally:
             ds_engine.checkpoint_engine = inner

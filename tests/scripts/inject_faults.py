@@ -16,6 +16,8 @@ one. Faults, each at optimizer steps counted from 1:
   Under ``checkpoint.async_save`` the limit stays while the background writer writes that save's files;
 - ``"write_delay": SECONDS``: every file of an asynchronous save written that much later by the writer thread (so
   steps run, signals arrive and the next save starts while a save is in flight);
+- ``"copy_delay": SECONDS``: the writer thread's host copy of an asynchronous save starts that much later (so the
+  next step's forward and backward passes run first, and its optimizer step must wait for the copy);
 - ``"kill_in_writer": {"save": N, "rank": R}``: rank R's writer thread SIGKILLs its process as it is about to write
   the second file of the N-th (asynchronous) save;
 - ``"universal": {"rank": R, "bytes": B}`` the same limit while rank R converts a checkpoint to the universal
@@ -114,6 +116,14 @@ def submit(self, write, tag_dir, name):
     return _submit(self, delayed, tag_dir, name)
 
 
+_fill = background_save.HostSnapshots.fill
+
+
+def fill(self):
+    time.sleep(FAULTS.get("copy_delay", 0))
+    _fill(self)
+
+
 def convert(*args, **kwargs):
     fault = FAULTS.get("universal")
     if not (fault and fault.get("rank", 0) == RANK):
@@ -129,6 +139,7 @@ TrainingEngine.train_step = train_step
 checkpointing.save_checkpoint = save_checkpoint
 checkpointing.PendingSave.complete = complete
 background_save.BackgroundWriter.submit = submit
+background_save.HostSnapshots.fill = fill
 universal_conversion._convert = convert
 
 

@@ -31,6 +31,7 @@ from llama_megatron.checkpoint.safe_load import load_state_file
 from llama_megatron.checkpoint.weights import expert_file
 from llama_megatron.model.moe import MoEMLP
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.training.engine.step_fence import ModelStepFence
 
 
 def global_grad_norm(parameters, pctx: ParallelContext, device: torch.device) -> torch.Tensor:
@@ -83,8 +84,10 @@ class ExpertLayers:
                 for expert, mlp in module.experts.items():
                     # a LoRA run saves the adapters only (DeepSpeed's exclude_frozen_parameters); cloned: a bf16
                     # optimizer's parameters are views of one flat buffer, which torch.save would write whole
+                    # (unless the checkpoint engine copies each tensor on its own: an asynchronous save's)
                     frozen = {n for n, p in mlp.named_parameters() if not p.requires_grad}
-                    state = {f"{within}.experts.{expert}.{key}": value.detach().clone()
+                    clone = self.checkpoint_engine.preserves_storage_sharing()
+                    state = {f"{within}.experts.{expert}.{key}": value.detach().clone() if clone else value.detach()
                              for key, value in mlp.state_dict().items()
                              if not (exclude_frozen_parameters and key in frozen)}
                     # through the checkpoint engine, as DeepSpeed's own files: an asynchronous save copies them to
@@ -147,7 +150,7 @@ def _add_experts(module: MoEMLP, state: dict, prefix: str, *hook_args, tag_dir: 
         state.update({prefix + key.removeprefix(within + "."): value for key, value in saved.items()})
 
 
-class LlamaEngine(ExpertLayers, DeepSpeedEngine):
+class LlamaEngine(ModelStepFence, ExpertLayers, DeepSpeedEngine):
     """DeepSpeed's engine for PP 1. With expert parallelism its plain fp32 clipping uses the whole model's norm
     (DeepSpeed's averages the ranks' norms, each over its own experts); otherwise it is DeepSpeed's."""
 

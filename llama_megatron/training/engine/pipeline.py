@@ -56,11 +56,12 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from llama_megatron.training.engine.experts import ExpertLayers, construct_engine
+from llama_megatron.training.engine.step_fence import ModelStepFence
 from llama_megatron.training.pipeline import instructions as ins
 from llama_megatron.training.pipeline.schedules import SPLIT_BACKWARD, forward_actions, rank_actions
 
 
-class GlobalNormPipelineEngine(ExpertLayers, PipelineEngine):
+class GlobalNormPipelineEngine(ModelStepFence, ExpertLayers, PipelineEngine):
     """``PipelineEngine`` whose fp32 gradient clipping uses :func:`global_grad_norm`, whose stages run one
     backward pass whatever they send (module docstring), and that knows our expert layers (:class:`ExpertLayers`)."""
 

@@ -100,6 +100,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                              (pctx.pp_rank, pctx.pp_size), rendezvous_address(), job_nonce())
     last_metrics: dict = {}
     background = BackgroundSaves() if config.checkpoint.async_save else None
+    if background is not None:  # a save's host copy runs beside the next step until its optimizer step
+        engine.engine.before_model_step = background.writer.wait_copied
     pending: ckpt.PendingSave | None = None  # an asynchronous save in flight (at most one)
 
     def settle(wait: bool) -> None:

@@ -56,7 +56,7 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     "test_sft_model.py": 34, "test_moe.py": 30, "test_parallel_layers.py": 28, "test_launcher_signals.py": 120,
     # files added since (2026-11-26's CI: 120 s and 70 s in their slowest fixtures alone), which otherwise ran last
     "test_preference_train.py": 200, "test_async_save.py": 150, "test_preference_data.py": 30,
-    "test_hardening.py": 25,
+    "test_hardening.py": 28,
 }
 
 

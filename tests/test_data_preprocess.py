@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import itertools
 import json
 import os
@@ -95,6 +96,49 @@ def test_text_units_and_gzip(tmp_path, tok):
                 == 0
             )
             assert docs_of(f"{out}_text_document") == [tok.encode(d) for d in docs]
+
+
+OVERLONG_TEXT = {  # (file, its first bad document's line, what, the documents kept) under a 1000-byte bound
+    "line": ("short\n" + "x" * 3000 + "\nafter\n", 2, ["short", "after"]),
+    "paragraph": ("a\nb\n\n" + ("y" * 400 + "\n") * 4 + "\nc\n\n\n" + "z" * 3000 + "\nd\n", 4, ["a\nb", "c"]),
+    "document": ("w" * 3000 + "\n", 1, []),
+}
+
+
+@pytest.mark.parametrize("unit", list(OVERLONG_TEXT))
+def test_an_overlong_text_document_is_a_bad_record_read_in_bounded_pieces(unit, tmp_path, monkeypatch, capsys, tok):
+    """A text line, paragraph (four lines within the bound, over it together; one over it alone) or whole file
+    longer than the bound is refused with FILE:LINE (exit 2), or skipped and counted; no read returns more than the
+    bound (a 2 GB line is never held whole)."""
+    from llama_megatron.data import readers
+
+    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 1000)
+    text, lineno, kept = OVERLONG_TEXT[unit]
+    src = tmp_path / "in.txt"
+    src.write_text(text, encoding="utf-8")
+    args = ("--input", str(src), "--output-prefix", str(tmp_path / "o"), "--text-unit", unit)
+    assert run_cli(*args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src}:{lineno}: {unit} longer than 1000 bytes") and "--skip-bad-lines" in err
+    assert sorted(os.listdir(tmp_path)) == ["in.txt"]
+    assert run_cli(*args, "--skip-bad-lines") == 0
+    assert docs_of(tmp_path / "o_text_document") == [tok.encode(d) for d in kept]
+    skipped = 2 if unit == "paragraph" else 1
+    assert f"skipped {skipped} malformed records" in capsys.readouterr().err
+    reads: list[int] = []
+
+    class Counted(io.BytesIO):
+        def read(self, size=-1):
+            reads.append(len(data := super().read(size)))
+            return data
+
+        def readline(self, size=-1):
+            reads.append(len(data := super().readline(size)))
+            return data
+
+    assert [doc for _, doc in readers._text_documents(Counted(text.encode()), unit) if doc] == [
+        d.encode() for d in kept]
+    assert max(reads) <= 1001
 
 
 def test_parquet_input_and_bad_rows(tmp_path, tok, capsys):

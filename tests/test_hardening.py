@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -361,4 +362,130 @@ def test_a_save_longer_than_the_timeout_beats_as_it_goes(tmp_path, monkeypatch, 
         assert calls == [1, 1] and exits == []
         assert ended.wait(10) and exits == [5]  # nothing grows, nothing beats
     assert "stalled at step 9 (checkpoint save) on rank 0" in capfd.readouterr().err
+    dog.close()
+
+
+def _listening(port: int) -> list:
+    import psutil
+
+    return [tuple(c.laddr) for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
+def test_under_torchrun_the_watchdog_store_listens_on_the_master_address_only(monkeypatch) -> None:
+    """torchrun's agent serves MASTER_ADDR:MASTER_PORT on every interface: rank 0 serves the watchdog a store of
+    its own on MASTER_ADDR only (a port the kernel picks), which the ranks reach."""
+    from llama_megatron.parallel.launch import RendezvousStore, free_port
+    from llama_megatron.training.faults.watchdog import job_store
+
+    agent_port = free_port()
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent_port), "TORCHELASTIC_RUN_ID": "job",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(key, value)
+    (host, port), nonce = job_store(0.5)
+    assert host == "127.0.0.1" and port != agent_port and len(nonce) == 32
+    assert _listening(port) == [("127.0.0.1", port)]
+    client = RendezvousStore((host, port), 5.0)
+    client.set(f"llama_megatron/{nonce}/progress/1", "x")
+    assert client.get(f"llama_megatron/{nonce}/progress/1") == b"x"
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")  # the deepspeed launcher: init_distributed's store
+    assert job_store(0.5)[0] == ("127.0.0.1", agent_port)
+
+
+def test_a_loopback_master_address_is_listened_on_in_a_job_spanning_nodes(monkeypatch) -> None:
+    """127.0.0.1, ::1 and localhost are loopback on every node: only this host's ranks can reach them, so rank 0
+    listens there whatever the job's size. A name this host alone maps to loopback (Debian's /etc/hosts: its own
+    name -> 127.0.1.1) is the real address on the other nodes: across nodes it keeps every interface."""
+    from llama_megatron.parallel.launch import Placement, _listen_host, free_port, serve_job_store
+
+    two_nodes = Placement(0, 4, 0, 2)
+    assert _listen_host("127.0.0.1", 1, two_nodes) == "127.0.0.1"
+    assert _listen_host("::1", 1, two_nodes) == "::1"
+    assert _listen_host("localhost", 1, two_nodes) in ("127.0.0.1", "::1")
+    port = free_port()
+    serve_job_store(("127.0.0.1", port), two_nodes, 10.0).set("k", "v")
+    assert _listening(port) == [("127.0.0.1", port)]
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real(
+        "127.0.1.1" if host == "node0" else host, *a, **k))
+    assert _listen_host("node0", 1, two_nodes) is None
+    assert _listen_host("node0", 1, Placement(0, 2, 0, 2)) == "127.0.1.1"  # one node: every rank is here
+
+
+# ---- what killed writers leave, and beats, in SFT and preference runs ----
+
+def test_a_killed_sft_preprocess_meta_temp_is_reclaimed(tmp_path) -> None:
+    """``PREFIX_sft.json.tmp-<pid>`` of a preprocess-sft that is gone goes when the prefix is written again, as
+    the shards' temps do; a live writer's stays."""
+    import json
+
+    from llama_megatron.data.sft_preprocess import preprocess_sft
+
+    dead, live = "o_sft.json.tmp-4194304", f"o_sft.json.tmp-{os.getppid()}"
+    for name in (dead, live, "o_tokens.bin.tmp-4194304"):
+        (tmp_path / name).write_text("{")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    preprocess_sft([str(src)], os.path.join(ROOT, "data", "tokenizer"), str(tmp_path / "o"), quiet=True)
+    assert sorted(os.listdir(tmp_path)) == sorted(["in.jsonl", live, "o_sft.json", "o_tokens.bin", "o_tokens.idx",
+                                                   "o_mask.bin", "o_mask.idx"])
+
+
+def test_a_killed_reference_table_temp_is_reclaimed(tmp_path) -> None:
+    """The table's temp carries the host and pid: a dead writer's on this host goes, a live one's and another
+    host's (a cache directory shared across nodes) stay."""
+    import numpy as np
+
+    from llama_megatron.training.run.reference import store_table
+
+    host = socket.gethostname()
+    kept = [f"ab12.npy.tmp-{host}-{os.getppid()}", "ab12.npy.tmp-elsewhere-4194304"]
+    for name in [f"ab12.npy.tmp-{host}-4194304", f"cd34.npy.tmp-{host}-4194304", *kept]:
+        (tmp_path / name).write_bytes(b"x")
+    store_table(str(tmp_path / "ef56.npy"), np.ones((3, 2)))
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "ef56.npy"])
+    assert np.load(tmp_path / "ef56.npy").tolist() == [[1.0, 1.0]] * 3
+
+
+def test_the_reference_pass_beats_as_it_goes(tmp_path, monkeypatch, capfd) -> None:
+    """1.2 s timeout: a reference pass of 8 forwards of 0.25 s each (2 s) keeps the rank alive (without the
+    beats its line comes at 1.5 s), watched as "the reference log-probabilities"."""
+    import torch
+
+    from llama_megatron.training.run import reference
+
+    seen = []
+
+    class Engine:
+        model = torch.nn.Linear(1, 1)
+        model.loss_fn = SimpleNamespace(sequence_log_probs=None)
+        reference_logps = None
+
+        def holds_loss(self) -> bool:
+            return True
+
+        def eval_loss(self, micro_batches, progress) -> None:
+            for mb in micro_batches:
+                progress()  # as the engine's forward pre-hook calls it
+                seen.append((dog.step, dog.doing))
+                time.sleep(0.25)
+                self.model.loss_fn.sequence_log_probs.append(torch.zeros(2 * len(mb.pair_ids)))
+
+    class Pairs(list):
+        stats = {"rows_per_epoch": 16}
+
+    monkeypatch.setattr(reference, "step_batches", lambda rows, config, pctx, start, steps: (
+        [SimpleNamespace(pair_ids=torch.tensor([2 * s, 2 * s + 1]))] for s in range(steps)))
+    monkeypatch.setattr(reference, "reference_key", lambda session: "ab12")
+    monkeypatch.setattr(reference, "_table_path", lambda session, key: str(tmp_path / f"{key}.npy"))
+    config = SimpleNamespace(data=SimpleNamespace(pair_count=lambda: 16), batch=SimpleNamespace(global_batch_size=2),
+                             checkpoint=SimpleNamespace(finetune=False, save=None))
+    session = SimpleNamespace(config=config, engine=Engine(), pctx=SimpleNamespace(rank=0, tp_rank=0, cp_rank=0),
+                              pre=SimpleNamespace(checkpoint=None), step=7)
+    dog, exits, ended = _watching(monkeypatch, None, "", world_size=1)
+    reference.prepare_reference(session, [Pairs(range(16))], SimpleNamespace(info=lambda line: None), watchdog=dog)
+    assert "stalled" not in capfd.readouterr().err and exits == []
+    assert seen == [(7, "the reference log-probabilities")] * 8 and session.engine.reference_logps.shape == (16, 2)
     dog.close()

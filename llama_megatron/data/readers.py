@@ -58,8 +58,9 @@ def _open_binary(path: str) -> IO[bytes]:
         raise DataError(f"cannot open {path}: {exc.strerror}") from None
 
 
-# The longest JSONL line read: a record is a document or a conversation, far below this; a longer line (a file
-# that is not JSONL, a corrupt one without newlines) is a bad record, read past in bounded pieces, never held whole.
+# The longest record read: a JSONL line, a text line or paragraph, a text file read as one document. A record is a
+# document or a conversation, far below this; a longer one (a file that is not JSONL, a corrupt one without
+# newlines) is a bad record, read past in bounded pieces, never held whole.
 MAX_LINE_BYTES = 1 << 26
 
 
@@ -75,65 +76,68 @@ def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
         yield None
 
 
-def iter_jsonl(path: str, chunk_bytes: int) -> Iterator[Chunk]:
-    chunk = Chunk("jsonl", path, [])
-    with _open_binary(path) as f:
-        for lineno, raw in enumerate(_lines(f), start=1):
-            if raw is None:
-                chunk.rejected.append(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
-                continue
-            if not raw.strip():
-                continue
-            chunk.items.append(raw)
-            chunk.locations.append(lineno)
-            chunk.nbytes += len(raw)
-            if chunk.nbytes >= chunk_bytes:
-                yield chunk
-                chunk = Chunk("jsonl", path, [])
+def _chunked(path: str, kind: str, documents: Iterator[tuple[int, bytes | None]], what: str,
+             chunk_bytes: int) -> Iterator[Chunk]:
+    """Chunks of ``documents`` ((line, raw document) pairs; None for one over the bound: a rejection)."""
+    chunk = Chunk(kind, path, [])
+    for lineno, doc in documents:
+        if doc is None:
+            chunk.rejected.append(f"{path}:{lineno}: {what} longer than {MAX_LINE_BYTES} bytes")
+            continue
+        chunk.items.append(doc)
+        chunk.locations.append(lineno)
+        chunk.nbytes += len(doc)
+        if chunk.nbytes >= chunk_bytes:
+            yield chunk
+            chunk = Chunk(kind, path, [])
     if chunk.items or chunk.rejected:
         yield chunk
+
+
+def iter_jsonl(path: str, chunk_bytes: int) -> Iterator[Chunk]:
+    with _open_binary(path) as f:
+        lines = ((n, raw) for n, raw in enumerate(_lines(f), start=1) if raw is None or raw.strip())
+        yield from _chunked(path, "jsonl", lines, "line", chunk_bytes)
+
+
+def _text_documents(f: IO[bytes], unit: str) -> Iterator[tuple[int, bytes | None]]:
+    """(first line, document) of each non-blank line, blank-line separated paragraph, or the whole file; None for
+    one longer than :data:`MAX_LINE_BYTES` (read past, never held whole: a paragraph stops growing once over)."""
+    if unit == "document":
+        doc = f.read(MAX_LINE_BYTES + 1)
+        if len(doc) > MAX_LINE_BYTES:
+            yield 1, None
+        elif doc.strip():
+            yield 1, doc.rstrip(b"\r\n")
+        return
+    para: list[bytes] | None = []  # None: the paragraph under way is over the bound
+    start = size = 0
+    for lineno, raw in enumerate(_lines(f), start=1):
+        blank = raw is not None and not raw.strip()
+        if unit == "line":
+            if not blank:
+                yield lineno, raw and raw.rstrip(b"\r\n")
+        elif blank:
+            if start:
+                yield start, None if para is None else b"\n".join(para)
+            para, start, size = [], 0, 0
+        else:
+            start = start or lineno
+            if raw is None or size + len(raw) > MAX_LINE_BYTES:
+                para = None
+            elif para is not None:
+                para.append(raw.rstrip(b"\r\n"))
+                size += len(raw)
+    if start:
+        yield start, None if para is None else b"\n".join(para)
 
 
 def iter_text(path: str, chunk_bytes: int, unit: str) -> Iterator[Chunk]:
     """Documents are lines, blank-line separated paragraphs, or the whole file (like HF's text loader)."""
     if unit not in TEXT_UNITS:
         raise DataError(f"unknown text unit {unit!r}; use one of {', '.join(TEXT_UNITS)}")
-    chunk = Chunk("text", path, [])
-
-    def add(doc: bytes, lineno: int) -> bool:
-        chunk.items.append(doc)
-        chunk.locations.append(lineno)
-        chunk.nbytes += len(doc)
-        return chunk.nbytes >= chunk_bytes
-
     with _open_binary(path) as f:
-        if unit == "document":
-            doc = f.read()
-            if doc.strip():
-                add(doc.rstrip(b"\r\n"), 1)
-        else:
-            para: list[bytes] = []
-            para_start = 0
-            for lineno, raw in enumerate(f, start=1):
-                line = raw.rstrip(b"\r\n")
-                full = False
-                if unit == "line":
-                    if line.strip():
-                        full = add(line, lineno)
-                elif line.strip():
-                    if not para:
-                        para_start = lineno
-                    para.append(line)
-                elif para:
-                    full = add(b"\n".join(para), para_start)
-                    para = []
-                if full:
-                    yield chunk
-                    chunk = Chunk("text", path, [])
-            if para:
-                add(b"\n".join(para), para_start)
-    if chunk.items:
-        yield chunk
+        yield from _chunked(path, "text", _text_documents(f, unit), unit, chunk_bytes)
 
 
 def _iter_arrow_batches(batches, path: str, keys: list[str], chunk_bytes: int) -> Iterator[Chunk]:
@@ -232,6 +236,7 @@ def decode_chunk(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[str]], l
     bad: list[str] = []
     if chunk.kind == "text":
         key = keys[0]
+        bad.extend(chunk.rejected)
         for raw, lineno in zip(chunk.items, chunk.locations):
             try:
                 texts[key].append(raw.decode("utf-8"))

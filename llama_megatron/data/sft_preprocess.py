@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from llama_megatron.data.readers import Chunk, iter_jsonl, json_objects
 from llama_megatron.data.sft_formats import RecordError, parse_record
 from llama_megatron.errors import DataError
 from llama_megatron.progress import Progress
+from llama_megatron.temps import reclaim_temps
 
 SFT_VERSION = 3  # 2: transformers' token rule at span ends, generation markers, TRL's completion rule;
 # 3: prompt/completion records trained after the prompt whatever the template marks (masking: assistant_only cuts)
@@ -115,6 +117,9 @@ def preprocess_sft(inputs: list[str], tokenizer: str, output_prefix: str, fmt: s
         if os.path.exists(path) and not overwrite:
             raise DataError(f"{path} exists; pass --overwrite to replace it")
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    # a killed run's meta temp (its pid gone), as the shards' writers reclaim theirs
+    reclaim_temps(os.path.dirname(os.path.abspath(output_prefix)),
+                  rf"{re.escape(os.path.basename(meta_path(output_prefix)))}\.tmp-(?P<pid>\d+)")
     shards = shard_prefixes(output_prefix)
     progress = Progress("preprocess-sft", log_interval, enabled=not quiet)
     bad_total = trained = 0

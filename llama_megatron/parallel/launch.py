@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import ipaddress
 import os
 import random
 import re
@@ -206,16 +207,32 @@ class RendezvousStore:
         return value
 
 
+def _alike_on_every_node(host: str) -> bool:
+    """Whether every node resolves ``host`` to the same address: an IP address, or localhost (RFC 6761: loopback
+    everywhere)."""
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _listen_host(host: str, port: int, where: Placement) -> str | None:
     """The address rank 0's store listens on: MASTER_ADDR as this host resolves it. None (every interface,
-    torch's default) for a wildcard, a name that does not resolve, or a loopback address in a job spanning nodes
-    (a hostname some /etc/hosts map to 127.0.1.1 locally, which the other nodes resolve to the real address)."""
+    torch's default) for a wildcard, a name that does not resolve, or a name that resolves to loopback here in a
+    job spanning nodes (some /etc/hosts map a host's own name to 127.0.1.1 locally, which the other nodes resolve to
+    the real address). A loopback address given as such (127.0.0.1, ::1, localhost) is loopback on every node: only
+    this host's ranks can reach it, so the store listens there whatever the job's size."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (OSError, IndexError):
         return None
     ip = sockaddr[0]
-    if ip in ("0.0.0.0", "::") or (ip.startswith("127.") or ip == "::1") and where.nodes > 1:
+    if ip in ("0.0.0.0", "::"):
+        return None
+    if ipaddress.ip_address(ip).is_loopback and where.nodes > 1 and not _alike_on_every_node(host):
         return None
     return ip
 
@@ -224,10 +241,10 @@ _SERVERS: list = []  # the job store's server and its listening socket: alive as
 
 
 def serve_job_store(address: tuple[str, int], where: Placement, timeout_s: float):
-    """Rank 0's server of the job's store (the rendezvous at MASTER_ADDR:MASTER_PORT), listening on MASTER_ADDR
-    only: torch's own listens on every interface, where any host that reaches the port may read and write the
-    job's keys without authentication. None where the address gives no safe interface (:func:`_listen_host`):
-    torch then serves it as before."""
+    """Rank 0's server of a store of the job (the rendezvous at MASTER_ADDR:MASTER_PORT, or with port 0 one on a
+    port the kernel picks: ``.port`` says which), listening on MASTER_ADDR only: torch's own listens on every
+    interface, where any host that reaches the port may read and write the job's keys without authentication.
+    None where the address gives no safe interface (:func:`_listen_host`): torch then serves it as before."""
     import datetime
 
     import torch.distributed as dist
@@ -240,13 +257,31 @@ def serve_job_store(address: tuple[str, int], where: Placement, timeout_s: float
     try:
         sock.bind((host, address[1]))
         sock.listen(max(128, where.world_size))
-        store = dist.TCPStore(address[0], address[1], where.world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+        store = dist.TCPStore(address[0], sock.getsockname()[1], where.world_size, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
+                              master_listen_fd=sock.fileno())
     except BaseException:
         sock.close()
         raise
     _SERVERS.append((store, sock))
     return store
+
+
+def progress_store_address(timeout_s: float) -> tuple[str, int] | None:
+    """Where the ranks publish their progress (the stall watchdog), as rank 0 sees it: MASTER_ADDR:MASTER_PORT,
+    whose store rank 0 serves on MASTER_ADDR only (:func:`init_distributed`); under torchrun, whose agent serves
+    that one on every interface, a store of its own on MASTER_ADDR only (a port the kernel picks), unless
+    MASTER_ADDR gives no safe interface (:func:`_listen_host`: the agent's then). The other ranks learn it from
+    rank 0 over the process group."""
+    address = rendezvous_address()
+    where = placement()
+    if address is None or where.world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return address
+    try:
+        server = serve_job_store((address[0], 0), where, timeout_s)
+    except OSError:  # MASTER_ADDR is no address of this host (a --master-addr that names another node)
+        server = None
+    return address if server is None else (address[0], server.port)
 
 
 def rendezvous_store(timeout_s: float, address: tuple[str, int] | None = None) -> RendezvousStore | None:

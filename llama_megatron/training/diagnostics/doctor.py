@@ -48,7 +48,7 @@ from llama_megatron.parallel.launch import (
 )
 from llama_megatron.training.checkpointing import all_gather_objects
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.faults.watchdog import StallWatchdog, job_nonce
+from llama_megatron.training.faults.watchdog import StallWatchdog, job_store
 
 SLOW = 1.25  # a rank this much slower than the median at the same matmul is a straggler
 
@@ -75,7 +75,7 @@ def run_doctor(config: TrainingConfig, where: Placement, timeout_minutes: float,
     skip_cpu_shared_memory_op()
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("doctor/pg", store),
                             rank=where.rank, world_size=where.world_size, timeout=timeout)
-    watchdog = StallWatchdog(timeout_minutes, where.rank, where.world_size, (0, 1), address, job_nonce())
+    watchdog = StallWatchdog(timeout_minutes, where.rank, where.world_size, (0, 1), *job_store(timeout_minutes))
     try:
         par = config.parallel
         pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context, par.expert)

@@ -9,15 +9,17 @@ ranks that went silent, then exits 5 (its main thread is blocked inside the coll
 first such rank marks the job as ending in the store, so every live rank writes its line before the first exits;
 the launcher then ends the ranks left, the stopped one included.
 
-To name the silent ranks, the thread publishes this rank's progress every few seconds to the job's rendezvous store
-(the TCPStore at MASTER_ADDR:MASTER_PORT every launcher sets up) under its own keys; a rank whose entry stopped
-changing is the one to look at. A store that does not answer is named instead: the rank that hosts it (rank 0 under
-the deepspeed launcher) is then the stopped one, or its host is gone.
+To name the silent ranks, the thread publishes this rank's progress every few seconds to the job's store under its
+own keys; a rank whose entry stopped changing is the one to look at. The store is the rendezvous at
+MASTER_ADDR:MASTER_PORT, which rank 0 serves, or under torchrun (whose agent serves that one) a store rank 0 serves
+beside it (:func:`job_store`). A store that does not answer is named instead: the rank that hosts it (rank 0) is
+then the stopped one, or its host is gone.
 
-The store has no authentication (rank 0 serves it on MASTER_ADDR only: parallel/launch.py, but torchrun's agent
-on every interface), so the keys carry a per-job nonce that rank 0 draws and sends over the process group, never
-through the store (:func:`job_nonce`): a client that guesses the fixed names cannot end the job. What is read back
-is validated, and the thread survives anything it reads: a dead thread would leave a stalled rank hanging forever.
+The store has no authentication. Rank 0 listens on MASTER_ADDR only (parallel/launch.py; torchrun's agent, which
+the watchdog uses only where MASTER_ADDR gives rank 0 no address of its own, on every interface), and the keys carry
+a per-job nonce that rank 0 draws and sends over the process group with the store's address, never through the
+store: a client that guesses the fixed names cannot end the job. What is read back is validated, and the thread
+survives anything it reads: a dead thread would leave a stalled rank hanging forever.
 """
 
 from __future__ import annotations
@@ -33,21 +35,24 @@ import time
 from collections.abc import Callable, Iterator
 
 from llama_megatron.errors import Stalled, print_error
-from llama_megatron.parallel.launch import rendezvous_store
+from llama_megatron.parallel.launch import progress_store_address, rendezvous_store
 
 KEY = "llama_megatron/{nonce}/progress/{rank}"
 ENDING_KEY = "llama_megatron/{nonce}/stalled"  # set by the first rank that reached the timeout
 
 
-def job_nonce() -> str:
-    """A secret every rank of this job shares: rank 0's, broadcast over the process group (not the store, which
-    anyone reaching its port can read). One process: its own."""
+def job_store(timeout_minutes: float) -> tuple[tuple[str, int] | None, str]:
+    """The store the watchdog publishes to (:func:`progress_store_address`) and a secret every rank of this job
+    shares, both rank 0's, broadcast over the process group (not the store, which anyone reaching its port can
+    read). One process: its own."""
     import torch.distributed as dist
 
-    value = [secrets.token_hex(16)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    many = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    value = [secrets.token_hex(16), progress_store_address(60.0 * timeout_minutes)
+             if not many or dist.get_rank() == 0 else None]
+    if many:
         dist.broadcast_object_list(value, src=0)
-    return value[0]
+    return value[1], value[0]
 
 
 def _progress_entry(raw: bytes) -> dict | None:
@@ -155,7 +160,7 @@ class StallWatchdog:
         sys.stdout.flush()
         with contextlib.suppress(Exception):
             print_error(message)
-        # rank 0 also hosts the store under the deepspeed launcher: the others read it for their lines meanwhile
+        # rank 0 also hosts the store: the others read it for their lines meanwhile
         time.sleep(2 * self._interval)
         os._exit(Stalled.exit_code)
 
@@ -208,7 +213,7 @@ class StallWatchdog:
         except Exception:  # noqa: BLE001
             host, port = self._address
             return (f"the rendezvous store at {host}:{port} does not answer either: the process that hosts it "
-                    "(rank 0 under the deepspeed launcher) has stopped, or its host is unreachable")
+                    "(rank 0) has stopped, or its host is unreachable")
         reports = {r: entry for r, value in raw.items() if (entry := _progress_entry(value)) is not None}
         now, stale_after = time.time(), 3 * self._interval
         silent = [f"rank {r} ({reports[r]['host']}, last heard {now - reports[r]['at']:.0f} s ago at step "

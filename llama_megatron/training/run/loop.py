@@ -11,7 +11,7 @@ from collections.abc import Callable
 from llama_megatron.checkpoint.meta import TMP_PREFIX, CheckpointMeta, step_tag
 from llama_megatron.data.sft_config import PreferenceData
 from llama_megatron.errors import ConfigError
-from llama_megatron.parallel.launch import barrier, launcher_chain, rendezvous_address
+from llama_megatron.parallel.launch import barrier, launcher_chain
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.background_save import BackgroundSaves
 from llama_megatron.training.config import TrainingConfig
@@ -19,7 +19,7 @@ from llama_megatron.training.diagnostics.flops import training_flops_per_token
 from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.faults.guard import StepGuard
 from llama_megatron.training.faults.preemption import StopRequests
-from llama_megatron.training.faults.watchdog import StallWatchdog, job_nonce
+from llama_megatron.training.faults.watchdog import StallWatchdog, job_store
 from llama_megatron.training.pipeline.schedules import analytic_bubble
 from llama_megatron.training.run.batches import build_datasets, step_batches
 from llama_megatron.training.run.metrics import device_peak_tflops, format_eta
@@ -72,8 +72,6 @@ def _train(session: Session, config: TrainingConfig) -> dict:
         describe = getattr(ds, "describe", None)  # SFT datasets count truncated/dropped samples and row filling
         if describe is not None:
             log.info(f"{split} data: {describe()}")
-    if config.data.type == PreferenceData.type and config.preference.loss().needs_reference:
-        prepare_reference(session, [train_ds, valid_ds], log)
 
     tokens_per_step = config.batch.global_batch_size * config.rows_per_sample * config.seq_length
     # the full sequence length: under CP each rank attends over whole sequences for 1/CP of the heads, so the
@@ -97,7 +95,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     guard = StepGuard(train.max_bad_steps, train.loss_spike_factor, train.loss_spike_window, engine.device)
     stops = StopRequests(train.stop_signals, train.max_minutes, launcher_chain())
     watchdog = StallWatchdog(config.distributed.timeout_minutes, pctx.rank, pctx.world_size,
-                             (pctx.pp_rank, pctx.pp_size), rendezvous_address(), job_nonce())
+                             (pctx.pp_rank, pctx.pp_size), *job_store(config.distributed.timeout_minutes))
     last_metrics: dict = {}
     background = BackgroundSaves() if config.checkpoint.async_save else None
     if background is not None:  # a save's host copy runs beside the next step until its optimizer step
@@ -121,6 +119,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     save = config.checkpoint
     skipped = engine.skipped_steps
     try:
+        if config.data.type == PreferenceData.type and config.preference.loss().needs_reference:
+            prepare_reference(session, [train_ds, valid_ds], log, watchdog=watchdog)
         watchdog.beat(step + 1, "reading its batches")
         for micro_batches in step_batches(train_ds, config, pctx, consumed, train.steps - step):
             watchdog.beat(step + 1, "forward, backward and optimizer step")

@@ -11,10 +11,14 @@ key into its save directory (``preference_reference.json``), where a resume find
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import re
+import socket
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,7 +28,9 @@ from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.checkpoint.lora_checkpoint import fingerprint
 from llama_megatron.errors import CheckpointError
 from llama_megatron.model.lora import adapters_off
+from llama_megatron.temps import reclaim_temps
 from llama_megatron.training.engine.deepspeed_config import precision
+from llama_megatron.training.faults.watchdog import StallWatchdog
 from llama_megatron.training.run.batches import step_batches
 from llama_megatron.training.run.setup import Session
 
@@ -84,9 +90,11 @@ def _resumed_key(session: Session) -> str:
                               "log-probabilities of its start, which it names") from None
 
 
-def prepare_reference(session: Session, datasets: list, log, evaluation: bool = False) -> None:
+def prepare_reference(session: Session, datasets: list, log, evaluation: bool = False,
+                      watchdog: StallWatchdog | None = None) -> None:
     """Set ``session.engine.reference_logps``: read the stored table of this run's start (a resume, or the
-    evaluation of a preference run's checkpoint: the one its directory names), or compute and store it."""
+    evaluation of a preference run's checkpoint: the one its directory names), or compute and store it (a pass
+    longer than the watchdog's timeout is progress: it beats at every forward, as an evaluation does)."""
     config, engine = session.config, session.engine
     resumed = session.pre.checkpoint is not None and not config.checkpoint.finetune and (
         session.step > 0 or evaluation)
@@ -99,15 +107,11 @@ def prepare_reference(session: Session, datasets: list, log, evaluation: bool = 
         raise CheckpointError(f"{path} (the reference log-probabilities this run started with) is gone: they "
                               "cannot be made again from moved weights; restart from the starting checkpoint")
     else:
-        table = compute_reference(session, datasets)
+        with (watchdog.working(session.step, "the reference log-probabilities") if watchdog else
+              contextlib.nullcontext()) as progress:
+            table = compute_reference(session, datasets, progress)
         if session.pctx.rank == 0:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as fh:
-                np.save(fh, table, allow_pickle=False)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            store_table(path, table)
         log.info(f"reference log-probabilities of {table.shape[0]:,} pairs computed, stored in {path}")
     if config.checkpoint.save and session.pctx.rank == 0 and not evaluation:
         os.makedirs(config.checkpoint.save, exist_ok=True)
@@ -115,10 +119,26 @@ def prepare_reference(session: Session, datasets: list, log, evaluation: bool = 
     engine.reference_logps = torch.from_numpy(np.asarray(table, dtype=np.float32))
 
 
+def store_table(path: str, table: np.ndarray) -> None:
+    """Write ``table`` to ``path`` through a temp file named by this host and pid, after removing what a killed
+    writer on this host left (a live writer's, and another host's sharing the cache directory, stay)."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    host = socket.gethostname()
+    reclaim_temps(directory, rf"[0-9a-f]+\.npy\.tmp-{re.escape(host)}-(?P<pid>\d+)")
+    tmp = f"{path}.tmp-{host}-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        np.save(fh, table, allow_pickle=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 @torch.no_grad()
-def compute_reference(session: Session, datasets: list) -> np.ndarray:
+def compute_reference(session: Session, datasets: list, progress: Callable[[], None] | None = None) -> np.ndarray:
     """The table ([pairs, 2], float64): every pair of ``datasets`` (their first epoch) run forward in global
-    batches, each DP rank its share; the loss ranks fill the rows of their pairs, one all-reduce gathers them."""
+    batches, each DP rank its share; the loss ranks fill the rows of their pairs, one all-reduce gathers them.
+    ``progress`` is called before each forward of the model (the watchdog's beat)."""
     config, engine, pctx = session.config, session.engine, session.pctx
     table = torch.zeros(config.data.pair_count(), 2, dtype=torch.float64)
     loss_fn = engine.model.loss_fn
@@ -133,7 +153,7 @@ def compute_reference(session: Session, datasets: list) -> np.ndarray:
             steps = math.ceil(rows / global_batch)
             for micro_batches in step_batches(_Rows(dataset, rows, steps * global_batch), config, pctx, 0, steps):
                 loss_fn.sequence_log_probs = []
-                engine.eval_loss(micro_batches)
+                engine.eval_loss(micro_batches, progress)
                 collected, loss_fn.sequence_log_probs = loss_fn.sequence_log_probs, None
                 if not writes:
                     continue

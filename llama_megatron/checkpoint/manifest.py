@@ -6,9 +6,9 @@ renamed into place, and every reader checks the tag against it.
 
 A truncated or missing file fails the size check, which costs a ``stat`` per file and runs wherever a tag is
 opened; a changed byte fails the checksum, which reads the file (SHA-256 runs at about 1 GB/s on one core of the
-2-core test machine: docs/long-runs-and-faults.md). Training saves hash their files spread over the ranks and fsync them;
-resumes verify spread over the ranks the same way (training/checkpointing.py); single-process readers (export,
-reshard, generate, conversion inputs) verify the whole tag. Tags written before manifests existed (or by other
+2-core test machine: docs/long-runs-and-faults.md). Training saves hash each file as its rank writes it
+(checkpoint/direct_io.py) and fsync it; resumes verify spread over the ranks (training/checkpointing.py);
+single-process readers (export, reshard, generate, conversion inputs) verify the whole tag. Tags written before manifests existed (or by other
 tools) have none: they are read unverified, and readers say so.
 """
 

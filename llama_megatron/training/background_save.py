@@ -1,15 +1,17 @@
-"""What an asynchronous save (``checkpoint.async_save``) runs in the background, and the copy that lets training go on.
+"""How a save's files are written: around the page cache and hashed as written, and for an asynchronous save
+(``checkpoint.async_save``) in the background, from a copy that lets training go on.
 
-A save asks DeepSpeed's engine to save as always, with its checkpoint engine swapped for :class:`SnapshotEngine`:
-each state dict it would write is captured (:class:`HostSnapshots`: its numbers and lists copied at once, each tensor
-given a host buffer kept and reused by the next save, pinned for a GPU's tensors) and handed to
-:class:`BackgroundWriter`, one thread that first copies every captured tensor into its buffer, then writes the files
-in order with DeepSpeed's own writer, fsyncs and hashes each. Training goes on as soon as the state is captured: the
-next step's forward and backward passes read the weights but change neither them nor the optimizer state, so the
-copy runs beside them and only the next optimizer step waits for it (:meth:`BackgroundWriter.wait_copied`, called
-by the engine right before its model step: training/engine/step_fence.py), as torchtitan's pinned-memory async
-checkpoint waits for its staging. The manifest, the rename and ``latest`` wait until every rank's writer is done
-(training/checkpointing.py, ``PendingSave``).
+Every save writes what DeepSpeed's torch checkpoint engine would, through :func:`write_state` (checkpoint/
+direct_io.py: ``O_DIRECT``, each file's SHA-256 computed as it is written, so no file is read back for the
+manifest); a synchronous save swaps in :class:`DirectEngine`. An asynchronous one swaps in :class:`SnapshotEngine`:
+each state dict is captured (:class:`HostSnapshots`: its numbers and lists copied at once, each tensor given a host
+buffer kept and reused by the next save, pinned for a GPU's tensors) and handed to :class:`BackgroundWriter`, one
+thread that first copies every captured tensor into its buffer, then writes the files in order. Training goes on as
+soon as the state is captured: the next step's forward and backward passes read the weights but change neither
+them nor the optimizer state, so the copy runs beside them and only the next optimizer step waits for it
+(:meth:`BackgroundWriter.wait_copied`, called by the engine right before its model step:
+training/engine/step_fence.py), as torchtitan's pinned-memory async checkpoint waits for its staging. The manifest,
+the rename and ``latest`` wait until every rank's writer is done (training/checkpointing.py, ``PendingSave``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from llama_megatron.checkpoint.direct_io import save_direct
 from llama_megatron.checkpoint.manifest import digest_files
 
 
@@ -98,7 +101,9 @@ class BackgroundWriter:
         self._copied.clear()
         self._put((fill, None, None))
 
-    def submit(self, write: Callable[[], None], tag_dir: str, name: str) -> None:
+    def submit(self, write: Callable[[], dict | None], tag_dir: str, name: str) -> None:
+        """Queue ``write`` of ``tag_dir/name``: it returns the file's manifest entry (written fsynced and hashed,
+        :func:`~llama_megatron.checkpoint.direct_io.save_direct`), or None to have the file read back for it."""
         self._put((write, tag_dir, name))
 
     def _run(self) -> None:
@@ -106,9 +111,10 @@ class BackgroundWriter:
             work, tag_dir, name = self._queue.get()
             try:
                 if self.error is None:
-                    work()
-                    if name is not None:
-                        self.digests.update(digest_files(tag_dir, [name], fsync=True))
+                    entry = work()
+                    if name is not None:  # a write: its entry, or (another engine's writer) read back
+                        self.digests[name] = entry if isinstance(entry, dict) else \
+                            digest_files(tag_dir, [name], fsync=True)[name]
             except OSError as exc:
                 self.error = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[0]
             except Exception as exc:  # noqa: BLE001 - reported by the training thread, one line
@@ -136,6 +142,44 @@ class BackgroundWriter:
         """Forget the finished save's digests and error (a new save begins)."""
         self.wait()
         self.digests, self.error = {}, None
+
+
+def write_state(inner: Any, state_dict: Any, path: str, progress: Callable[[], None] | None = None) -> dict | None:
+    """What DeepSpeed's torch checkpoint engine ``inner`` writes, written around the page cache and hashed as it
+    goes (:func:`save_direct`): the file's manifest entry. Another engine (a user's writer) writes as it does,
+    and None says the file is to be hashed by reading it back."""
+    serialization = getattr(inner, "zipfile_serialization", None)
+    if getattr(inner, "name", None) != "TorchCheckpointEngine" or serialization is None:
+        inner.save(state_dict, path)
+        return None
+    return save_direct(state_dict, path, serialization, progress)
+
+
+class DirectEngine:
+    """DeepSpeed's checkpoint engine, with ``save`` writing through :func:`write_state` (a synchronous save) and
+    keeping each file's manifest entry in ``digests`` (everything else passes through to the engine it wraps)."""
+
+    def __init__(self, inner: Any, progress: Callable[[], None] | None = None) -> None:
+        self._inner, self._progress = inner, progress
+        self.digests: dict[str, dict] = {}
+
+    def save(self, state_dict: Any, path: str) -> None:
+        entry = write_state(self._inner, state_dict, path, self._progress)
+        name = os.path.basename(path)
+        self.digests[name] = entry if entry is not None else \
+            digest_files(os.path.dirname(path), [name], True, self._progress)[name]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextlib.contextmanager
+    def installed(self, ds_engine: Any) -> Iterator[DirectEngine]:
+        """``ds_engine.save_checkpoint`` writes through this engine while inside."""
+        ds_engine.checkpoint_engine = self
+        try:
+            yield self
+        finally:
+            ds_engine.checkpoint_engine = self._inner
 
 
 class SnapshotEngine:
@@ -183,7 +227,7 @@ class BackgroundSaves:
         else:
             self.writer.copy(self.snapshots.fill)
             for snapshot, path in engine.captured:
-                self.writer.submit(functools.partial(inner.save, snapshot, path), os.path.dirname(path),
+                self.writer.submit(functools.partial(write_state, inner, snapshot, path), os.path.dirname(path),
                                    os.path.basename(path))
         finally:
             ds_engine.checkpoint_engine = inner

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from llama_megatron.checkpoint.atomic import reclaim_temps, write_text_atomic
+from llama_megatron.checkpoint.direct_io import save_direct
 from llama_megatron.checkpoint.manifest import (
     digest_files,
     fsync_dir,
@@ -63,7 +64,7 @@ from llama_megatron.checkpoint.safe_load import (
 from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError, ConfigError, SaveFailed
 from llama_megatron.parallel.launch import barrier
-from llama_megatron.training.background_save import BackgroundSaves
+from llama_megatron.training.background_save import BackgroundSaves, DirectEngine
 from llama_megatron.training.config import AUTO_LOAD, CheckpointConfig
 
 
@@ -352,10 +353,6 @@ def _rng_state() -> dict:
     return state
 
 
-def _save_rng_state(tag_dir: str, rank: int) -> None:
-    torch.save(_rng_state(), os.path.join(tag_dir, RNG_FILE.format(rank)))
-
-
 def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
     """This rank's RNG state as saved with ``tag`` (same layout only); False for checkpoints without one."""
     path = os.path.join(load_dir, tag, RNG_FILE.format(rank))
@@ -372,13 +369,13 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
                     background: BackgroundSaves | None = None,
                     progress: Callable[[], None] | None = None) -> str | PendingSave:
     """Write ``meta``'s tag: DeepSpeed's files and each rank's RNG state into ``.tmp-<tag>``, every file hashed
-    (SHA-256, spread over the ranks) and fsynced, the manifest and metadata, then the rename, ``latest`` and
-    retention (rank 0), each directory fsynced. A failure on any rank (a full disk, an I/O error) is seen by all:
+    (SHA-256) as its rank writes it around the page cache, and fsynced; the manifest and metadata, then the rename,
+    ``latest`` and retention (rank 0), each directory fsynced. A failure on any rank (a full disk, an I/O error) is seen by all:
     the temporary directory is removed and :class:`SaveFailed` is raised with one line; ``latest`` and the tags
     already there are untouched. With ``background`` (``checkpoint.async_save``) the files are copied to host
     memory and written by a thread: the :class:`PendingSave` returned finishes the same way once every rank's
     writer is done. ``progress`` is called as files are hashed (the watchdog's beat)."""
-    rank, world = pctx.rank, pctx.world_size
+    rank = pctx.rank
     tag = step_tag(meta.step)
     tmp_dir, final_dir = os.path.join(save_dir, TMP_PREFIX + tag), os.path.join(save_dir, tag)
     where = f"{save_dir}/{tag}"
@@ -396,6 +393,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
                                       save_latest=False, exclude_frozen_parameters=lora is not None)
 
     pending = PendingSave(tag, save_dir, tmp_dir, final_dir, meta, keep_last, pctx, background, progress)
+    rng_file = RNG_FILE.format(rank)
     if background is not None:
         background.writer.reset()
         with background.capturing(engine.engine):
@@ -403,25 +401,20 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
         if error:
             barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
         state = _rng_state()
-        background.writer.submit(lambda: torch.save(state, os.path.join(tmp_dir, RNG_FILE.format(rank))), tmp_dir,
-                                 RNG_FILE.format(rank))
+        background.writer.submit(lambda: save_direct(state, os.path.join(tmp_dir, rng_file)), tmp_dir, rng_file)
         _agree(error, where, tmp_dir, pctx)
         return pending
-    error = _attempt(write_shards)
+    # each file written around the page cache and hashed as it is written, by the rank that writes it
+    direct = DirectEngine(engine.engine.checkpoint_engine, progress)
+    with direct.installed(engine.engine):
+        error = _attempt(write_shards)
     if error:
         barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
-    error = error or _attempt(lambda: _save_rng_state(tmp_dir, rank))
+    error = error or _attempt(lambda: direct.digests.update(
+        {rng_file: save_direct(_rng_state(), os.path.join(tmp_dir, rng_file))}))
     _agree(error, where, tmp_dir, pctx)
-    # one listing, rank 0's, shared: ranks listing the directory themselves (NFS caches listings per client) could
-    # each miss or double a file, leaving it unhashed or hashed twice
-    listing: list[str] = []
-    error = _attempt(lambda: listing.extend(tag_files(tmp_dir))) if rank == 0 else None
-    gathered = all_gather_objects((error, listing))
-    _agree_gathered([e for e, _ in gathered], where, tmp_dir, pctx)
-    digests: dict = {}
-    error = _attempt(lambda: digests.update(digest_files(tmp_dir, gathered[0][1][rank::world], True, progress)))
-    _agree(error, where, tmp_dir, pctx)
-    pending.finish(all_gather_objects(digests))
+    # rank 0 checks its listing against what the ranks wrote and hashes what no rank did (finish)
+    pending.finish(all_gather_objects(direct.digests))
     return tag
 
 

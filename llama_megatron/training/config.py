@@ -89,8 +89,9 @@ class CheckpointConfig:
     # worker processes of a universal-checkpoint conversion (a resume at another DP x CP degree); 0: twice the
     # cores, at most 8, as many as the host memory for one optimizer file each allows
     universal_workers: int = 0
-    # a save stops training only to copy the state to host memory; a thread writes the files, and the tag becomes
-    # latest once every rank's are complete (docs/training-loop.md)
+    # a save stops training only to capture the state; a thread copies it to host memory beside the next step
+    # (whose optimizer step waits for the copy) and writes the files, and the tag becomes latest once every rank's
+    # are complete (docs/training-loop.md)
     async_save: bool = False
 
 

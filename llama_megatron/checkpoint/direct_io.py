@@ -57,6 +57,7 @@ class DirectFile:
         self._digest = hashlib.sha256()
         self._progress = progress
         self.size = 0
+        self.failure: OSError | None = None  # a write's error (torch.save reports its own on top of it)
 
     def write(self, data: Any) -> int:
         incoming = memoryview(data).cast("B")
@@ -83,7 +84,11 @@ class DirectFile:
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()  # its OSError (a full disk) is this write's
+            try:
+                pending.result()  # its OSError (a full disk) is this write's
+            except OSError as exc:
+                self.failure = exc
+                raise
 
     def _drain(self, nbytes: int) -> None:
         """Hash the current buffer's bytes, hand its first ``nbytes`` to the writing thread, switch buffers."""
@@ -126,7 +131,10 @@ def save_direct(obj: Any, path: str, zipfile_serialization: bool = True,
     out = DirectFile(path, progress)
     try:
         torch.save(obj, out, _use_new_zipfile_serialization=zipfile_serialization)
-    except BaseException:
+    except BaseException as exc:
         out.abandon()
+        if out.failure is not None and exc is not out.failure:
+            # torch's writer, finishing the archive after our write failed, raises about the position instead
+            raise out.failure from None
         raise
     return out.close()

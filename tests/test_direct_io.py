@@ -63,6 +63,27 @@ def test_a_file_system_without_o_direct_gets_the_page_cache(tmp_path, monkeypatc
     assert data == _reference(obj) and entry["size"] == len(data)
 
 
+def test_a_file_system_refusing_o_direct_writes_gets_the_page_cache(tmp_path, monkeypatch) -> None:
+    """O_DIRECT taken at open, the first write refused (EINVAL): the flag is dropped and the file written whole."""
+    real_write = os.write
+    refused = []
+
+    def refusing_once(fd, data):
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_io.os, "write", refusing_once)
+    obj = _state(2 * BUFFER_BYTES + 777)
+    out = direct_io.DirectFile(str(tmp_path / "f.pt"))
+    torch.save(obj, out)
+    entry = out.close()
+    data = (tmp_path / "f.pt").read_bytes()
+    assert refused and not out.direct
+    assert data == _reference(obj) and entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def test_a_failed_write_raises_the_os_error_and_closes(tmp_path) -> None:
     """A file size limit (as a full disk: the write fails) raises EFBIG from ``torch.save``; no descriptor stays
     open and the next save in the process works."""

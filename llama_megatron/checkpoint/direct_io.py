@@ -11,13 +11,15 @@ to its length, then fsynced. The archive is
 byte for byte what ``torch.save`` writes to any file object. DeepSpeed's own fast writer (``deepspeed.io``,
 ``FastFileWriter``) does the same through its ``async_io`` op, which needs libaio and is not built on most hosts.
 
-Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems: ``EINVAL`` at open) the same writer
-goes through the page cache.
+Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems: ``EINVAL`` at open, or at the first
+write) the same writer goes through the page cache.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
+import fcntl
 import hashlib
 import mmap
 import os
@@ -79,7 +81,14 @@ class DirectFile:
     def _write_all(self, chunk: memoryview) -> None:
         written = 0
         while written < len(chunk):
-            written += os.write(self._fd, chunk[written:])
+            try:
+                written += os.write(self._fd, chunk[written:])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                # a file system that took O_DIRECT at open but refuses its writes: the page cache from here on
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
 
     def _wait(self) -> None:
         if self._pending is not None:
@@ -103,14 +112,15 @@ class DirectFile:
     def close(self) -> dict:
         """Write what is left, fsync, close; the file's manifest entry (size and SHA-256)."""
         try:
+            self._wait()  # the writes before: whether O_DIRECT still holds decides the padding
             filled = self._filled
             if filled:
                 padded = -(-filled // _BLOCK) * _BLOCK if self.direct else filled
                 self._views[self._current][filled:padded] = bytes(padded - filled)
                 self._drain(padded)
-            self._wait()
-            if self.direct and filled % _BLOCK:
-                os.ftruncate(self._fd, self.size)  # the padding of the last block cut off
+                self._wait()
+                if padded != filled:
+                    os.ftruncate(self._fd, self.size)  # the padding of the last block cut off
             os.fsync(self._fd)
         finally:
             self.abandon()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import peft
 import pytest
@@ -104,13 +105,15 @@ RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
 SAVE_STEP = 3
 EXPERT_RESUMES = ["ep2-dp2-zero1", "ep2-pp2-bf16"]
 # and resume at another expert or data-parallel degree: the experts' ZeRO partitions cut anew for their new
-# expert-data-parallel groups through a universal checkpoint. Name: (the run saved, processes, the new layout). The
-# EP2 x DP4 run (8 processes) takes micro batch 1 for its global batch of 8, and so does its resume: the aux loss is
-# a mean over micro batches
+# expert-data-parallel groups through a universal checkpoint. Name: (the run saved, processes, what changes in its
+# layout besides the processes). The EP2 x DP4 run (8 processes) takes micro batch 1 for its global batch of 8, and
+# so does its resume: the aux loss is a mean over micro batches
 EP2_DP4 = ["parallel.expert=2", "deepspeed_config=ds_configs/zero1_fp32.json", "batch.micro_batch_size=1"]
 RECUT = {"ep2-dp2-to-ep4": ("ep2-dp2-zero1", 4, ["parallel.expert=4"]),
          "ep2-dp2-to-ep1-dp2": ("ep2-dp2-zero1", 2, ["parallel.expert=1"]),
-         "ep2-dp4-to-ep2-dp2": ("ep2-dp4-zero1", 4, ["parallel.expert=2", "batch.micro_batch_size=1"])}
+         "ep2-dp4-to-ep2-dp2": ("ep2-dp4-zero1", 4, []),
+         # DeepSpeed's bf16 optimizer and the pipeline: EP2 x PP2 (DP2) at EP1 x PP2 x DP2
+         "ep2-pp2-bf16-to-ep1": ("ep2-pp2-bf16", 4, ["parallel.expert=1"])}
 SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT_RESUMES, "ep2-dp4-zero1"},
                                                   "qwen3_moe": {"tp1-pp1", "ep2-pp2"}}
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
@@ -180,7 +183,7 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
         saved, count, layout = RECUT[name]
         return {"loaded_state": str(work / f"mixtral-{name}-loaded"),
                 "args": train_args(CONFIG, _overrides(shakespeare_prefix, work / f"mixtral-{name}", "mixtral", [
-                    "deepspeed_config=ds_configs/zero1_fp32.json", *layout,
+                    *LAYOUTS.get(saved, EP2_DP4), *layout,
                     f"checkpoint.load={work}/mixtral-{saved}/ckpt", f"checkpoint.tag=global_step{SAVE_STEP}"]))
                 } if count == processes else None
 
@@ -311,10 +314,14 @@ def test_expert_parallel_checkpoints_resume_exactly_and_read_as_one_model(runs, 
 def _saved_state(tag_dir) -> dict[str, dict]:
     """A ZeRO-1 checkpoint's fp32 masters, Adam moments, steps, learning rates and weight decays per parameter: each
     rank's fragments of each group's partition (``param_slice_mappings``) joined in data-parallel order (an expert's
-    partitions lie on its expert-data-parallel group, in that order along the data axis)."""
+    partitions lie on its expert-data-parallel group, in that order along the data axis), per pipeline stage."""
+    def order(path) -> tuple[int, int]:  # (stage, data-parallel rank) of [bf16_]zero_pp_rank_{dp}_mp_rank_{stage}
+        dp, stage = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_", path.name).groups()
+        return int(stage), int(dp)
+
     pieces: dict[str, dict] = {}
-    for rank in range(len(list(tag_dir.glob("zero_pp_rank_*_optim_states.pt")))):
-        saved = load_file(str(tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
+    for path in sorted(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"), key=order):
+        saved = load_file(str(path))["optimizer_state_dict"]
         for group, mapping in enumerate(saved["param_slice_mappings"]):
             optimizer = saved["base_optimizer_state"]
             state, settings = optimizer["state"][group], optimizer["param_groups"][group]
@@ -353,34 +360,35 @@ def _loaded_state(dump_dir) -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", list(RECUT))
 def test_expert_parallel_resume_at_other_degrees(runs, name) -> None:
-    """A save of EP2 x DP2 (4 processes) resumed at EP4 and at EP1 x DP2 (2 processes), and of EP2 x DP4 (8
-    processes) at EP2 x DP2: the experts' ZeRO partitions cut anew for their new expert-data-parallel groups through
-    a universal checkpoint (the dense ones for the new DP x CP). What the new layout holds once loaded, pieced from
-    every rank's fragments, is the checkpoint's state pieced from its ZeRO files, bit for bit: every parameter's
-    weight, fp32 master, Adam moments and step, its learning rate and weight decay (a state or setting lost, or cut
-    for the wrong rank, fails here). So the resumed run is a run of the new layout started from the saved state; that
-    it is the same run as the saved one's continues to be, the learning-rate schedule and the data position
-    included: its steps 4-6 against the saved run's (losses and gradient norms 1e-6, fp32 rounding of the changed
-    reduction order; observed: losses equal from EP2 x DP2, 6.1e-8 from DP4, gradient norms 1.5e-7), expert loads
-    1e-6 (observed equal)."""
+    """A save of EP2 x DP2 (4 processes) resumed at EP4 and at EP1 x DP2 (2 processes), of EP2 x DP4 (8 processes)
+    at EP2 x DP2, and of EP2 x PP2 in bf16 at EP1 x PP2 x DP2: the experts' ZeRO partitions cut anew for their new
+    expert-data-parallel groups through a universal checkpoint (the dense ones for the new DP x CP). What the new
+    layout holds once loaded, pieced from every rank's fragments, is the checkpoint's state pieced from its ZeRO
+    files, bit for bit: every parameter's weight, fp32 master, Adam moments and step, its learning rate and weight
+    decay (a state or setting lost, or cut for the wrong rank, fails here). So the resumed run is a run of the new
+    layout started from the saved state; that it also continues the saved run (the learning-rate schedule and the
+    data position included): its steps 4-6 against the saved run's (losses and
+    gradient norms 1e-6, fp32 rounding of the changed reduction order; observed: losses equal from EP2 x DP2, 6.1e-8
+    from DP4, gradient norms 1.5e-7), expert loads 1e-6 (observed equal); in bf16 1e-4, 1e-2 and 2e-2, as the bf16
+    layouts against their TP1-PP1 run (observed 7.7e-6, 2.3e-3 and 2e-3)."""
     saved, _, _ = RECUT[name]
     want = _saved_state(runs / f"mixtral-{saved}" / "ckpt" / f"global_step{SAVE_STEP}")
     got = _loaded_state(runs / f"mixtral-{name}-loaded")
     assert sorted(got) == sorted(want) and any(".experts.3." in key for key in got)
-    for key, state in want.items():
-        assert torch.equal(got[key]["weight"].flatten(), state["fp32"]), key
+    for key, state in want.items():  # a bf16 run's weights are its fp32 masters rounded
+        assert torch.equal(got[key]["weight"].flatten(), state["fp32"].to(got[key]["weight"].dtype)), key
         for item in ("fp32", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got[key][item], state[item]), (key, item)
         assert [got[key][item] for item in ("lr", "weight_decay", "step")] == [
             state[item] for item in ("lr", "weight_decay", "step")], key
     assert os.path.isdir(runs / f"mixtral-{saved}" / "ckpt" / f"global_step{SAVE_STEP}_universal")
-    steps = range(SAVE_STEP + 1, STEPS + 1)
+    steps, bf16 = range(SAVE_STEP + 1, STEPS + 1), saved.endswith("bf16")
     assert sorted(losses(runs / f"mixtral-{name}")) == list(steps)
-    for key in ("loss", "grad_norm"):
-        assert_losses_close(losses(runs / f"mixtral-{name}", key), losses(runs / f"mixtral-{saved}", key), 1e-6, steps)
+    for key, rel in (("loss", 1e-4 if bf16 else 1e-6), ("grad_norm", 1e-2 if bf16 else 1e-6)):
+        assert_losses_close(losses(runs / f"mixtral-{name}", key), losses(runs / f"mixtral-{saved}", key), rel, steps)
     loads, reference = losses(runs / f"mixtral-{name}", "expert_load"), losses(runs / f"mixtral-{saved}", "expert_load")
     for step in steps:
-        assert max(abs(a - b) for a, b in zip(loads[step], reference[step])) <= 1e-6, step
+        assert max(abs(a - b) for a, b in zip(loads[step], reference[step])) <= (2e-2 if bf16 else 1e-6), step
 
 
 @pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])

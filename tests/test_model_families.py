@@ -11,7 +11,8 @@ is shorter than a sample):
   CP2 x PP2, against TP1-PP1 (losses 1e-5 and gradient norms 1e-4 rel per step); Mixtral with expert parallelism:
   EP2 x DP2 under ZeRO-1, EP2 x TP2 x PP2 with SP, recomputation and per-document attention (8 processes, against a
   per-document TP1-PP1 run), and EP2 x PP2 in bf16 without the aux loss against a bf16 TP1-PP1 run (1e-4, 1e-2),
-  expert loads compared too; EP2 checkpoints saved, resumed and read;
+  expert loads compared too; EP2 checkpoints saved, resumed (in their layout, and at another EP and DP: the
+  experts' ZeRO state cut anew) and read;
 - fine-tuning: SFT of the Mistral model on the shipped chat set, packed (documents and window together), and LoRA
   on a random Qwen3ForCausalLM converted to TP1 and TP2 checkpoints, at TP2 x PP2 with SP against TP1-PP1 (1e-4 rel
   per step, train and validation loss); LoRA on a converted Mixtral's attention and experts at EP2 x DP2 and EP2 x
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import peft
 import pytest
@@ -102,7 +104,17 @@ RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
 # step 3 in their layout; their step-6 weights are read as the TP1-PP1 runs' are
 SAVE_STEP = 3
 EXPERT_RESUMES = ["ep2-dp2-zero1", "ep2-pp2-bf16"]
-SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT_RESUMES},
+# and resume at another expert or data-parallel degree: the experts' ZeRO partitions cut anew for their new
+# expert-data-parallel groups through a universal checkpoint. Name: (the run saved, processes, what changes in its
+# layout besides the processes). The EP2 x DP4 run (8 processes) takes micro batch 1 for its global batch of 8, and
+# so does its resume: the aux loss is a mean over micro batches
+EP2_DP4 = ["parallel.expert=2", "deepspeed_config=ds_configs/zero1_fp32.json", "batch.micro_batch_size=1"]
+RECUT = {"ep2-dp2-to-ep4": ("ep2-dp2-zero1", 4, ["parallel.expert=4"]),
+         "ep2-dp2-to-ep1-dp2": ("ep2-dp2-zero1", 2, ["parallel.expert=1"]),
+         "ep2-dp4-to-ep2-dp2": ("ep2-dp4-zero1", 4, []),
+         # DeepSpeed's bf16 optimizer and the pipeline: EP2 x PP2 (DP2) at EP1 x PP2 x DP2
+         "ep2-pp2-bf16-to-ep1": ("ep2-pp2-bf16", 4, ["parallel.expert=1"])}
+SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT_RESUMES, "ep2-dp4-zero1"},
                                                   "qwen3_moe": {"tp1-pp1", "ep2-pp2"}}
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
 LORA = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "o_proj", "down_proj"]}'
@@ -167,20 +179,29 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
         return train_args(CONFIG, _overrides(shakespeare_prefix, work / f"mixtral-{name}-resumed", "mixtral", [
             *LAYOUTS[name], f"checkpoint.load={work}/mixtral-{name}/ckpt", f"checkpoint.tag=global_step{SAVE_STEP}"]))
 
+    def recut(name: str, processes: int) -> dict:  # the run's save at SAVE_STEP in another layout, its state dumped
+        saved, count, layout = RECUT[name]
+        return {"loaded_state": str(work / f"mixtral-{name}-loaded"),
+                "args": train_args(CONFIG, _overrides(shakespeare_prefix, work / f"mixtral-{name}", "mixtral", [
+                    *LAYOUTS.get(saved, EP2_DP4), *layout,
+                    f"checkpoint.load={work}/mixtral-{saved}/ckpt", f"checkpoint.tag=global_step{SAVE_STEP}"]))
+                } if count == processes else None
+
     launch_many(1, [*[pretrain(family, "tp1-pp1", []) for family in FAMILIES],
                     pretrain("mixtral", "tp1-pp1-bf16", BF16_TP1_PP1),
                     pretrain("mixtral", "tp1-pp1-documents", PER_DOCUMENT),
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp1-pp1", bases[1], []),
                     _expert_lora(shakespeare_prefix, work, "tp1-pp1", moe_bases[1]),
                     _sft(work, "mistral-sft-tp1-pp1", [])], str(work / "runs-1.json"))
-    launch_many(8, [pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
-                str(work / "runs-8.json"))
+    launch_many(8, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
+                    pretrain("mixtral", "ep2-dp4-zero1", EP2_DP4)], str(work / "runs-8.json"))
     launch_many(4, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name not in EIGHT_PROCESSES],
-                    *[resume(name) for name in EXPERT_RESUMES],
+                    *[resume(name) for name in EXPERT_RESUMES], *filter(None, (recut(name, 4) for name in RECUT)),
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp2-pp2-sp", bases[2], TP2_PP2_SP),
                     _expert_lora(shakespeare_prefix, work, "ep2-dp2-zero2", moe_bases[1]),
                     _expert_lora(shakespeare_prefix, work, "ep2-tp2-sp", moe_bases[2]),
                     _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP)], str(work / "runs-4.json"))
+    launch_many(2, list(filter(None, (recut(name, 2) for name in RECUT))), str(work / "runs-2.json"))
     return work
 
 
@@ -290,25 +311,84 @@ def test_expert_parallel_checkpoints_resume_exactly_and_read_as_one_model(runs, 
         assert torch.equal(back.get(name), ours.get(name)), name
 
 
-def test_expert_parallel_resume_at_other_degrees_is_refused(runs, shakespeare_prefix, tmp_path, monkeypatch,
-                                                            capsys) -> None:
-    """Resuming the EP2 x DP2 save at EP1 or at EP4 (DP4): exit code 2 and one line before any process group,
-    nothing written, the checkpoint untouched."""
-    from test_checkpoint_safety import _train_in_process, error_lines
+def _saved_state(tag_dir) -> dict[str, dict]:
+    """A ZeRO-1 checkpoint's fp32 masters, Adam moments, steps, learning rates and weight decays per parameter: each
+    rank's fragments of each group's partition (``param_slice_mappings``) joined in data-parallel order (an expert's
+    partitions lie on its expert-data-parallel group, in that order along the data axis), per pipeline stage."""
+    def order(path) -> tuple[int, int]:  # (stage, data-parallel rank) of [bf16_]zero_pp_rank_{dp}_mp_rank_{stage}
+        dp, stage = re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_", path.name).groups()
+        return int(stage), int(dp)
 
-    saved = runs / "mixtral-ep2-dp2-zero1" / "ckpt"
-    before = {p.name: p.stat().st_size for p in (saved / "global_step6").iterdir()}
-    for expert in (1, 4):
-        out = tmp_path / f"ep{expert}"
-        overrides = _overrides(shakespeare_prefix, out, "mixtral", [
-            "deepspeed_config=ds_configs/zero1_fp32.json", f"parallel.expert={expert}", f"checkpoint.load={saved}"])
-        assert _train_in_process(monkeypatch, 4, overrides) == 2
-        assert error_lines(capsys.readouterr().err) == [
-            f"error: checkpoint {saved}/global_step6 was saved with expert=2 and data x context=4, this run uses "
-            f"expert={expert} and 4: an expert-parallel run resumes with the degrees it saved with; start from its "
-            "weights with checkpoint.finetune true instead"]
-        assert not out.exists()
-    assert {p.name: p.stat().st_size for p in (saved / "global_step6").iterdir()} == before
+    pieces: dict[str, dict] = {}
+    for path in sorted(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"), key=order):
+        saved = load_file(str(path))["optimizer_state_dict"]
+        for group, mapping in enumerate(saved["param_slice_mappings"]):
+            optimizer = saved["base_optimizer_state"]
+            state, settings = optimizer["state"][group], optimizer["param_groups"][group]
+            flat = {"fp32": saved["single_partition_of_fp32_groups"][group], "exp_avg": state["exp_avg"],
+                    "exp_avg_sq": state["exp_avg_sq"]}
+            for name, fragment in mapping.items():
+                entry = pieces.setdefault(name, {"lr": settings["lr"], "weight_decay": settings["weight_decay"],
+                                                 "step": int(state["step"]), **{key: [] for key in flat}})
+                for key, tensor in flat.items():
+                    entry[key].append(tensor.narrow(0, fragment.start, fragment.numel))
+    return {name: {key: torch.cat(value) if isinstance(value, list) else value for key, value in entry.items()}
+            for name, entry in pieces.items()}
+
+
+def _loaded_state(dump_dir) -> dict[str, dict]:
+    """What every rank of a resumed run held after loading (tests/scripts/train_many.py's dumps), per parameter: its
+    weight (the ranks holding it agreeing bit for bit) and its fp32 master and Adam moments from the ranks'
+    fragments, every element held by exactly one rank, with the learning rate, weight decay and step they agree on."""
+    whole: dict[str, dict] = {}
+    for path in sorted(dump_dir.glob("rank*.pt")):
+        for name, held in load_file(str(path)).items():
+            entry = whole.setdefault(name, {"weight": held["weight"], "holders": torch.zeros(held["weight"].numel())})
+            assert torch.equal(entry["weight"], held["weight"]), (path.name, name)
+            if "start" not in held:
+                continue
+            piece = slice(held["start"], held["start"] + held["numel"])
+            entry["holders"][piece] += 1
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                entry.setdefault(key, torch.zeros_like(entry["holders"]))[piece] = held[key]
+            for key in ("lr", "weight_decay", "step"):
+                assert entry.setdefault(key, held[key]) == held[key], (path.name, name, key)
+    for name, entry in whole.items():
+        assert bool((entry.pop("holders") == 1).all()), name
+    return whole
+
+
+@pytest.mark.parametrize("name", list(RECUT))
+def test_expert_parallel_resume_at_other_degrees(runs, name) -> None:
+    """A save of EP2 x DP2 (4 processes) resumed at EP4 and at EP1 x DP2 (2 processes), of EP2 x DP4 (8 processes)
+    at EP2 x DP2, and of EP2 x PP2 in bf16 at EP1 x PP2 x DP2: the experts' ZeRO partitions cut anew for their new
+    expert-data-parallel groups through a universal checkpoint (the dense ones for the new DP x CP). What the new
+    layout holds once loaded, pieced from every rank's fragments, is the checkpoint's state pieced from its ZeRO
+    files, bit for bit: every parameter's weight, fp32 master, Adam moments and step, its learning rate and weight
+    decay (a state or setting lost, or cut for the wrong rank, fails here). So the resumed run is a run of the new
+    layout started from the saved state; that it also continues the saved run (the learning-rate schedule and the
+    data position included): its steps 4-6 against the saved run's (losses and
+    gradient norms 1e-6, fp32 rounding of the changed reduction order; observed: losses equal from EP2 x DP2, 6.1e-8
+    from DP4, gradient norms 1.5e-7), expert loads 1e-6 (observed equal); in bf16 1e-4, 1e-2 and 2e-2, as the bf16
+    layouts against their TP1-PP1 run (observed 7.7e-6, 2.3e-3 and 2e-3)."""
+    saved, _, _ = RECUT[name]
+    want = _saved_state(runs / f"mixtral-{saved}" / "ckpt" / f"global_step{SAVE_STEP}")
+    got = _loaded_state(runs / f"mixtral-{name}-loaded")
+    assert sorted(got) == sorted(want) and any(".experts.3." in key for key in got)
+    for key, state in want.items():  # a bf16 run's weights are its fp32 masters rounded
+        assert torch.equal(got[key]["weight"].flatten(), state["fp32"].to(got[key]["weight"].dtype)), key
+        for item in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[key][item], state[item]), (key, item)
+        assert [got[key][item] for item in ("lr", "weight_decay", "step")] == [
+            state[item] for item in ("lr", "weight_decay", "step")], key
+    assert os.path.isdir(runs / f"mixtral-{saved}" / "ckpt" / f"global_step{SAVE_STEP}_universal")
+    steps, bf16 = range(SAVE_STEP + 1, STEPS + 1), saved.endswith("bf16")
+    assert sorted(losses(runs / f"mixtral-{name}")) == list(steps)
+    for key, rel in (("loss", 1e-4 if bf16 else 1e-6), ("grad_norm", 1e-2 if bf16 else 1e-6)):
+        assert_losses_close(losses(runs / f"mixtral-{name}", key), losses(runs / f"mixtral-{saved}", key), rel, steps)
+    loads, reference = losses(runs / f"mixtral-{name}", "expert_load"), losses(runs / f"mixtral-{saved}", "expert_load")
+    for step in steps:
+        assert max(abs(a - b) for a, b in zip(loads[step], reference[step])) <= (2e-2 if bf16 else 1e-6), step
 
 
 @pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])

@@ -253,18 +253,46 @@ def test_deepspeed_settings_expert_parallelism_refuses() -> None:
     assert build(1, "checkpoint.save=ckpt")["zero_optimization"]["stage"] == 1
 
 
-def test_expert_parallel_resume_needs_the_saved_degrees() -> None:
+def test_expert_parallel_resume_at_other_degrees_goes_through_a_universal_checkpoint() -> None:
+    """Another expert degree, as another DP x CP, loads a universal checkpoint (the experts' ZeRO partitions cut
+    anew: whole runs in tests/test_model_families.py); a ZeRO-0 checkpoint (only EP 1 saves one) keeps its EP. Its
+    loaders copy the saved param groups' settings onto this run's by position: each group keeps its weight decay and
+    DeepSpeed's expert-group name and mark, a group more than saved takes the saved learning rate, and the LR
+    schedule's per-group lists fit this run's groups."""
     from llama_megatron.checkpoint.meta import CheckpointMeta
     from llama_megatron.errors import CheckpointError
-    from llama_megatron.training.checkpointing import check_resume_experts
+    from llama_megatron.training import checkpointing as ckpt
 
-    def meta(expert: int, dp: int) -> CheckpointMeta:
-        return CheckpointMeta(step=3, consumed_samples=24, tensor=1, pipeline=1, data_parallel=dp, zero_stage=1,
+    def meta(expert: int, dp: int, zero: int = 1) -> CheckpointMeta:
+        return CheckpointMeta(step=3, consumed_samples=24, tensor=1, pipeline=1, data_parallel=dp, zero_stage=zero,
                               model={}, padded_vocab_size=64, expert=expert, tag="global_step3")
 
-    check_resume_experts(meta(2, 2), 2, 2, "ckpt")
-    check_resume_experts(meta(1, 2), 1, 4, "ckpt")  # no experts apart: DeepSpeed's universal checkpoint re-partitions
-    for saved, expert, partitions in ((meta(2, 2), 1, 2), (meta(1, 2), 2, 2), (meta(2, 2), 2, 4)):
-        with pytest.raises(CheckpointError, match=f"saved with expert={saved.expert} and data x context=2, this run "
-                                                  f"uses expert={expert} and {partitions}: .* checkpoint.finetune"):
-            check_resume_experts(saved, expert, partitions, "ckpt")
+    assert not ckpt.needs_universal(meta(2, 4), 4, None, 2)
+    assert ckpt.needs_universal(meta(2, 4), 4, None, 4) and ckpt.needs_universal(meta(2, 4), 4, None, 1)
+    assert ckpt.needs_universal(meta(2, 4), 2, None, 2) and ckpt.needs_universal(meta(1, 2), 2, None, 2)
+    assert not ckpt.needs_universal(meta(1, 2, zero=0), 2, None, 2)
+    for saved, expert in ((meta(2, 4), 4), (meta(2, 4), 1), (meta(1, 2), 2), (meta(1, 2, zero=0), 1)):
+        ckpt.check_resume_experts(saved, expert, "ckpt")
+    with pytest.raises(CheckpointError, match=r"saved with expert=1 under ZeRO-0, this run uses expert=2: a resume "
+                                              r"at another expert degree needs a ZeRO-1/2 checkpoint"):
+        ckpt.check_resume_experts(meta(1, 2, zero=0), 2, "ckpt")
+
+    # an EP 1 save (two groups) loaded at EP 4 (DeepSpeed's expert group a third), as its universal loader leaves it
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    optimizer = torch.optim.AdamW([{"params": [params[0]], "name": "group0", "weight_decay": 0.1},
+                                   {"params": [params[1]], "name": "group1", "weight_decay": 0.0},
+                                   {"params": [params[2]], "name": "ep_size_4", "moe": True, "weight_decay": 0.1}],
+                                  lr=3e-3)
+    built = [{k: g[k] for k in ckpt._GROUP_STRUCTURE if k in g} for g in optimizer.param_groups]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": [3e-3] * 2, "_last_lr": [2e-3] * 2})
+    for group, saved in zip(optimizer.param_groups, [{"weight_decay": 0.1, "lr": 2e-3, "eps": 1e-6},
+                                                     {"weight_decay": 0.0, "lr": 2e-3, "eps": 1e-6}]):
+        group.update(saved)
+        group.pop("name")
+    wrapper = type("Zero", (), {"param_groups": optimizer.param_groups, "optimizer": optimizer})()
+    ckpt._repair_universal_optimizer(wrapper, built)
+    ckpt._fit_scheduler(scheduler, len(built))
+    assert [(g["lr"], g["eps"], g["weight_decay"], g.get("name"), g.get("moe")) for g in optimizer.param_groups] == [
+        (2e-3, 1e-6, 0.1, "group0", None), (2e-3, 1e-6, 0.0, "group1", None), (2e-3, 1e-6, 0.1, "ep_size_4", True)]
+    assert scheduler.base_lrs == [3e-3] * 3 and scheduler.get_last_lr() == [2e-3] * 3

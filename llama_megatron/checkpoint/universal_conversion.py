@@ -1,11 +1,12 @@
-"""A checkpoint converted to DeepSpeed's universal format for a resume at another DP x CP degree, with every rank
-kept informed.
+"""A checkpoint converted to DeepSpeed's universal format for a resume at another DP x CP or EP degree, with every
+rank kept informed.
 
-ZeRO saves each rank's slice of the optimizer state; another number of ZeRO partitions needs them merged per
-parameter first (DeepSpeed's ``ds_to_universal``). Rank 0 converts once, beside the original tag (atomic: into a
-temporary dir, renamed when complete), with several worker processes: ``ds_to_universal``'s extract pass holds one
-rank's optimizer file per worker, so the count (twice the cores, at most 8) is bounded by the host memory available
-for those files (``checkpoint.universal_workers`` overrides it). Meanwhile:
+ZeRO saves each rank's slice of the optimizer state; another number of ZeRO partitions (over DP x CP, or an
+expert's over its expert-data-parallel group) needs them merged per parameter first (DeepSpeed's
+``ds_to_universal``, started through checkpoint/expert_universal.py). Rank 0 converts once, beside the original tag
+(atomic: into a temporary dir, renamed when complete), with several worker processes: ``ds_to_universal``'s extract
+pass holds one rank's optimizer file per worker, so the count (twice the cores, at most 8) is bounded by the host
+memory available for those files (``checkpoint.universal_workers`` overrides it). Meanwhile:
 
 - rank 0 logs the phase and its progress (``ds_to_universal``'s own counts) every 30 s;
 - the other ranks wait on the job's rendezvous store, not in a collective: rank 0 publishes its state there every
@@ -150,7 +151,8 @@ def _convert(load_dir: str, tag: str, converted: str, log: Callable[[str], None]
     extract, merge = conversion_workers(tag_dir, workers)
     log(f"converting {tag_dir} to a universal checkpoint ({extract} extract, {merge} merge workers)"
         + ("; the other ranks wait for it" if others_wait else ""))
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
+    # ds_to_universal with the experts of an expert-parallel run added to its merge (checkpoint/expert_universal.py)
+    cmd = [sys.executable, "-m", "llama_megatron.checkpoint.expert_universal", "--input_folder", tag_dir,
            "--output_folder", tmp, "--num_extract_workers", str(extract), "--num_merge_workers", str(merge)]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -290,15 +290,15 @@ def check_resume_layout(meta: CheckpointMeta, tensor: int, pipeline: int, load_d
         )
 
 
-def check_resume_experts(meta: CheckpointMeta, expert: int, partitions: int, load_dir: str) -> None:
-    """An expert-parallel run resumes with the expert and data-parallel degrees it saved with: ZeRO partitioned the
-    experts' optimizer state over their expert-data-parallel groups, which DeepSpeed's universal checkpoint does not
-    re-partition for our expert layers. The weights alone load at any degree (a fine-tuning start)."""
-    if max(meta.expert, expert) > 1 and (meta.expert, meta.zero_partitions) != (expert, partitions):
+def check_resume_experts(meta: CheckpointMeta, expert: int, load_dir: str) -> None:
+    """A resume at another expert-parallel degree re-partitions the experts' optimizer state through a universal
+    checkpoint (:func:`needs_universal`), which is made of ZeRO-1/2 partitions: a ZeRO-0 checkpoint (only EP 1 saves
+    one) holds each rank's optimizer state whole, in its parameters' order, and resumes at its own EP only."""
+    if meta.expert != expert and meta.zero_stage == 0:
         raise CheckpointError(
-            f"checkpoint {load_dir}/{meta.tag} was saved with expert={meta.expert} and data x context="
-            f"{meta.zero_partitions}, this run uses expert={expert} and {partitions}: an expert-parallel run resumes "
-            "with the degrees it saved with; start from its weights with checkpoint.finetune true instead"
+            f"checkpoint {load_dir}/{meta.tag} was saved with expert={meta.expert} under ZeRO-0, this run uses "
+            f"expert={expert}: a resume at another expert degree needs a ZeRO-1/2 checkpoint; resume at "
+            f"expert={meta.expert}, or start from its weights with checkpoint.finetune true"
         )
 
 
@@ -311,11 +311,15 @@ def placement_changes(meta: CheckpointMeta, layer_placement: dict | None) -> boo
     return saved != layer_placement
 
 
-def needs_universal(meta: CheckpointMeta, partitions: int, layer_placement: dict | None = None) -> bool:
-    """ZeRO partitions each pipeline rank's optimizer state over DeepSpeed's data-parallel group (DP x CP); another
-    DP x CP degree, or the layers on other pipeline ranks, needs DeepSpeed's universal checkpoint (its state per
-    parameter, by name: a layer's names do not depend on where it sits)."""
-    return meta.zero_stage >= 1 and (meta.zero_partitions != partitions or placement_changes(meta, layer_placement))
+def needs_universal(meta: CheckpointMeta, partitions: int, layer_placement: dict | None = None,
+                    expert: int | None = None) -> bool:
+    """ZeRO partitions each pipeline rank's optimizer state over DeepSpeed's data-parallel group (DP x CP), and the
+    experts' over their expert-data-parallel group (DP x CP / EP); another DP x CP or ``expert`` degree (None: the
+    checkpoint's), or the layers on other pipeline ranks, needs DeepSpeed's universal checkpoint (its state per
+    parameter, by name: a layer's names do not depend on where it sits, an expert's carry its global id)."""
+    expert = meta.expert if expert is None else expert
+    return meta.zero_stage >= 1 and (meta.zero_partitions != partitions or meta.expert != expert
+                                     or placement_changes(meta, layer_placement))
 
 
 def check_resume_placement(meta: CheckpointMeta, layer_placement: dict | None, load_dir: str) -> None:
@@ -332,14 +336,15 @@ def check_resume_placement(meta: CheckpointMeta, layer_placement: dict | None, l
 
 
 def verify_load(load_dir: str, meta: CheckpointMeta, partitions: int | None,
-                layer_placement: dict | None = None) -> None:
+                layer_placement: dict | None = None, expert: int | None = None) -> None:
     """Check every file this load may open, weights-only, before any process group or output exists: the tag,
     and the universal checkpoint beside it when a resume at another DP x CP degree (``partitions``; None for
     fine-tuning) will load it. DeepSpeed reads universal checkpoints, and ``ds_to_universal`` the tag, with its
     own ``torch.load(weights_only=False)``: this check is what stands before those."""
     verify_checkpoint_dir(os.path.join(load_dir, meta.tag))
     universal = os.path.join(load_dir, universal_tag(meta.tag))
-    if partitions is not None and needs_universal(meta, partitions, layer_placement) and os.path.isdir(universal):
+    if partitions is not None and needs_universal(meta, partitions, layer_placement, expert) and \
+            os.path.isdir(universal):
         verify_checkpoint_dir(universal)
 
 
@@ -566,7 +571,7 @@ def load_checkpoint(engine, load_dir: str, tag: str) -> None:
     """Resume: model, optimizer and LR state through DeepSpeed, its files read by our weights-only loader. A LoRA
     checkpoint holds the adapters only (the base is loaded already), so its module state is loaded non-strictly;
     preflight has checked that it holds exactly this run's adapters."""
-    weight_decay = [group["weight_decay"] for group in engine.optimizer.param_groups]
+    groups = [{key: group[key] for key in _GROUP_STRUCTURE if key in group} for group in engine.optimizer.param_groups]
     try:
         path, _ = load_through_safe_engine(engine.engine).load_checkpoint(
             load_dir, tag=tag, load_module_strict=engine.config.lora is None)
@@ -578,16 +583,40 @@ def load_checkpoint(engine, load_dir: str, tag: str) -> None:
     if path is None:
         raise CheckpointError(f"cannot load checkpoint {load_dir}/{tag}: DeepSpeed found no model files")
     if engine.engine.load_universal_checkpoint():
-        _repair_universal_optimizer(engine.optimizer, weight_decay)
+        _repair_universal_optimizer(engine.optimizer, groups)
+        _fit_scheduler(engine.engine.lr_scheduler, len(groups))
 
 
-def _repair_universal_optimizer(optimizer, weight_decay: list[float]) -> None:
-    """Undo two slips of DeepSpeed 0.19.8's ZeRO-3 universal loader (``stage3.py``,
-    ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): it gives every param group the hyperparameters of
-    group 0 (weight decay on norms), and one Adam ``step`` tensor to every group, so the step count advances once
-    per group per step. The ZeRO-1/2 and bf16 loaders restore each group's own (a no-op for them)."""
-    for group, decay in zip(optimizer.param_groups, weight_decay):
-        group["weight_decay"] = decay
+# what tells our param groups apart (training/engine/optimizer.py): weight decay, and DeepSpeed's name and mark of
+# an expert group; everything else (learning rate, betas, eps) is the same in every group
+_GROUP_STRUCTURE = ("weight_decay", "name", "moe")
+
+
+def _repair_universal_optimizer(optimizer, groups: list[dict]) -> None:
+    """Undo the slips of DeepSpeed 0.19.8's universal loaders. They copy the saved param groups' settings onto this
+    run's groups by position, and the groups of another expert degree are others (DeepSpeed's own per expert group:
+    ``ep_size_2`` saved, ``ep_size_4`` now; none at EP 1): a group may get another's name and mark, or nothing at all
+    (one more group than saved: the learning rate it was built with). ZeRO-3's gives every group group 0's weight
+    decay, and one Adam ``step`` tensor to every group, so the step count advances once per group per step. So every
+    group takes group 0's loaded settings and gets back its own ``_GROUP_STRUCTURE``, and each state its own step."""
+    loaded = {key: value for key, value in optimizer.param_groups[0].items()
+              if key not in ("params", *_GROUP_STRUCTURE)}
+    for group, kept in zip(optimizer.param_groups, groups):
+        group.update(loaded)
+        for key in _GROUP_STRUCTURE:
+            if key in kept:
+                group[key] = kept[key]
+            else:
+                group.pop(key, None)
     for state in optimizer.optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
+
+
+def _fit_scheduler(scheduler, count: int) -> None:
+    """The LR schedule's per-group lists (one per saved group) for this run's ``count`` groups: they are the same
+    schedule in every group (``_GROUP_STRUCTURE``)."""
+    for key in ("base_lrs", "_last_lr"):
+        values = getattr(scheduler, key, None)
+        if isinstance(values, list) and values and len(values) != count:
+            setattr(scheduler, key, [values[0]] * count)

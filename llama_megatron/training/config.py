@@ -86,7 +86,7 @@ class CheckpointConfig:
     finetune: bool = False  # load weights only: step, optimizer and LR schedule reset
     overwrite: bool = False  # a run that does not continue checkpoint.save may replace the checkpoints there
     verify: str = "checksum"  # what a load checks against each tag's manifest: "checksum" or "size"
-    # worker processes of a universal-checkpoint conversion (a resume at another DP x CP degree); 0: twice the
+    # worker processes of a universal-checkpoint conversion (a resume at another DP x CP or EP degree); 0: twice the
     # cores, at most 8, as many as the host memory for one optimizer file each allows
     universal_workers: int = 0
     # a save stops training only to capture the state; a thread copies it to host memory beside the next step

@@ -13,7 +13,9 @@ Checkpoints at EP > 1 take DeepSpeed's dense path (its MoE path saves only its o
 pipeline stage's weights into ``mp_rank`` files its pipeline loader does not read): the layer / module files and the
 ZeRO files as for any run, the experts left out of the former, and each expert in a file of its own
 (checkpoint/weights.py), written by the first rank of its expert-data-parallel group. ZeRO's files hold each rank's
-partitions of its expert groups, so a resume with the same degrees restores every expert's optimizer state.
+partitions of its expert groups, so a resume with the same degrees restores every expert's optimizer state; one at
+another EP or DP x CP degree goes through a universal checkpoint whose merge takes in every rank's experts
+(checkpoint/expert_universal.py), cut by DeepSpeed's loader for the new expert-data-parallel groups.
 """
 
 from __future__ import annotations

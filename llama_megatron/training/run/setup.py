@@ -141,9 +141,9 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
     partitions = config.data_parallel_size(world_size) * config.parallel.context  # DeepSpeed's DP group
     placement = config.pipeline.layer_placement(config.parallel.pipeline)
     if not finetune:
-        ckpt.check_resume_experts(meta, config.parallel.expert, partitions, load_dir)
+        ckpt.check_resume_experts(meta, config.parallel.expert, load_dir)
         ckpt.check_resume_placement(meta, placement, load_dir)
-    ckpt.verify_load(load_dir, meta, None if finetune else partitions, placement)
+    ckpt.verify_load(load_dir, meta, None if finetune else partitions, placement, config.parallel.expert)
     return meta, notes
 
 
@@ -305,13 +305,15 @@ def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") ->
     meta = pre.checkpoint
     load_tag = meta.tag if meta else None
     placement = config.pipeline.layer_placement(config.parallel.pipeline)
-    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size, placement):
+    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size, placement,
+                                                                        pctx.ep_size):
         if ckpt.placement_changes(meta, placement):
             log.info(f"layers on the pipeline ranks {meta.layer_placement or 'as DeepSpeed places them'} -> "
                      f"{placement}: loading through a universal checkpoint")
         else:
-            log.info(f"ZeRO partitions (data parallel x context) {meta.data_parallel} x {meta.context} -> "
-                     f"{pctx.dp_size} x {pctx.cp_size}: loading through a universal checkpoint")
+            log.info(f"ZeRO partitions (data parallel x context, expert parallel) {meta.data_parallel} x "
+                     f"{meta.context}, {meta.expert} -> {pctx.dp_size} x {pctx.cp_size}, {pctx.ep_size}: loading "
+                     "through a universal checkpoint")
         load_tag = universal.ensure_universal(pre.load_dir, meta.tag, pctx.rank, log.info,
                                               config.distributed.timeout_minutes, config.checkpoint.universal_workers)
         pre.ds_config.setdefault("checkpoint", {})["load_universal"] = True

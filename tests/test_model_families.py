@@ -111,9 +111,10 @@ EXPERT_RESUMES = ["ep2-dp2-zero1", "ep2-pp2-bf16"]
 EP2_DP4 = ["parallel.expert=2", "deepspeed_config=ds_configs/zero1_fp32.json", "batch.micro_batch_size=1"]
 RECUT = {"ep2-dp2-to-ep4": ("ep2-dp2-zero1", 4, ["parallel.expert=4"]),
          "ep2-dp2-to-ep1-dp2": ("ep2-dp2-zero1", 2, ["parallel.expert=1"]),
-         "ep2-dp4-to-ep2-dp2": ("ep2-dp4-zero1", 4, []),
-         # DeepSpeed's bf16 optimizer and the pipeline: EP2 x PP2 (DP2) at EP1 x PP2 x DP2
-         "ep2-pp2-bf16-to-ep1": ("ep2-pp2-bf16", 4, ["parallel.expert=1"])}
+         "ep2-dp4-to-ep2-dp2": ("ep2-dp4-zero1", 4, [])}
+# Measured once, not kept in the suite (CI time): the EP2 x PP2 bf16 save ("ep2-pp2-bf16", DeepSpeed's bf16 optimizer
+# and the pipeline) resumed at EP1 x PP2 x DP2, ("ep2-pp2-bf16", 4, ["parallel.expert=1"]) above: its loaded state
+# bit for bit, steps 4-6 7.7e-6 (losses), 2.3e-3 (norms), 2e-3 (loads) against the saved run's (docs/moe.md)
 SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT_RESUMES, "ep2-dp4-zero1"},
                                                   "qwen3_moe": {"tp1-pp1", "ep2-pp2"}}
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
@@ -361,8 +362,8 @@ def _loaded_state(dump_dir) -> dict[str, dict]:
 @pytest.mark.parametrize("name", list(RECUT))
 def test_expert_parallel_resume_at_other_degrees(runs, name) -> None:
     """A save of EP2 x DP2 (4 processes) resumed at EP4 and at EP1 x DP2 (2 processes), of EP2 x DP4 (8 processes)
-    at EP2 x DP2, and of EP2 x PP2 in bf16 at EP1 x PP2 x DP2: the experts' ZeRO partitions cut anew for their new
-    expert-data-parallel groups through a universal checkpoint (the dense ones for the new DP x CP). What the new
+    at EP2 x DP2 (and, measured once, of EP2 x PP2 in bf16 at EP1 x PP2 x DP2): the experts' ZeRO partitions cut
+    anew for their new expert-data-parallel groups through a universal checkpoint (the dense ones for the new DP x CP). What the new
     layout holds once loaded, pieced from every rank's fragments, is the checkpoint's state pieced from its ZeRO
     files, bit for bit: every parameter's weight, fp32 master, Adam moments and step, its learning rate and weight
     decay (a state or setting lost, or cut for the wrong rank, fails here). So the resumed run is a run of the new

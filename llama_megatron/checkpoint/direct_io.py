@@ -7,8 +7,7 @@ with ``O_DIRECT``, the disk taking 1.4 s either way), and a manifest hashed by r
 another pass. :func:`save_direct` gives ``torch.save`` a file object that gathers its bytes in page-aligned
 buffers, hashes each full buffer (SHA-256, the manifest's) while it is in cache and writes it with ``O_DIRECT``
 from a second thread while the next buffer fills; the last partial block is written padded and the file truncated
-to its length, then fsynced. The archive is
-byte for byte what ``torch.save`` writes to any file object. DeepSpeed's own fast writer (``deepspeed.io``,
+to its length, then fsynced. The archive is byte for byte what ``torch.save`` writes to any file object. DeepSpeed's own fast writer (``deepspeed.io``,
 ``FastFileWriter``) does the same through its ``async_io`` op, which needs libaio and is not built on most hosts.
 
 Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems: ``EINVAL`` at open, or at the first
@@ -39,7 +38,7 @@ def _open(path: str) -> tuple[int, bool]:
         try:
             return os.open(path, flags | direct, 0o644), True
         except OSError as exc:
-            if exc.errno != 22:  # EINVAL: this file system does not do O_DIRECT
+            if exc.errno != errno.EINVAL:  # this file system does not do O_DIRECT
                 raise
     return os.open(path, flags, 0o644), False
 

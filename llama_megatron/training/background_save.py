@@ -101,9 +101,9 @@ class BackgroundWriter:
         self._copied.clear()
         self._put((fill, None, None))
 
-    def submit(self, write: Callable[[], dict | None], tag_dir: str, name: str) -> None:
-        """Queue ``write`` of ``tag_dir/name``: it returns the file's manifest entry (written fsynced and hashed,
-        :func:`~llama_megatron.checkpoint.direct_io.save_direct`), or None to have the file read back for it."""
+    def submit(self, write: Callable[[], dict], tag_dir: str, name: str) -> None:
+        """Queue ``write`` of ``tag_dir/name``: it returns the file's manifest entry, the file fsynced
+        (:func:`write_state`, :func:`~llama_megatron.checkpoint.direct_io.save_direct`)."""
         self._put((write, tag_dir, name))
 
     def _run(self) -> None:
@@ -112,9 +112,8 @@ class BackgroundWriter:
             try:
                 if self.error is None:
                     entry = work()
-                    if name is not None:  # a write: its entry, or (another engine's writer) read back
-                        self.digests[name] = entry if isinstance(entry, dict) else \
-                            digest_files(tag_dir, [name], fsync=True)[name]
+                    if name is not None:
+                        self.digests[name] = entry
             except OSError as exc:
                 self.error = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[0]
             except Exception as exc:  # noqa: BLE001 - reported by the training thread, one line
@@ -144,14 +143,15 @@ class BackgroundWriter:
         self.digests, self.error = {}, None
 
 
-def write_state(inner: Any, state_dict: Any, path: str, progress: Callable[[], None] | None = None) -> dict | None:
+def write_state(inner: Any, state_dict: Any, path: str, progress: Callable[[], None] | None = None) -> dict:
     """What DeepSpeed's torch checkpoint engine ``inner`` writes, written around the page cache and hashed as it
-    goes (:func:`save_direct`): the file's manifest entry. Another engine (a user's writer) writes as it does,
-    and None says the file is to be hashed by reading it back."""
+    goes (:func:`save_direct`): the file's manifest entry. Another engine (a user's writer) writes as it does, and
+    the file is hashed and fsynced by reading it back."""
     serialization = getattr(inner, "zipfile_serialization", None)
     if getattr(inner, "name", None) != "TorchCheckpointEngine" or serialization is None:
         inner.save(state_dict, path)
-        return None
+        name = os.path.basename(path)
+        return digest_files(os.path.dirname(path), [name], True, progress)[name]
     return save_direct(state_dict, path, serialization, progress)
 
 
@@ -164,10 +164,7 @@ class DirectEngine:
         self.digests: dict[str, dict] = {}
 
     def save(self, state_dict: Any, path: str) -> None:
-        entry = write_state(self._inner, state_dict, path, self._progress)
-        name = os.path.basename(path)
-        self.digests[name] = entry if entry is not None else \
-            digest_files(os.path.dirname(path), [name], True, self._progress)[name]
+        self.digests[os.path.basename(path)] = write_state(self._inner, state_dict, path, self._progress)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -56,6 +56,10 @@ class MoEFamily:
     # HF's Qwen router casts the (fp32) routing weights to the model's dtype before they scale the experts'
     # outputs; Mixtral's scales in fp32 and casts the product (the same in fp32, not in bf16)
     weights_in_model_dtype: bool = False
+    # LoRA's MLP targets (gate_proj, up_proj, down_proj) as PEFT finds them on the class, by module name: the shared
+    # expert's and the dense layers' linears (Qwen2-MoE). Off: none (Mixtral's are w1/w3/w2; on Qwen3-MoE PEFT 0.21
+    # maps those names onto the experts' parameters, transformers v4's layout, and leaves dense layers unadapted)
+    mlp_module_targets: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
                  "mlp_only_layers": []},
                 _attention_bias, _never, qk_norm=False, window=_qwen2_moe_window,
-                moe=dataclasses.replace(QWEN_MOE, shared_expert=True),
+                moe=dataclasses.replace(QWEN_MOE, shared_expert=True, mlp_module_targets=True),
                 hf_keys={"num_local_experts": "num_experts", "attention_bias": "qkv_bias"}),
 )}
 FAMILY_KEYS = frozenset(key for family in FAMILIES.values() for key in family.keys)

@@ -67,16 +67,24 @@ CASES = {
     "mixtral-down-experts": (dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4,
                                   num_experts_per_tok=3, tie_word_embeddings=True),
                              LoraConfig(rank=3, alpha=5.0, targets=("o_proj", "mlp.experts.down_proj"))),
-    # Qwen's experts (the dense layer 0 has none to adapt), and Qwen2-MoE's beside its shared expert
+    # Qwen's experts (the dense layer 0 has none), and Qwen2-MoE's beside the MLP targets, which PEFT finds by name
+    # on its shared expert and on the dense layer 1 (Qwen3-MoE's it maps onto the experts: refused, test_moe.py)
     "qwen3-moe-experts": (dict(model_type="qwen3_moe", num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                                mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.02),
                           LoraConfig(rank=2, alpha=4.0, targets=("k_proj", *EXPERT_TARGETS))),
     "qwen2-moe-experts": (dict(model_type="qwen2_moe", attention_bias=True, num_key_value_heads=2,
                                num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=48, output_router_logits=True,
+                               shared_expert_intermediate_size=48, mlp_only_layers=[1], output_router_logits=True,
                                router_aux_loss_coef=0.02),
-                          LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "mlp.experts.gate_up_proj"))),
+                          LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "up_proj", "down_proj",
+                                                                 "mlp.experts.gate_up_proj"))),
+    # dropout on the shared expert's adapters (and the attention's), PEFT's masks in its order of modules
+    "qwen2-moe-shared-dropout": (dict(model_type="qwen2_moe", num_key_value_heads=4, num_local_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48),
+                                 LoraConfig(rank=3, alpha=6.0, dropout=0.2, targets=("o_proj", "gate_proj", "up_proj",
+                                                                                     "down_proj"))),
 }
 
 
@@ -169,7 +177,7 @@ def test_peft_parity_tp1(name: str) -> None:
 
 # the Qwen MoE cases add nothing TP-specific to Mixtral's but the shared expert (tests/test_moe.py has both families
 # at TP2 with SP): one of them, with SP only, keeps the launch short
-TP1_ONLY, SP_ONLY = {"qwen3-moe-experts"}, {"qwen2-moe-experts"}
+TP1_ONLY, SP_ONLY = {"qwen3-moe-experts"}, {"qwen2-moe-experts", "qwen2-moe-shared-dropout"}
 
 
 def _parity_worker(rank: int, world_size: int) -> None:

@@ -15,10 +15,11 @@ is shorter than a sample):
   experts' ZeRO state cut anew) and read;
 - fine-tuning: SFT of the Mistral model on the shipped chat set, packed (documents and window together), and LoRA
   on a random Qwen3ForCausalLM converted to TP1 and TP2 checkpoints, at TP2 x PP2 with SP against TP1-PP1 (1e-4 rel
-  per step, train and validation loss); LoRA on a converted Mixtral's attention and experts at EP2 x DP2 and EP2 x
-  TP2 (SP) against TP1-PP1, exported to PEFT;
+  per step, train and validation loss); LoRA on a converted Qwen2-MoE's attention, experts, shared experts and dense
+  MLPs at EP2 x DP2 and EP2 x TP2 (SP) against TP1-PP1, exported to PEFT;
 - Qwen3-MoE (HF's key names, a dense layer, windows on every layer) at EP2 x PP2 and Qwen2-MoE (q/k/v biases, the
-  shared expert, MoE on every other layer) at TP2 x PP2 with SP and recomputation, against TP1-PP1 as Mixtral's runs;
+  shared expert, MoE on every other layer) at TP2 x PP2 with SP and recomputation and at EP2 x DP2 (ZeRO-1), against
+  TP1-PP1 as Mixtral's runs;
   the Qwen3-MoE EP2 x PP2 checkpoint read as the TP1-PP1 run's weights and exported to its class.
 """
 
@@ -91,9 +92,10 @@ BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_rou
 # CP2 in process (tests/test_context_parallel.py). Expert parallelism for the MoE family: EP2 x DP2 under ZeRO-1,
 # EP2 x PP2 in bf16 (DeepSpeed's bf16 optimizer) without the aux loss against a bf16 TP1-PP1 run, EP2 x TP2 x PP2
 # with SP, recomputation and per-document attention (8 processes; the pipeline carries the documents and the router
-# statistics together), which stands for the MoE model's TP2 x PP2 too. The Qwen MoE families one run each (every
-# layout of theirs is in process too, tests/test_moe.py): Qwen3-MoE at EP2 x PP2, Qwen2-MoE at TP2 x PP2 with SP
-QWEN_MOE_RUNS = [("qwen3_moe", "ep2-pp2"), ("qwen2_moe", "tp2-pp2-sp-recompute")]
+# statistics together), which stands for the MoE model's TP2 x PP2 too. The Qwen MoE families (every layout of
+# theirs is in process too, tests/test_moe.py): Qwen3-MoE at EP2 x PP2, Qwen2-MoE at TP2 x PP2 with SP and at EP2 x
+# DP2 (its shared expert replicated over EP, reduced over the whole data-parallel group)
+QWEN_MOE_RUNS = [("qwen3_moe", "ep2-pp2"), ("qwen2_moe", "tp2-pp2-sp-recompute"), ("qwen2_moe", "ep2-dp2-zero1")]
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
         if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))
         and (family, name) != ("mistral", "tp2-pp2-sp-recompute")  # Mistral at TP2 x PP2 SP: its SFT run below
@@ -119,11 +121,12 @@ SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT
                                                   "qwen3_moe": {"tp1-pp1", "ep2-pp2"}}
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
 LORA = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "o_proj", "down_proj"]}'
-# LoRA on attention and on every expert of the MoE family (PEFT's target_modules + target_parameters), from a converted
-# Mixtral: EP2 x DP2 under ZeRO-2 and EP2 x TP2 with SP under ZeRO-1 (checkpoints at EP > 1 need ZeRO-1/2) against
-# TP1-PP1; every run saves its adapters at the last step
-EXPERT_LORA = ('{"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "mlp.experts.gate_up_proj", '
-               '"mlp.experts.down_proj"]}')
+# LoRA on attention, on every expert (PEFT's target_parameters) and on the MLP targets (PEFT's target_modules: the
+# dense layers' MLPs and the MoE layers' shared experts) of a converted Qwen2-MoE: EP2 x DP2 under ZeRO-2 and EP2 x TP2
+# with SP under ZeRO-1 (checkpoints at EP > 1 need ZeRO-1/2) against TP1-PP1; every run saves its adapters at the end
+EXPERT_LORA_FAMILY = "qwen2_moe"
+EXPERT_LORA = ('{"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "up_proj", "down_proj", '
+               '"mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}')
 EXPERT_LORA_LAYOUTS = {"tp1-pp1": [],
                        "ep2-dp2-zero2": ["parallel.expert=2", "deepspeed_config=ds_configs/zero2_fp32.json"],
                        "ep2-tp2-sp": ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
@@ -140,8 +143,8 @@ def _lora(prefix: str, work, name: str, base, layout: list[str]) -> list[str]:
 
 
 def _expert_lora(prefix: str, work, name: str, base) -> list[str]:
-    out = work / f"mixtral-lora-{name}"
-    return train_args(CONFIG, _overrides(prefix, out, "mixtral", [
+    out = work / f"{EXPERT_LORA_FAMILY}-lora-{name}"
+    return train_args(CONFIG, _overrides(prefix, out, EXPERT_LORA_FAMILY, [
         f"lora={EXPERT_LORA}", f"checkpoint.load={base}", "checkpoint.finetune=true", f"checkpoint.save={out}/ckpt",
         f"checkpoint.interval={STEPS}", *EXPERT_LORA_LAYOUTS[name]]))
 
@@ -168,7 +171,7 @@ def _sft(work, name: str, layout: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("families")
-    bases, moe_bases = _converted_bases(work, "qwen3"), _converted_bases(work, "mixtral")
+    bases, moe_bases = _converted_bases(work, "qwen3"), _converted_bases(work, EXPERT_LORA_FAMILY)
 
     def pretrain(family: str, name: str, layout: list[str]) -> list[str]:
         out = work / f"{family}-{name}"
@@ -404,20 +407,20 @@ def test_fine_tuning_trains_like_tp1_pp1(runs, run) -> None:
 
 @pytest.mark.parametrize("layout", ["ep2-dp2-zero2", "ep2-tp2-sp"])
 def test_expert_lora_trains_like_tp1_pp1_and_exports_to_peft(runs, layout, tmp_path) -> None:
-    """LoRA on attention and on the experts, base frozen, at EP2 x DP2 (ZeRO-2) and EP2 x TP2 (SP, ZeRO-1) trains as
-    TP1-PP1 does (loss and gradient norm within 1e-4 per step; observed 1.5e-7); its expert files hold the adapters
-    only. Exported, PEFT loads the adapter onto the HF Mixtral it was converted from (every key used:
-    target_modules + target_parameters, nested wrappers) and gives the logits of our merged export; its tensors are
-    TP1-PP1's within 5e-5 (observed 2.3e-6)."""
+    """LoRA on attention, the experts, the shared experts and the dense layers' MLPs, base frozen, at EP2 x DP2
+    (ZeRO-2) and EP2 x TP2 (SP, ZeRO-1) trains as TP1-PP1 does (loss and gradient norm within 1e-4 per step; observed
+    1.5e-7); its expert files hold the experts' adapters only. Exported, PEFT loads the adapter onto the HF Qwen2-MoE
+    it was converted from (every key used: target_modules on the shared experts and dense MLPs + target_parameters,
+    nested wrappers) and gives the logits of our merged export; its tensors are TP1-PP1's within 5e-5."""
     from safetensors.torch import load_file as load_safetensors
-    from transformers import MixtralForCausalLM
+    from transformers import Qwen2MoeForCausalLM
 
-    run, reference = runs / f"mixtral-lora-{layout}", runs / "mixtral-lora-tp1-pp1"
+    run, reference = runs / f"{EXPERT_LORA_FAMILY}-lora-{layout}", runs / f"{EXPERT_LORA_FAMILY}-lora-tp1-pp1"
     for key in ("loss", "grad_norm"):
         assert_losses_close(losses(run, key), losses(reference, key), 1e-4, range(1, STEPS + 1))
     tag_dir = run / "ckpt" / f"global_step{STEPS}"
     expert_files = sorted(tag_dir.glob("expert_*"))
-    assert len(expert_files) == 4 * 4 * (2 if layout == "ep2-tp2-sp" else 1)  # experts x layers x TP ranks
+    assert len(expert_files) == 4 * 2 * (2 if layout == "ep2-tp2-sp" else 1)  # experts x MoE layers x TP ranks
     for path in expert_files:
         assert sorted(k.rsplit(".", 1)[1] for k in load_file(str(path))) == [
             "A_down_proj", "A_gate_up_proj", "B_down_proj", "B_gate_up_proj"], path.name
@@ -429,21 +432,26 @@ def test_expert_lora_trains_like_tp1_pp1_and_exports_to_peft(runs, layout, tmp_p
     assert cli_main(["export", "--input", str(run / "ckpt"), "--output", str(tmp_path / "merged"), "--merge"]) == 0
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     assert (config["target_modules"], config["target_parameters"]) == (
-        ["q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        ["q_proj", "v_proj", "up_proj", "down_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     ours, want = (load_safetensors(os.path.join(adapters[n], "adapter_model.safetensors"))
                   for n in ("ours", "reference"))
-    assert ours.keys() == want.keys() and len(ours) == 4 * 4 * 2
+    # q, v, up, down on 4 layers (up/down: the dense layers 0 and 2, the shared experts of 1 and 3), 2 expert params
+    # on the 2 MoE layers; A and B each
+    assert ours.keys() == want.keys() and len(ours) == 4 * 4 * 2 + 2 * 2 * 2
+    assert {k for k in ours if ".shared_expert." in k} == {
+        f"base_model.model.model.layers.{i}.mlp.shared_expert.{m}.lora_{ab}.weight"
+        for i in (1, 3) for m in ("up_proj", "down_proj") for ab in "AB"}
     for key, tensor in want.items():
         torch.testing.assert_close(ours[key], tensor, rtol=0, atol=5e-5, msg=lambda m, k=key: f"{k}: {m}")
     assert all(ours[k].abs().max() > 0 for k in ours if ".lora_B." in k)  # trained away from B = 0
 
-    hf_dir = str(runs / "mixtral-hf")
-    model = peft.PeftModel.from_pretrained(MixtralForCausalLM.from_pretrained(hf_dir), adapters["ours"]).eval()
+    hf_dir = str(runs / f"{EXPERT_LORA_FAMILY}-hf")
+    model = peft.PeftModel.from_pretrained(Qwen2MoeForCausalLM.from_pretrained(hf_dir), adapters["ours"]).eval()
     loaded = {n.replace(".default.", "."): p for n, p in model.named_parameters() if "lora_" in n}
     assert loaded.keys() == ours.keys()
     for key, tensor in ours.items():
         assert torch.equal(loaded[key], tensor), key
-    merged = MixtralForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    merged = Qwen2MoeForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     ids = torch.randint(0, merged.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-4)

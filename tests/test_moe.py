@@ -197,7 +197,7 @@ def test_qwen_moe_config_keys() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (['lora={"rank": 2, "targets": ["q_proj", "down_proj"]}'], "lora.targets down_proj: the mixtral model's MLP"),
+    (['lora={"rank": 2, "targets": ["q_proj", "down_proj"]}'], "lora.targets down_proj: the mixtral model has no MLP module PEFT adapts"),
     (['lora={"rank": 2, "dropout": 0.1, "targets": ["q_proj", "mlp.experts.down_proj"]}'],
      r"lora.dropout 0.1 with the expert targets mlp.experts.down_proj: .* set lora.dropout 0"),
     (['lora={"rank": 2, "targets": ["mlp.experts.up_proj"]}'], "unknown target 'mlp.experts.up_proj'"),
@@ -227,6 +227,23 @@ def test_expert_lora_targets_need_experts() -> None:
                                       ['data={"synthetic": true}', *moe, "parallel.expert=2", lora])
     assert config.lora.expert_targets == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert config.lora.module_targets == ["q_proj"]
+
+
+def test_lora_mlp_targets_are_the_modules_peft_adapts_on_the_class() -> None:
+    """gate_proj/up_proj/down_proj: on Qwen2-MoE the shared expert's and the dense layers' linears (PEFT's name match);
+    refused on Mixtral (w1/w3/w2) and Qwen3-MoE, where PEFT maps them onto the experts and no module takes them."""
+    from llama_megatron.model.lora_layout import LoraConfig, adapter_layout, check_targets
+
+    lora = LoraConfig(rank=2, targets=("q_proj", "up_proj", "down_proj"))
+    qwen2 = tiny_config(**CASES["qwen2-moe"], num_hidden_layers=3, mlp_only_layers=[1])
+    mlp = sorted(n for spec in adapter_layout(qwen2, lora) for n in spec.hf_names if ".mlp." in n)
+    assert mlp == sorted(f"base_model.model.model.layers.{i}.mlp.{m}.lora_{ab}.weight" for i, m in
+                         ((0, "shared_expert.up_proj"), (0, "shared_expert.down_proj"), (1, "up_proj"),
+                          (1, "down_proj"), (2, "shared_expert.up_proj"), (2, "shared_expert.down_proj")) for ab in "AB")
+    for config in (tiny_config(**MIXTRAL), tiny_config(**CASES["qwen3-moe"])):
+        with pytest.raises(ConfigError, match=f"lora.targets up_proj, down_proj: the {config.model_type} model has "
+                                              "no MLP module PEFT adapts under these names"):
+            check_targets(config, lora)
 
 
 def test_deepspeed_settings_expert_parallelism_refuses() -> None:

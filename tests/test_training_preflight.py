@@ -123,6 +123,23 @@ def test_resume_with_other_model_or_corrupt_metadata(tmp_path) -> None:
         preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
 
 
+def test_window_keys_are_compared_by_the_windows_they_give() -> None:
+    """transformers 5 writes a Qwen model's ``layer_types`` into config.json (and HF's max_window_layers beside it):
+    a checkpoint converted from it loads into a run naming the same windows by ``max_window_layers``, not one whose
+    windows differ."""
+    from llama_megatron.config import ModelConfig
+    from llama_megatron.training.run.setup import _model_differences
+
+    shape = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                 num_attention_heads=8, use_sliding_window=True, sliding_window=12, max_window_layers=2)
+    run = ModelConfig(**shape).to_dict()
+    kinds = ["full_attention", "sliding_attention"]
+    converted = ModelConfig(**{**shape, "max_window_layers": 28, "layer_types": [kinds[0]] * 2 + [kinds[1]] * 2})
+    assert _model_differences(converted.to_dict(), run, finetune=True) == []
+    other = ModelConfig(**{**shape, "max_window_layers": 28, "layer_types": [kinds[0]] * 3 + [kinds[1]]})
+    assert _model_differences(other.to_dict(), run, finetune=True) == ["layer_types", "max_window_layers"]
+
+
 def test_context_extension_sets_rope_over_a_model_file_and_finetunes_from_the_checkpoint(tmp_path) -> None:
     """``model: {"path": ..., overrides}`` replaces keys of the file; a fine-tuning start may change the RoPE keys
     and max_position_embeddings (context extension), a resume may not, nor may fine-tuning change anything else."""

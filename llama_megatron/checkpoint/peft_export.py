@@ -26,6 +26,7 @@ from llama_megatron.errors import CheckpointError
 from llama_megatron.model.lora_layout import (
     ALL_TARGETS,
     LoraConfig,
+    adapted_layers,
     base_weight_name,
     expert_adapter_names,
     peft_key,
@@ -84,8 +85,9 @@ class MergedSource:
         lora = adapters.lora
         self.scaling = lora.scaling
         # each adapted HF weight: the names of its adapter's A and B (an expert's gate and up weights: B's rows for it)
-        self.pairs = {base_weight_name(i, t): (peft_key(i, t, "A"), peft_key(i, t, "B"))
-                      for i in range(base.config.num_hidden_layers) for t in lora.module_targets}
+        config = base.config
+        self.pairs = {base_weight_name(config, i, t): (peft_key(config, i, t, "A"), peft_key(config, i, t, "B"))
+                      for t in lora.module_targets for i in adapted_layers(config, t)}
         for i in filter(base.config.is_moe_layer, range(base.config.num_hidden_layers)):
             for e in range(base.config.num_local_experts):
                 for t in lora.expert_targets:

@@ -129,21 +129,23 @@ def _attach_layer(layer: DecoderLayerPipe, config: ModelConfig, lora: LoraConfig
                   shapes: LocalShapes) -> None:
     hd = config.head_dim
     wanted = set(lora.targets)
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp, rows = layer.self_attn, layer.mlp, shapes.intermediate
     if wanted & {"q_proj", "k_proj", "v_proj"}:
         slots = [("q_proj", config.queries_per_group * hd), ("k_proj", hd), ("v_proj", hd)]
         setattr(attn.qkv_proj, ADAPTER_MODULE, ColumnLoRA(config.hidden_size, slots,
                                                           shapes.kv_heads, lora, pctx))
-    if wanted & {"gate_proj", "up_proj"}:
-        rows = shapes.intermediate
-        setattr(mlp.gate_up_proj, ADAPTER_MODULE,
-                ColumnLoRA(config.hidden_size, [("gate_proj", rows), ("up_proj", rows)], 1, lora, pctx))
-    for target, owner, name in (("o_proj", attn, "o_proj"), ("down_proj", mlp, "down_proj")):
-        if target in wanted:  # (a mixture of experts has no down_proj: lora_layout.check_targets refuses it)
-            out_features, in_features = target_shapes(config, target)
-            setattr(getattr(owner, name), ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
     if isinstance(mlp, MoEMLP):
         _attach_experts(mlp, config, lora, pctx, shapes)
+        # the MLP targets of an MoE layer are its shared expert's linears (lora_layout.layer_target), split over TP
+        # as the dense MLP's (gate/up rows, down columns) on the gathered tokens, replicated over EP
+        mlp, rows = (mlp.shared_expert, shapes.shared_intermediate) if mlp.shared else (None, 0)
+    if mlp is not None and wanted & {"gate_proj", "up_proj"}:
+        setattr(mlp.gate_up_proj, ADAPTER_MODULE,
+                ColumnLoRA(config.hidden_size, [("gate_proj", rows), ("up_proj", rows)], 1, lora, pctx))
+    for target, owner in (("o_proj", attn), ("down_proj", mlp)):
+        if target in wanted and owner is not None:
+            out_features, in_features = target_shapes(config, target, layer.layer_number)
+            setattr(getattr(owner, target), ADAPTER_MODULE, RowLoRA(target, in_features, out_features, lora, pctx))
 
 
 def _attach_experts(moe: MoEMLP, config: ModelConfig, lora: LoraConfig, pctx: ParallelContext,

@@ -6,8 +6,11 @@ renaming. A mixture of experts' MLP has no modules for PEFT to target: its exper
 which PEFT adapts with ``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), one
 (A, B) pair per expert (gate and up share A, as they share the fused weight); the table holds one row per expert and
 matrix, which :func:`to_peft` / :func:`from_peft` fuse into PEFT's per-layer tensors and back. ``A`` is
-``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's convention). How each matrix
-splits over TP follows its weight:
+``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's convention). The MLP targets
+(``gate_proj``, ``up_proj``, ``down_proj``) are what PEFT adapts under those names on the transformers class: a dense
+model's MLP; on Qwen2-MoE the dense layers' MLPs and the MoE layers' shared expert; nothing on Mixtral or Qwen3-MoE
+(:attr:`~llama_megatron.families.MoEFamily.mlp_module_targets`, :func:`layer_target`). How each matrix splits over TP
+follows its weight:
 
 - column-parallel targets (q, k, v, gate, up): ``B`` splits on its rows as the weight's rows do; for q/k/v the rows
   of the KV groups a rank owns are one contiguous block of each of q, k, v, so every ``B`` is a plain ``column``
@@ -67,6 +70,25 @@ EXPERT_TARGET_TABLE = {t.name: t for t in (
     Target(EXPERT_TARGETS[1], "mlp.experts.{e}.down_proj", "mlp.experts", "row", expert=True),
 )}
 ALL_TARGETS = TARGETS | EXPERT_TARGET_TABLE
+# the MLP targets in an MoE layer with a shared expert: its linears (Qwen2-MoE's ``mlp.shared_expert.gate_proj`` ...)
+SHARED_EXPERT_TARGETS = {t.name: t for t in (
+    Target("gate_proj", "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.gate_proj", "column"),
+    Target("up_proj", "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.up_proj", "column"),
+    Target("down_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert.down_proj", "row"),
+)}
+
+
+def layer_target(config: ModelConfig, layer: int, name: str) -> Target | None:
+    """Where the module target ``name`` lies in decoder layer ``layer``, or None: in a mixture of experts an MLP
+    target is, where PEFT adapts one (Qwen2-MoE), a dense layer's linear or an MoE layer's shared expert's."""
+    target, moe = TARGETS[name], config.family.moe
+    if moe is None or not target.linear.startswith("mlp."):
+        return target
+    if not moe.mlp_module_targets:
+        return None
+    if not config.is_moe_layer(layer):
+        return target
+    return SHARED_EXPERT_TARGETS[name] if moe.shared_expert else None
 
 
 @dataclass(frozen=True)
@@ -143,9 +165,12 @@ class LoraConfig:
                                                                     set(other.targets))
 
 
-def target_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
-    """(out_features, in_features) of the HF linear ``target``."""
+def target_shapes(config: ModelConfig, target: str, layer: int | None = None) -> tuple[int, int]:
+    """(out_features, in_features) of the HF linear ``target`` (an MLP target's in ``layer``: the shared expert's in
+    an MoE layer; without ``layer``, the dense MLP's)."""
     h, ffn, expert = config.hidden_size, config.intermediate_size, config.expert_intermediate_size
+    if layer is not None and config.is_moe_layer(layer):
+        ffn = config.shared_expert_intermediate_size
     q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     return {"q_proj": (q_rows, h), "k_proj": (kv_rows, h), "v_proj": (kv_rows, h), "o_proj": (h, q_rows),
             "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn),
@@ -157,14 +182,17 @@ def adapter_param_name(target: str, matrix: str) -> str:
     return f"{matrix}_{target.rpartition('.')[2]}"
 
 
-def peft_key(layer: int, target: str, matrix: str, targets: tuple[str, ...] = ()) -> str:
+def peft_key(config: ModelConfig, layer: int, target: str, matrix: str, targets: tuple[str, ...] = ()) -> str:
     """PEFT's key for a saved adapter matrix (adapter name stripped, as ``save_pretrained`` writes it). PEFT wraps
     each adapted expert parameter of a module around the previous one (in registration order), so the key of one
     that later ones wrap has a ``base_layer`` per wrapper: ``targets`` are the run's targets."""
-    wrappers = ""
-    if target in EXPERT_TARGETS:
-        wrappers = ".base_layer" * sum(1 for t in EXPERT_TARGETS[EXPERT_TARGETS.index(target) + 1:] if t in targets)
-    return f"{PEFT_PREFIX}model.layers.{layer}.{ALL_TARGETS[target].hf_module}{wrappers}.lora_{matrix}.weight"
+    wrappers, t = "", EXPERT_TARGET_TABLE.get(target)
+    if t is not None:
+        wrappers = ".base_layer" * sum(1 for later in EXPERT_TARGETS[EXPERT_TARGETS.index(target) + 1:]
+                                       if later in targets)
+    else:
+        t = layer_target(config, layer, target)
+    return f"{PEFT_PREFIX}model.layers.{layer}.{t.hf_module}{wrappers}.lora_{matrix}.weight"
 
 
 def expert_adapter_names(layer: int, target: str, matrix: str, expert: int) -> tuple[str, ...]:
@@ -176,9 +204,14 @@ def expert_adapter_names(layer: int, target: str, matrix: str, expert: int) -> t
     return (f"{stem}.{target.rpartition('.')[2]}.lora_{matrix}.weight",)
 
 
-def base_weight_name(layer: int, target: str) -> str:
+def base_weight_name(config: ModelConfig, layer: int, target: str) -> str:
     """HF name of the weight the adapter of the (module) ``target`` in ``layer`` adds to."""
-    return f"model.layers.{layer}.{TARGETS[target].hf_module}.weight"
+    return f"model.layers.{layer}.{layer_target(config, layer, target).hf_module}.weight"
+
+
+def adapted_layers(config: ModelConfig, target: str) -> list[int]:
+    """The decoder layers that have the module ``target`` (every layer, but an MLP target in an MoE model)."""
+    return [i for i in range(config.num_hidden_layers) if layer_target(config, i, target) is not None]
 
 
 def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
@@ -186,15 +219,17 @@ def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
     for i in range(config.num_hidden_layers):
         experts = range(config.num_local_experts) if config.is_moe_layer(i) else ()  # Qwen's dense layers: none
         for target in (*lora.module_targets, *lora.expert_targets):
-            t = ALL_TARGETS[target]
-            out_features, in_features = target_shapes(config, target)
+            t = EXPERT_TARGET_TABLE.get(target) or layer_target(config, i, target)
+            if t is None:  # an MLP target in an MoE layer without a shared expert
+                continue
+            out_features, in_features = target_shapes(config, target, i)
             for matrix, shape, init in (("A", (lora.rank, in_features), "lora_a"),
                                         ("B", (out_features, lora.rank), "zeros")):
                 sharded = (matrix == "B") == (t.parallel == "column")  # B of column targets, A of row targets
                 split = ("column" if t.parallel == "column" else "row") if sharded else "replicated"
                 for expert in experts if t.expert else (None,):
                     leaf = f"{t.linear_of(expert)}.{ADAPTER_MODULE}.{adapter_param_name(target, matrix)}"
-                    names, shapes = (peft_key(i, target, matrix),), (shape,)
+                    names, shapes = (peft_key(config, i, target, matrix),), (shape,)
                     if t.expert:
                         names = expert_adapter_names(i, target, matrix, expert)
                         if len(names) == 2:  # B of gate/up: its gate rows and up rows, split as the weight's
@@ -211,11 +246,12 @@ def adapter_layout(config: ModelConfig, lora: LoraConfig) -> ParamLayout:
 
 
 def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
-    """A mixture-of-experts model has no dense MLP (its experts are targeted as parameters), a dense one no experts."""
-    mlp = [t for t in lora.targets if t in TARGETS and TARGETS[t].linear.startswith("mlp.")]
-    if config.family.moe and mlp:
-        raise ConfigError(f"lora.targets {', '.join(mlp)}: the {config.model_type} model's MLP is a mixture of "
-                          "experts; its targets are q_proj, k_proj, v_proj, o_proj and the experts' "
+    """Every target names something PEFT adapts on the model's class: an MLP target of a mixture of experts a dense
+    MLP or a shared expert in some layer (:func:`layer_target`), an expert target an MoE layer."""
+    missing = [t for t in lora.module_targets if not adapted_layers(config, t)]
+    if missing:
+        raise ConfigError(f"lora.targets {', '.join(missing)}: the {config.model_type} model has no MLP module PEFT "
+                          f"adapts under these names; its targets are q_proj, k_proj, v_proj, o_proj and the experts' "
                           f"{', '.join(EXPERT_TARGETS)}")
     if not config.family.moe and lora.expert_targets:
         raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: the {config.model_type} model has no "
@@ -235,21 +271,22 @@ def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
                 continue
             a = [tensors[expert_adapter_names(i, target, "A", e)[0]] for e in experts]
             b = [torch.cat([tensors[n] for n in expert_adapter_names(i, target, "B", e)]) for e in experts]
-            out[peft_key(i, target, "A", lora.targets)] = torch.cat(a)
-            out[peft_key(i, target, "B", lora.targets)] = torch.stack(b, dim=-1).flatten(1)
+            out[peft_key(config, i, target, "A", lora.targets)] = torch.cat(a)
+            out[peft_key(config, i, target, "B", lora.targets)] = torch.stack(b, dim=-1).flatten(1)
     return out
 
 
 def from_peft(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """Inverse of :func:`to_peft`: PEFT's adapter tensors under the table's names (views)."""
-    fused = {peft_key(i, t, m, lora.targets) for i in filter(config.is_moe_layer, range(config.num_hidden_layers))
+    fused = {peft_key(config, i, t, m, lora.targets)
+             for i in filter(config.is_moe_layer, range(config.num_hidden_layers))
              for t in lora.expert_targets for m in "AB"}
     out = {name: t for name, t in state.items() if name not in fused}
     experts = config.num_local_experts
     for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):
         for target in lora.expert_targets:
-            a = state[peft_key(i, target, "A", lora.targets)].view(experts, lora.rank, -1)
-            b = state[peft_key(i, target, "B", lora.targets)].view(-1, lora.rank, experts)
+            a = state[peft_key(config, i, target, "A", lora.targets)].view(experts, lora.rank, -1)
+            b = state[peft_key(config, i, target, "B", lora.targets)].view(-1, lora.rank, experts)
             for e in range(experts):
                 out[expert_adapter_names(i, target, "A", e)[0]] = a[e]
                 names = expert_adapter_names(i, target, "B", e)

@@ -114,13 +114,8 @@ class BackgroundWriter:
                     entry = work()
                     if name is not None:
                         self.digests[name] = entry
-            except OSError as exc:
-                self.error = os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[0]
             except Exception as exc:  # noqa: BLE001 - reported by the training thread, one line
-                text = str(exc).strip().splitlines()
-                self.error = "a file could not be written completely (disk full, or a file size limit)" if any(
-                    mark in str(exc) for mark in ("PytorchStreamWriter", "inline_container", "file write failed")
-                ) else f"{type(exc).__name__}: {text[0] if text else ''}"
+                self.error = write_failure_line(exc)
             finally:
                 if name is None:
                     self._copied.set()  # a failed copy too: its error ends the run at the next step boundary
@@ -141,6 +136,17 @@ class BackgroundWriter:
         """Forget the finished save's digests and error (a new save begins)."""
         self.wait()
         self.digests, self.error = {}, None
+
+
+def write_failure_line(exc: BaseException) -> str:
+    """The one line a failed write of a save is reported with: the OS's reason, or for torch's zip writer, which
+    reports a short write without an errno, what it means."""
+    if isinstance(exc, OSError):
+        return os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[0]
+    if any(mark in str(exc) for mark in ("PytorchStreamWriter", "inline_container", "file write failed")):
+        return "a file could not be written completely (disk full, or a file size limit)"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def write_state(inner: Any, state_dict: Any, path: str, progress: Callable[[], None] | None = None) -> dict:

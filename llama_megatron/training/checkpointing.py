@@ -64,7 +64,7 @@ from llama_megatron.checkpoint.safe_load import (
 from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError, ConfigError, SaveFailed
 from llama_megatron.parallel.launch import barrier
-from llama_megatron.training.background_save import BackgroundSaves, DirectEngine
+from llama_megatron.training.background_save import BackgroundSaves, DirectEngine, write_failure_line
 from llama_megatron.training.config import AUTO_LOAD, CheckpointConfig
 
 
@@ -497,13 +497,8 @@ def _attempt(action) -> str | None:
     no errno: a short write), or None."""
     try:
         action()
-    except OSError as exc:
-        return os.strerror(exc.errno) if exc.errno else str(exc).strip().splitlines()[0]
-    except RuntimeError as exc:
-        text = str(exc).strip().splitlines()
-        if any(mark in str(exc) for mark in ("PytorchStreamWriter", "inline_container", "file write failed")):
-            return "a file could not be written completely (disk full, or a file size limit)"
-        return f"RuntimeError: {text[0] if text else ''}"
+    except (OSError, RuntimeError) as exc:
+        return write_failure_line(exc)
     return None
 
 

@@ -24,6 +24,7 @@ from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, check_lora_sta
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.checkpoint.megatron_reader import load_model_weights
 from llama_megatron.checkpoint.meta import CheckpointMeta
+from llama_megatron.config import ModelConfig
 from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import Kernels, resolve_kernels
@@ -109,10 +110,20 @@ def _check_tokenizer(config: TrainingConfig) -> int | None:
 CONTEXT_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling")
 
 
+# What says which layers attend through a window: compared by the windows they give. transformers 5 writes a Qwen
+# model's layer_types into its config.json, where a preset names max_window_layers instead.
+WINDOW_KEYS = frozenset(("layer_types", "max_window_layers", "use_sliding_window", "sliding_window"))
+
+
 def _model_differences(saved: dict, run: dict, finetune: bool) -> list[str]:
     """Keys of the model config that differ between a checkpoint and this run (a resume must change none)."""
     keys = sorted(set(saved) | set(run))
-    return [k for k in keys if saved.get(k) != run.get(k) and not (finetune and k in CONTEXT_KEYS)]
+    differences = [k for k in keys if saved.get(k) != run.get(k) and not (finetune and k in CONTEXT_KEYS)]
+    if WINDOW_KEYS.intersection(differences):
+        with contextlib.suppress(ConfigError):
+            if ModelConfig.from_dict(saved).layer_windows() == ModelConfig.from_dict(run).layer_windows():
+                differences = [k for k in differences if k not in WINDOW_KEYS]
+    return differences
 
 
 def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int,

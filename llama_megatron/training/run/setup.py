@@ -165,9 +165,10 @@ def _check_lora(config: TrainingConfig, meta: CheckpointMeta | None, load_dir: s
                                     auto=config.checkpoint.load == AUTO_LOAD)
     if base is not None:
         ckpt.check_resume_layout(base, config.parallel.tensor, base.pipeline, record.path)
-        if base.model != config.model.to_dict():
+        differences = _model_differences(base.model, config.model.to_dict(), finetune=False)
+        if differences:
             raise ConfigError(f"base checkpoint {record.path}/{base.tag} holds a different model config than this "
-                              "run's model section")
+                              f"run's model section ({', '.join(differences)})")
         ckpt.verify_load(record.path, base, None)
     return record
 

@@ -131,6 +131,8 @@ EXPERT_LORA_LAYOUTS = {"tp1-pp1": [],
                        "ep2-dp2-zero2": ["parallel.expert=2", "deepspeed_config=ds_configs/zero2_fp32.json"],
                        "ep2-tp2-sp": ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
                                       "deepspeed_config=ds_configs/zero1_fp32.json"]}
+# and the EP2 x DP2 one resumed at EP1 x DP2 (2 processes) from its save at SAVE_STEP
+EXPERT_LORA_RECUT = ("ep2-dp2-zero2", ["parallel.expert=1", "deepspeed_config=ds_configs/zero2_fp32.json"])
 
 
 def _overrides(prefix: str, out, family: str, layout: list[str]) -> list[str]:
@@ -144,9 +146,19 @@ def _lora(prefix: str, work, name: str, base, layout: list[str]) -> list[str]:
 
 def _expert_lora(prefix: str, work, name: str, base) -> list[str]:
     out = work / f"{EXPERT_LORA_FAMILY}-lora-{name}"
+    interval = SAVE_STEP if name == EXPERT_LORA_RECUT[0] else STEPS
     return train_args(CONFIG, _overrides(prefix, out, EXPERT_LORA_FAMILY, [
         f"lora={EXPERT_LORA}", f"checkpoint.load={base}", "checkpoint.finetune=true", f"checkpoint.save={out}/ckpt",
-        f"checkpoint.interval={STEPS}", *EXPERT_LORA_LAYOUTS[name]]))
+        f"checkpoint.interval={interval}", *EXPERT_LORA_LAYOUTS[name]]))
+
+
+def _expert_lora_recut(prefix: str, work) -> list[str]:
+    """The EP2 x DP2 (ZeRO-2) LoRA run's save at SAVE_STEP resumed at EP1 x DP2: its experts' adapters and their
+    ZeRO-2 state cut anew through a universal checkpoint."""
+    saved, layout = EXPERT_LORA_RECUT
+    return train_args(CONFIG, _overrides(prefix, work / f"{EXPERT_LORA_FAMILY}-lora-{saved}-to-ep1", EXPERT_LORA_FAMILY, [
+        f"lora={EXPERT_LORA}", *layout, f"checkpoint.load={work}/{EXPERT_LORA_FAMILY}-lora-{saved}/ckpt",
+        f"checkpoint.tag=global_step{SAVE_STEP}"]))
 
 
 def _converted_bases(work, family: str) -> dict[int, str]:
@@ -205,7 +217,8 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
                     _expert_lora(shakespeare_prefix, work, "ep2-dp2-zero2", moe_bases[1]),
                     _expert_lora(shakespeare_prefix, work, "ep2-tp2-sp", moe_bases[2]),
                     _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP)], str(work / "runs-4.json"))
-    launch_many(2, list(filter(None, (recut(name, 2) for name in RECUT))), str(work / "runs-2.json"))
+    launch_many(2, [*filter(None, (recut(name, 2) for name in RECUT)), _expert_lora_recut(shakespeare_prefix, work)],
+                str(work / "runs-2.json"))
     return work
 
 
@@ -393,6 +406,23 @@ def test_expert_parallel_resume_at_other_degrees(runs, name) -> None:
     loads, reference = losses(runs / f"mixtral-{name}", "expert_load"), losses(runs / f"mixtral-{saved}", "expert_load")
     for step in steps:
         assert max(abs(a - b) for a, b in zip(loads[step], reference[step])) <= (2e-2 if bf16 else 1e-6), step
+
+
+def test_expert_lora_resumes_at_another_expert_degree(runs) -> None:
+    """LoRA on the experts, the shared experts and the attention of Qwen2-MoE saved at EP2 x DP2 under ZeRO-2 and
+    resumed at EP1 x DP2: the adapters' ZeRO state (the experts' over their expert-data-parallel groups) goes through
+    a universal checkpoint and the resumed steps 4-6 are the saved run's (losses, gradient norms and expert loads
+    1e-6; observed 1.2e-7 at most)."""
+    saved = runs / f"{EXPERT_LORA_FAMILY}-lora-{EXPERT_LORA_RECUT[0]}"
+    resumed = runs / f"{EXPERT_LORA_FAMILY}-lora-{EXPERT_LORA_RECUT[0]}-to-ep1"
+    assert os.path.isdir(saved / "ckpt" / f"global_step{SAVE_STEP}_universal")
+    steps = range(SAVE_STEP + 1, STEPS + 1)
+    assert sorted(losses(resumed)) == list(steps)
+    for key in ("loss", "grad_norm"):
+        assert_losses_close(losses(resumed, key), losses(saved, key), 1e-6, steps)
+    loads, reference = losses(resumed, "expert_load"), losses(saved, "expert_load")
+    for step in steps:
+        assert max(abs(a - b) for a, b in zip(loads[step], reference[step])) <= 1e-6, step
 
 
 @pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])

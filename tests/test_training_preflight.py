@@ -110,6 +110,18 @@ def test_finetune_with_other_vocab_padding(tmp_path) -> None:
         preflight(_config(f"checkpoint.load={ckpt}", "checkpoint.finetune=true"), None, 1)
 
 
+def test_a_zero0_fp32_run_cannot_take_a_universal_checkpoint(tmp_path) -> None:
+    """A ZeRO-1 checkpoint of 2 data-parallel ranks resumed by one rank goes through a universal checkpoint, which
+    only DeepSpeed's ZeRO and bf16 optimizers read: a ZeRO-0 fp32 run is refused before any process group; under
+    ZeRO-1 the same resume passes preflight, and so does a ZeRO-0 fp32 resume at the saved degree."""
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", zero_stage=1, data_parallel=2)
+    with pytest.raises(CheckpointError, match=r"\(ZeRO-1, 2 data-parallel x context partitions, expert=1\) resumes "
+                                              r"in this layout through a universal checkpoint, .* ZeRO-0 fp32"):
+        preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
+    assert preflight(_config(f"checkpoint.load={ckpt}"), "ds_configs/zero1_fp32.json", 1).checkpoint.data_parallel == 2
+    assert preflight(_config(f"checkpoint.load={ckpt}"), None, 2).checkpoint.zero_stage == 1
+
+
 def test_resume_with_other_model_or_corrupt_metadata(tmp_path) -> None:
     ckpt = _fake_checkpoint(tmp_path / "a", model={"vocab_size": 3})
     with pytest.raises(ConfigError, match="different model config"):

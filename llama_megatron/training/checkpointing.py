@@ -322,6 +322,21 @@ def needs_universal(meta: CheckpointMeta, partitions: int, layer_placement: dict
                                      or placement_changes(meta, layer_placement))
 
 
+def check_universal_reader(meta: CheckpointMeta, partitions: int, layer_placement: dict | None, expert: int,
+                           zero: int, run_precision: str, load_dir: str) -> None:
+    """A resume through a universal checkpoint (:func:`needs_universal`) hands each parameter's state to DeepSpeed's
+    ZeRO or bf16 optimizer, which cut it for their partitions; a ZeRO-0 fp32 run's optimizer is torch's own and
+    cannot read it (DeepSpeed fails at its first call into it)."""
+    if zero == 0 and run_precision == "fp32" and needs_universal(meta, partitions, layer_placement, expert):
+        raise CheckpointError(
+            f"checkpoint {load_dir}/{meta.tag} (ZeRO-{meta.zero_stage}, {meta.zero_partitions} data-parallel x "
+            f"context partitions, expert={meta.expert}) resumes in this layout through a universal checkpoint, "
+            "which DeepSpeed loads into a ZeRO-1/2/3 or bf16 run only, and this run is ZeRO-0 fp32: resume under "
+            "ZeRO-1 or 2 (e.g. deepspeed_config ds_configs/zero1_fp32.json), in the checkpoint's layout, or start "
+            "from its weights with checkpoint.finetune true"
+        )
+
+
 def check_resume_placement(meta: CheckpointMeta, layer_placement: dict | None, load_dir: str) -> None:
     """Without ZeRO the optimizer state is each rank's own, in its parameters' order: it resumes only where every
     layer sits where it sat."""

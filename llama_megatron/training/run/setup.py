@@ -126,7 +126,7 @@ def _model_differences(saved: dict, run: dict, finetune: bool) -> list[str]:
     return differences
 
 
-def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int,
+def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int, ds_config: dict,
                       skip: frozenset[str] = frozenset()) -> tuple[CheckpointMeta | None, list[str]]:
     """The checkpoint this run loads (metadata, layout and files checked) and notes for the log. With
     ``checkpoint.load: auto`` a damaged newest tag (or those in ``skip``) gives way to the newest good one."""
@@ -154,6 +154,8 @@ def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: 
     if not finetune:
         ckpt.check_resume_experts(meta, config.parallel.expert, load_dir)
         ckpt.check_resume_placement(meta, placement, load_dir)
+        ckpt.check_universal_reader(meta, partitions, placement, config.parallel.expert, zero_stage(ds_config),
+                                    precision(ds_config), load_dir)
     ckpt.verify_load(load_dir, meta, None if finetune else partitions, placement, config.parallel.expert)
     return meta, notes
 
@@ -195,7 +197,7 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     load_dir = ckpt.resolve_load_dir(config.checkpoint)
     if mode == "train":
         ckpt.check_save_dir(config.checkpoint, load_dir)
-    meta, notes = _check_checkpoint(config, load_dir, world_size)
+    meta, notes = _check_checkpoint(config, load_dir, world_size, ds_config)
     if where.world_size == world_size and where.group_spans_nodes(config.parallel.tensor):
         notes.append(f"warning: tensor parallel groups of {config.parallel.tensor} span nodes ({where.local_world_size} "
                      f"processes per node): their all-reduces, the heaviest traffic, cross the network; use a "
@@ -269,7 +271,7 @@ def verify_checkpoint_files(pre: Preflight, pctx: ParallelContext, log: RunLogge
         if config.checkpoint.load != AUTO_LOAD:
             raise CheckpointError(errors[0])
         skipped.add(pre.checkpoint.tag)
-        meta, notes = _check_checkpoint(config, pre.load_dir, pre.world_size, frozenset(skipped))
+        meta, notes = _check_checkpoint(config, pre.load_dir, pre.world_size, pre.ds_config, frozenset(skipped))
         if log is not None:
             for note in [f"passing over {errors[0]}", *notes]:
                 log.info(note)

@@ -82,13 +82,13 @@ class ExpertLayers:
         with self._experts_apart():
             saved = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if self.pctx.rank == self.pctx.edp_group_ranks[0]:
+            # cloned: a bf16 optimizer's parameters are views of one flat buffer, which torch.save would write whole
+            # (unless the checkpoint engine copies each tensor on its own: an asynchronous save's)
+            clone = self.checkpoint_engine.preserves_storage_sharing()
             for layer, within, module in self._moe_blocks():
                 for expert, mlp in module.experts.items():
-                    # a LoRA run saves the adapters only (DeepSpeed's exclude_frozen_parameters); cloned: a bf16
-                    # optimizer's parameters are views of one flat buffer, which torch.save would write whole
-                    # (unless the checkpoint engine copies each tensor on its own: an asynchronous save's)
+                    # a LoRA run saves the adapters only (DeepSpeed's exclude_frozen_parameters)
                     frozen = {n for n, p in mlp.named_parameters() if not p.requires_grad}
-                    clone = self.checkpoint_engine.preserves_storage_sharing()
                     state = {f"{within}.experts.{expert}.{key}": value.detach().clone() if clone else value.detach()
                              for key, value in mlp.state_dict().items()
                              if not (exclude_frozen_parameters and key in frozen)}

@@ -120,6 +120,19 @@ def test_a_zero0_fp32_run_cannot_take_a_universal_checkpoint(tmp_path) -> None:
         preflight(_config(f"checkpoint.load={ckpt}"), None, 1)
     assert preflight(_config(f"checkpoint.load={ckpt}"), "ds_configs/zero1_fp32.json", 1).checkpoint.data_parallel == 2
     assert preflight(_config(f"checkpoint.load={ckpt}"), None, 2).checkpoint.zero_stage == 1
+    # the command: exit 2, the one line, no output directory and the checkpoint as it was (no universal conversion)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = tmp_path / "out"
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    result = subprocess.run(
+        [sys.executable, "-m", "llama_megatron.train", "--config", CONFIG, "--set", 'data={"type": "synthetic"}',
+         "--set", f"checkpoint.load={ckpt}", "--set", f"output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "through a universal checkpoint" in errors[0] and "ZeRO-0 fp32" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert not out.exists() and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
 
 
 def test_resume_with_other_model_or_corrupt_metadata(tmp_path) -> None:

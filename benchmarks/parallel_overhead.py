@@ -155,18 +155,36 @@ def _training_config(args: argparse.Namespace, world: int):
 
 
 def worker(args: argparse.Namespace) -> None:
+    """One launch: each run of ``--runs`` (a JSON list of argument overrides, e.g. ``[{"schedule": "zb-h1"}]``)
+    measured in turn, each on an engine of its own (a launch per run would add the launcher's and the imports'
+    start-up to each); rank 0 writes the results, in that order."""
     counter: dict = defaultdict(float)
     _count_bytes(counter)
+    import torch
+
+    from llama_megatron.parallel.launch import init_distributed
+
+    init_distributed()
+    results = [_measure(argparse.Namespace(**{**vars(args), **run}), counter) for run in json.loads(args.runs)]
+    if torch.distributed.get_rank() == 0:
+        with open(args.result, "w") as fh:
+            json.dump(results, fh)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _measure(args: argparse.Namespace, counter: dict) -> dict | None:
+    """One schedule's engine, a warm-up step, then the timed steps; rank 0's result (None on the other ranks)."""
+    import gc
+
     import torch
 
     from llama_megatron.model.build import build_model
     from llama_megatron.model.kernels import resolve_kernels
     from llama_megatron.parallel.context import ParallelContext
-    from llama_megatron.parallel.launch import init_distributed
     from llama_megatron.training.engine.training_engine import TrainingEngine
     from llama_megatron.training.run.batches import build_datasets, step_batches
 
-    init_distributed()
     config, ds = _training_config(args, int(os.environ["WORLD_SIZE"]))
     pctx = ParallelContext.build(args.tp, args.pp, args.sp, args.cp, args.ep)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -178,11 +196,22 @@ def worker(args: argparse.Namespace) -> None:
     batches = list(step_batches(train, config, pctx, 0, args.steps + 1))
     engine.train_step(batches[0])  # warm-up, not counted
     counter.clear()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     if args.timeline:
-        _timed_steps(args, engine, batches[1:], pctx, counter)
-        return
+        result = _timed_steps(args, engine, batches[1:], pctx, counter)
+    else:
+        result = _bytes_and_time(args, engine, batches[1:], pctx, counter)
+    del engine, model
+    gc.collect()
+    return result
+
+
+def _bytes_and_time(args: argparse.Namespace, engine, batches: list, pctx, counter: dict) -> dict | None:
+    import torch
+
     start = time.perf_counter()
-    for step in batches[1:]:
+    for step in batches:
         engine.train_step(step)
     elapsed = (time.perf_counter() - start) / args.steps
     groups = {id(pctx.tp_group): "tp", id(pctx.pp_group): "pp", id(pctx.dp_cp_group): "dp_cp"}
@@ -196,25 +225,23 @@ def worker(args: argparse.Namespace) -> None:
             per_step[f"{name}[{groups.get(group, 'other')}]"] += sent / args.steps
     ranks: list = [None] * pctx.world_size
     torch.distributed.all_gather_object(ranks, {"stage": pctx.pp_rank, "bytes_per_step": per_step})
-    if pctx.rank == 0:
-        per_micro = args.micro_batches
+    if pctx.rank != 0:
+        return None
+    per_micro = args.micro_batches
 
-        def sent_by(stage: int) -> float:  # mean p2p bytes per micro batch of the ranks on ``stage``
-            on_stage = [sum(r["bytes_per_step"].get(k, 0.0) for k in SENDS) for r in ranks if r["stage"] == stage]
-            return sum(on_stage) / len(on_stage) / per_micro
+    def sent_by(stage: int) -> float:  # mean p2p bytes per micro batch of the ranks on ``stage``
+        on_stage = [sum(r["bytes_per_step"].get(k, 0.0) for k in SENDS) for r in ranks if r["stage"] == stage]
+        return sum(on_stage) / len(on_stage) / per_micro
 
-        pipe = {"forward": sent_by(0), "backward": sent_by(args.pp - 1)} if args.pp > 1 else None
-        memory = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-        with open(args.result, "w") as fh:
-            json.dump({"step_s": elapsed, "bytes_per_step": per_step, "pipe_bytes_per_micro_batch": pipe,
-                       "peak_memory_bytes": memory}, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    pipe = {"forward": sent_by(0), "backward": sent_by(args.pp - 1)} if args.pp > 1 else None
+    memory = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {"step_s": elapsed, "bytes_per_step": per_step, "pipe_bytes_per_micro_batch": pipe,
+            "peak_memory_bytes": memory}
 
 
-def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx, counter: dict) -> None:
+def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx, counter: dict) -> dict | None:
     """``--timeline``: every instruction of every stage timed and each stage's activation bytes after it; rank 0
-    writes per stage busy/idle (the mean over the steps), the mean pass times, the activation peaks and the bytes
+    returns per stage busy/idle (the mean over the steps), the mean pass times, the activation peaks and the bytes
     each stage sends to the others per step."""
     import torch
 
@@ -245,27 +272,25 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx, counter:
     sent: list = [None] * pctx.world_size  # point-to-point bytes of this rank per step (headers included)
     torch.distributed.all_gather_object(sent, sum(v for (name, _), v in counter.items() if name in ("send", "isend"))
                                         / len(batches))
-    if pctx.rank == 0:  # with TP1 x PP only, rank i is stage i
-        ordered = [sorted(stages, key=lambda r: r[0]) for stages in steps]
-        summaries = [bubble([records for _, records, _ in stages]) for stages in ordered]
-        mean = lambda values: sum(values) / len(values)  # noqa: E731
-        result = {"step_s": elapsed / len(batches),
-                  "span_s": mean([s["span_s"] for s in summaries]),
-                  "busy_s": [mean([s["busy_s"][i] for s in summaries]) for i in range(args.pp)],
-                  "idle_s": [mean([s["idle_s"][i] for s in summaries]) for i in range(args.pp)],
-                  "idle_share": mean([s["idle_share"] for s in summaries]),
-                  "pass_s": {k: mean([s["pass_s"][k] for s in summaries]) for k in summaries[0]["pass_s"]},
-                  "activation_peak_bytes": [max(stages[i][2] for stages in ordered) for i in range(args.pp)],
-                  "sent_bytes_per_step": sent,
-                  "metering_s": [m for _, m in sorted(metered)],
-                  # seconds per step in each kind of instruction, per stage (receives include their waits)
-                  "instruction_s": [{name: round(mean([sum(r[3] - r[2] for r in stages[i][1] if r[0] == name)
-                                                      for stages in ordered]), 4)
-                                     for name in sorted({r[0] for r in ordered[0][i][1]})} for i in range(args.pp)]}
-        with open(args.result, "w") as fh:
-            json.dump(result, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if pctx.rank != 0:
+        return None
+    # with TP1 x PP only, rank i is stage i
+    ordered = [sorted(stages, key=lambda r: r[0]) for stages in steps]
+    summaries = [bubble([records for _, records, _ in stages]) for stages in ordered]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return {"step_s": elapsed / len(batches),
+            "span_s": mean([s["span_s"] for s in summaries]),
+            "busy_s": [mean([s["busy_s"][i] for s in summaries]) for i in range(args.pp)],
+            "idle_s": [mean([s["idle_s"][i] for s in summaries]) for i in range(args.pp)],
+            "idle_share": mean([s["idle_share"] for s in summaries]),
+            "pass_s": {k: mean([s["pass_s"][k] for s in summaries]) for k in summaries[0]["pass_s"]},
+            "activation_peak_bytes": [max(stages[i][2] for stages in ordered) for i in range(args.pp)],
+            "sent_bytes_per_step": sent,
+            "metering_s": [m for _, m in sorted(metered)],
+            # seconds per step in each kind of instruction, per stage (receives include their waits)
+            "instruction_s": [{name: round(mean([sum(r[3] - r[2] for r in stages[i][1] if r[0] == name)
+                                                for stages in ordered]), 4)
+                               for name in sorted({r[0] for r in ordered[0][i][1]})} for i in range(args.pp)]}
 
 
 VIRTUAL_STAGES = {"interleaved-1f1b": 2, "zb-v": 2}  # --schedules runs the virtual-stage schedules at v = 2
@@ -290,7 +315,7 @@ def schedules(args: argparse.Namespace) -> None:
             names = [n for n in args.schedule_names
                      if micro_batch_rule(n, pp, VIRTUAL_STAGES.get(n, 1), m) is None]
             cfg = {"tp": 1, "pp": pp, "sp": False, "micro_batches": m}
-            measured = {name: _launch(cfg, args, schedule=name, timeline=True) for name in names}
+            measured = dict(zip(names, _launch_runs(cfg, args, [{"schedule": n} for n in names], timeline=True)))
             line = {"benchmark": "pipeline_schedules", "pp": pp, "micro_batches": m, "seq": args.seq,
                     "hidden": model["hidden_size"], "layers": model["num_hidden_layers"],
                     "analytic_idle_share": {name: round(analytic_bubble(name, pp, m, VIRTUAL_STAGES.get(name, 1)), 3)
@@ -357,15 +382,21 @@ def ulysses_bytes_per_layer(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> f
     return 2 * (c - 1) / c * per_pass  # forward and backward, each rank keeping 1/c
 
 
-def _launch(cfg: dict, args: argparse.Namespace, schedule: str = "1f1b", timeline: bool = False) -> dict:
+def _launch(cfg: dict, args: argparse.Namespace) -> dict:
     """Run the worker for ``cfg`` under the deepspeed launcher; its measurements."""
+    return _launch_runs(cfg, args, [{}])[0]
+
+
+def _launch_runs(cfg: dict, args: argparse.Namespace, runs: list[dict], timeline: bool = False) -> list[dict]:
+    """Run the worker for ``cfg`` under the deepspeed launcher, once per entry of ``runs`` (the worker's argument
+    overrides: schedule, ep) in one launch; the measurements, in that order."""
     ranks = cfg["tp"] * cfg["pp"] * cfg.get("cp", 1) * cfg.get("dp", 1)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         cmd = [*launcher_command(ranks), os.path.abspath(__file__), "--worker", "--tp", str(cfg["tp"]), "--pp",
                str(cfg["pp"]), "--cp", str(cfg.get("cp", 1)), "--micro-batches", str(cfg["micro_batches"]), "--steps",
-               str(args.steps), "--seq", str(args.seq), "--result", result_path, "--schedule", schedule,
-               "--ep", str(cfg.get("ep", 1))]
+               str(args.steps), "--seq", str(args.seq), "--result", result_path, "--runs", json.dumps(runs),
+               "--ep", str(cfg.get("ep", 1))]  # a run's "ep" overrides this
         if timeline:
             cmd.append("--timeline")
         if cfg.get("kv_heads"):
@@ -411,9 +442,9 @@ def experts(args: argparse.Namespace) -> None:
     """MoE on 2 ranks with the same global batch: EP 1 (DP 2, experts replicated) vs EP 2."""
     model = _model(args)
     tokens_per_s = {}
-    for ep in (1, 2):
-        cfg = {"tp": 1, "pp": 1, "sp": False, "dp": 2, "ep": ep, "micro_batches": args.micro_batches}
-        measured = _launch(cfg, args)
+    cfg = {"tp": 1, "pp": 1, "sp": False, "dp": 2, "micro_batches": args.micro_batches}
+    for ep, measured in zip((1, 2), _launch_runs(cfg, args, [{"ep": 1}, {"ep": 2}])):
+        cfg["ep"] = ep
         tokens_per_s[ep] = 2 * cfg["micro_batches"] * args.seq / measured["step_s"]
         a2a = sum(v for k, v in measured["bytes_per_step"].items() if k in EP_COLLECTIVES)
         line = {"benchmark": "expert_parallel", "ep": ep, "ranks": 2, "seq": args.seq, "hidden": model["hidden_size"],
@@ -459,6 +490,7 @@ def main() -> None:
     parser.add_argument("--schedule-names", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                         help="with --schedules: which schedules (default: all four)")
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", default="[{}]", help=argparse.SUPPRESS)
     parser.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -3,22 +3,23 @@
 ``zero3_init_flag``), and against ``llama-megatron estimate``'s construction figure.
 
 Each rank goes through the training setup path (preflight, process groups, ``load_model``) under the deepspeed
-launcher, and reports its peak resident memory (ru_maxrss) above what it held before building. Twice per path:
+launcher, and reports its peak resident memory (the kernel's high-water mark, reset before each phase) above what
+it held before building; the four phases run one after another in one launch. Twice per path:
 built with the seeded initialisation (``init``), and filled from a converted checkpoint as a fine-tuning start
 reads it, per tensor into each rank's slices (``load``: random HF weights written as ``save_pretrained`` does,
 then ``llama-megatron convert hf-to-megatron``). One JSON line.
 
-    python benchmarks/zero3_init_memory.py                      # a 0.54B shape at ZeRO-3 DP4 (fp32), ~5 minutes
+    python benchmarks/zero3_init_memory.py                      # a 0.54B shape at ZeRO-3 DP4 (fp32), ~1.5 minutes
     python benchmarks/zero3_init_memory.py --layers 2 --hidden 256 --ranks 2   # the smoke test's size
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -63,31 +64,40 @@ def _converted_checkpoint(args) -> str:
     return out
 
 
-def worker(path: str, out: str) -> None:
-    """One rank: RSS before and the peak while building and filling its model."""
+def worker(paths: list[str], out: str) -> None:
+    """One rank, one launch: per config in turn (each phase's model freed before the next is built), the resident
+    memory before and the peak while building and filling its model. The peak is the kernel's high-water mark,
+    reset before each phase (``/proc/self/clear_refs``), so one process measures every phase as four would."""
     from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.run.setup import load_model, preflight, start_process_groups
 
     adopt_launcher_env()
-    with open(path, encoding="utf-8") as fh:
-        config = TrainingConfig.from_dict(json.load(fh))
-    pre = preflight(config, config.deepspeed_config, mode="evaluate")
-    pctx = start_process_groups(pre)
-    import torch.distributed as dist
+    measured = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            config = TrainingConfig.from_dict(json.load(fh))
+        pre = preflight(config, config.deepspeed_config, mode="evaluate")
+        pctx = start_process_groups(pre)
+        import torch.distributed as dist
 
-    dist.barrier()
-    before = _rss_kib()
-    load_model(pre, pctx)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        gc.collect()
+        dist.barrier()
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")  # the high-water mark (VmHWM) back to the resident size now
+        before = _status_kib("VmRSS")
+        model = load_model(pre, pctx)
+        measured.append({"before_mib": before / 1024, "peak_mib": _status_kib("VmHWM") / 1024})
+        del model
+        gc.collect()
+        dist.barrier()
     with open(f"{out}.{pctx.rank}", "w", encoding="utf-8") as fh:
-        json.dump({"before_mib": before / 1024, "peak_mib": peak / 1024}, fh)
-    dist.barrier()
+        json.dump(measured, fh)
 
 
-def _rss_kib() -> int:
+def _status_kib(key: str) -> int:
     with open("/proc/self/status", encoding="ascii") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in fh if line.startswith(f"{key}:"))
 
 
 def main() -> None:
@@ -95,11 +105,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker)
+        worker(args.worker[1:], args.worker[0])
         return
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.diagnostics.memory_estimate import construction_bytes
@@ -110,16 +120,23 @@ def main() -> None:
         result = {"benchmark": "zero3_init_memory", "ranks": args.ranks, "layers": args.layers,
                   "hidden": args.hidden}
         checkpoint = _converted_checkpoint(args)
-        for (zero3_init, phase) in itertools.product((False, True), ("init", "load")):
-            path, out = (os.path.join(work, f"{name}-{zero3_init}-{phase}") for name in ("config", "rss"))
-            config = _config(args, zero3_init, checkpoint if phase == "load" else None)
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(config, fh)
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            subprocess.run([*launcher_command(args.ranks), os.path.abspath(__file__), "--worker", path, out],
-                           cwd=ROOT, env=env, check=True, capture_output=True, text=True)
-            ranks = [json.load(open(f"{out}.{r}", encoding="utf-8")) for r in range(args.ranks)]
-            built = max(r["peak_mib"] - r["before_mib"] for r in ranks)
+        phases = list(itertools.product((False, True), ("init", "load")))
+        configs, paths = [], []
+        for zero3_init, phase in phases:
+            configs.append(_config(args, zero3_init, checkpoint if phase == "load" else None))
+            paths.append(os.path.join(work, f"config-{zero3_init}-{phase}"))
+            with open(paths[-1], "w", encoding="utf-8") as fh:
+                json.dump(configs[-1], fh)
+        out = os.path.join(work, "rss")
+        # tensors of 1 MiB and more mapped, as a real model's (above glibc's dynamic threshold of up to 32 MiB)
+        # always are: a freed tensor's pages go back to the system instead of waiting in the heap for the next
+        # phase (the heap holes would otherwise add to a phase's peak, or be reused by the next one)
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20))
+        subprocess.run([*launcher_command(args.ranks), os.path.abspath(__file__), "--worker", out, *paths],
+                       cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+        ranks = [json.load(open(f"{out}.{r}", encoding="utf-8")) for r in range(args.ranks)]
+        for index, ((zero3_init, phase), config) in enumerate(zip(phases, configs)):
+            built = max(r[index]["peak_mib"] - r[index]["before_mib"] for r in ranks)
             typed = TrainingConfig.from_dict(config)
             ds = build_deepspeed_config(typed, typed.deepspeed_config, args.ranks, "cpu")
             key = "partitioned" if zero3_init else "whole"

@@ -106,7 +106,9 @@ def test_expert_parallel_all_to_all_bytes_and_throughput() -> None:
     measured = ep2["measured_ep_all_to_all_bytes_per_layer_per_micro_batch"]
     analytic = ep2["analytic_ep_all_to_all_bytes_per_layer_per_micro_batch"]
     assert abs(measured - analytic) <= 0.25 * analytic, (measured, analytic)
-    assert abs(ep2["tokens_per_s_vs_ep1"] - ep2["tokens_per_s"] / ep1["tokens_per_s"]) < 2e-3
+    # from the unrounded figures: the printed tokens/s carry 0.1 (one loaded CI step: EP 1 130.4, EP 2 903.1 tokens/s,
+    # whose rounding moves the ratio of the printed ones by 2.4e-3), the ratio 1e-3
+    assert ep2["tokens_per_s_vs_ep1"] == pytest.approx(ep2["tokens_per_s"] / ep1["tokens_per_s"], rel=2e-3)
 
 
 def test_zero3_init_memory_smoke() -> None:

@@ -35,6 +35,9 @@ LORA = 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"
 EXPERT_LORA = 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}'
 MOE = ["model.model_type=mixtral", "model.num_local_experts=4", "model.num_experts_per_tok=2",
        "model.output_router_logits=true"]
+QWEN2_MOE = ["model.model_type=qwen2_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+             "model.moe_intermediate_size=64", "model.shared_expert_intermediate_size=96",
+             "model.output_router_logits=true"]
 
 
 def _config(overrides: list[str]) -> TrainingConfig:
@@ -243,6 +246,8 @@ TP2_ACTIVATION_CASES = [  # 2 processes: TP2, or CP2
     (["parallel.context=2"], False),
     (["parallel.context=2", "activation_checkpointing.interval=1", "kernels=compiled",
       "model.num_key_value_heads=1"], True),
+    # Qwen2-MoE at TP2 with SP: the experts' and the shared expert's widths split, every rank routing the sequence
+    ([*QWEN2_MOE, "parallel.tensor=2", "parallel.sequence_parallel=true"], False),
 ]
 
 
@@ -281,9 +286,7 @@ ACTIVATION_CASES = [
     (MOE, False),
     ([*MOE, "kernels=compiled", "activation_checkpointing.interval=1"], True),
     # Qwen2-MoE's shared expert and its gate beside the routed experts (every layer an MoE layer)
-    (["model.model_type=qwen2_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
-      "model.moe_intermediate_size=64", "model.shared_expert_intermediate_size=96", "model.output_router_logits=true"],
-     False),
+    (QWEN2_MOE, False),
 ]
 
 
@@ -302,7 +305,18 @@ def test_activations_single_process(overrides, bf16):
     (["kernels=compiled"], False),  # the fused loss computes the head's weight gradient in its forward
     (['lora={"rank": 4, "alpha": 8}'], False),  # every linear adapted: their inputs and output gradients
     (['lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}'], False),
-    (['lora={"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["k_proj", "up_proj", "o_proj"]}'], False)])
+    (['lora={"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["k_proj", "up_proj", "o_proj"]}'], False),
+    (["model.model_type=qwen3", "model.head_dim=24"], False),  # the q and k norms' weight gradients
+    # MoE: the router, each routed assignment's expert linears (balanced or not, k x tokens rows in all), the
+    # shared expert and its gate; LoRA on the attention of an MoE model (its experts frozen); before these, the
+    # estimate counted an MoE layer's MLP as a dense one (Mixtral here: 23% under, expert adapters 9x under)
+    (MOE, False), (MOE, True), (QWEN2_MOE, False),
+    ([*MOE, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}'], False),
+    # LoRA on the MLPs of MoE layers: Qwen2-MoE's shared experts (what up/down adapt there), the routed experts'
+    # parameters (per assignment)
+    ([*QWEN2_MOE, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "up_proj", "down_proj"]}'], False),
+    ([*MOE, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "mlp.experts.gate_up_proj", '
+      '"mlp.experts.down_proj"]}'], False)])
 def test_what_a_weight_pass_keeps(overrides, bf16):
     """ZB-H1's W passes keep each linear's input and output gradient from the B: the estimate's bytes per
     micro batch are those the store holds after one B."""

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import kernel_choice
-from llama_megatron.model.lora_layout import TARGETS, LoraConfig, adapter_layout, target_shapes
+from llama_megatron.model.lora_layout import (
+    EXPERT_TARGETS,
+    TARGETS,
+    LoraConfig,
+    adapter_layout,
+    layer_target,
+    target_shapes,
+)
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
@@ -296,32 +303,69 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
     LM head of the reference path, its own or the tied table (the fused loss computes the weight's gradient in
     its forward). The inputs share their storage with the forward's saved tensors, which the B frees otherwise.
     LoRA (the base frozen): the adapters' inputs, their rank-wide intermediates and gradients, and the gradients
-    of the adapted outputs."""
-    m, t = config.model, config.parallel.tensor
+    of the adapted outputs.
+
+    An MoE layer's MLP (full-parameter runs): the router's input (the whole, SP-gathered sequence) and its logits'
+    gradient; per routed assignment (balanced routing: k x tokens rows on this EP rank's experts) each expert's
+    input, its gate/up output gradient, its down input and output gradient; the shared expert's linears on every
+    token (their input the router's) and its gate's one logit. LoRA in an MoE layer: the adapters of the shared
+    expert (what PEFT's MLP names adapt there) on every token, and those on the routed experts' parameters per
+    assignment. Where a model mixes dense and MoE layers, every layer counts as the larger kind (as the saved
+    activations do)."""
+    m = config.model
     tokens = b * config.seq_length // config.parallel.context
     head = 0
     if "FinalNormPipe" in kinds and config.lora is None:  # the final norm's weight gradient, and the head's
         head = e * m.hidden_size
         if not fast:
             head += e * tokens * (m.hidden_size + config.local_shapes.vocab_rows)
-    fused: dict[str, list[str]] = {}  # each fused linear: its HF targets
-    for target in TARGETS.values():
-        fused.setdefault(target.linear, []).append(target.name)
     norms = 0 if config.lora is not None else 2 * e * m.hidden_size  # the two norms' weight gradients
+    if m.qk_norm and config.lora is None:  # Qwen3's q and k norms (a head_dim weight each)
+        norms += 2 * e * m.head_dim
+    widths = max(_deferred_widths(config, layer) for layer in range(m.num_hidden_layers))
+    return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
+
+
+def _deferred_widths(config: TrainingConfig, layer: int) -> int:
+    """Per token, the elements decoder layer ``layer``'s W keeps (:func:`deferred_weight_grad_bytes`)."""
+    m, t, lora = config.model, config.parallel.tensor, config.lora
+    moe = m.is_moe_layer(layer)
+    fused: dict[str, list[str]] = {}  # each fused linear of this layer: its HF targets
+    for name in TARGETS:
+        target = layer_target(m, layer, name) if lora is not None else TARGETS[name]
+        if target is not None and not (lora is None and moe and target.linear.startswith("mlp.")):
+            fused.setdefault(target.linear, []).append(name)
     widths = 0
     for names in fused.values():
         column = TARGETS[names[0]].parallel == "column"
-        outputs = {name: target_shapes(m, name)[0] // (t if column else 1) for name in names}  # local widths
-        width = target_shapes(m, names[0])[1] // (1 if column else t)  # the fused linear's local input
-        if config.lora is None:
+        outputs = {name: target_shapes(m, name, layer)[0] // (t if column else 1) for name in names}  # local widths
+        width = target_shapes(m, names[0], layer)[1] // (1 if column else t)  # the fused linear's local input
+        if lora is None:
             widths += width + sum(outputs.values())
             continue
-        adapted = [name for name in names if name in config.lora.targets]
+        adapted = [name for name in names if name in lora.targets]
         if adapted:  # A: the input (one dropped-out copy per target of a column linear) and its rank-wide output
             # and gradient; B: the gradient of each adapted target's output
-            copies = len(adapted) if config.lora.dropout and column else 1
-            widths += copies * width + 2 * config.lora.rank * len(adapted) + sum(outputs[a] for a in adapted)
-    return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
+            copies = len(adapted) if lora.dropout and column else 1
+            widths += copies * width + 2 * lora.rank * len(adapted) + sum(outputs[a] for a in adapted)
+    if moe and lora is None:
+        widths += _moe_mlp_widths(config)
+    elif moe:  # adapters on the routed experts' parameters: per assignment, as the experts' own linears
+        f = config.local_shapes.expert_intermediate
+        per_row = {EXPERT_TARGETS[0]: m.hidden_size + 2 * f, EXPERT_TARGETS[1]: f + m.hidden_size}
+        widths += m.num_experts_per_tok * sum(io + 2 * lora.rank for name, io in per_row.items()
+                                              if name in lora.targets)
+    return widths
+
+
+def _moe_mlp_widths(config: TrainingConfig) -> int:
+    """Per token, what a full-parameter MoE layer's MLP keeps for its W (:func:`deferred_weight_grad_bytes`)."""
+    m, local = config.model, config.local_shapes
+    h, f = m.hidden_size, local.expert_intermediate
+    widths = h + m.num_local_experts + m.num_experts_per_tok * (h + 2 * f + f + h)
+    if local.shared_intermediate:  # its gate_up reads the router's input
+        widths += 2 * local.shared_intermediate + local.shared_intermediate + h + 1
+    return widths
 
 
 def _held_peak(schedule: str, ranks: int, rank: int, micro_batches: int, saved: list[int],

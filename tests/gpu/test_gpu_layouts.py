@@ -1,5 +1,6 @@
 """Every layout that runs on one GPU, in one launch of one process (device time is short): ZeRO 0-3 in bf16 with the
-default kernels (``auto``: compiled on CUDA), per-document attention with recomputation (the fused attention's
+default kernels (``auto``: compiled on CUDA) and ZeRO-1 with each ``kernels`` value (reference, compiled, liger where
+installed; each within bf16's 2e-2 of the reference per step), per-document attention with recomputation (the fused attention's
 packed path), a Mixtral model (its experts on one rank), LoRA on a saved base (against its twin at learning rate
 0), a save resumed, and SIGTERM.
 
@@ -15,6 +16,7 @@ it on the CPU (checks the test itself, not the GPU).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -32,8 +34,12 @@ BF16_REL = 2e-2
 LORA = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "o_proj", "down_proj"]}'
 MIXTRAL = ["model.model_type=mixtral", "model.sliding_window=8", "model.num_local_experts=4",
            "model.num_experts_per_tok=2", "model.output_router_logits=true", "model.router_aux_loss_coef=0.02"]
+LIGER = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 RUNS = {  # name -> overrides (each run: STEPS steps from the same seed)
     **{f"zero{stage}": [f"deepspeed_config=ds_configs/zero{stage}_bf16.json"] for stage in range(4)},
+    # zero1's run with each other kernels value (zero1: auto, i.e. compiled on CUDA)
+    **{kernels: ["deepspeed_config=ds_configs/zero1_bf16.json", f"kernels={kernels}"]
+       for kernels in ("reference", "compiled", *(("liger",) if LIGER else ()))},
     "per-document-recompute": ["deepspeed_config=ds_configs/zero1_bf16.json", "data.per_document_attention=true",
                                "activation_checkpointing.interval=1"],
     "mixtral": ["deepspeed_config=ds_configs/zero1_bf16.json", *MIXTRAL],
@@ -84,7 +90,16 @@ def test_each_layout_trains(work, name) -> None:
     assert all(loss == loss and abs(loss) != float("inf") for loss in curve.values()), curve
     assert curve[STEPS] < curve[1], curve
     kernels = json.load(open(work / name / "run.json", encoding="utf-8"))["kernels"]["kernels"]
-    assert kernels == ("compiled" if torch.cuda.is_available() else "reference")
+    default = "compiled" if torch.cuda.is_available() else "reference"
+    assert kernels == (name if name in ("reference", "compiled", "liger") else default)
+
+
+@pytest.mark.parametrize("kernels", ["zero1", "compiled", *(("liger",) if LIGER else ())])
+def test_each_kernels_value_tracks_the_reference_kernels(work, kernels) -> None:
+    """bf16 with other kernels rounds otherwise, the model is the same: every step within 2e-2 of the reference
+    kernels' run (liger only where Liger-Kernel is installed: scripts/fetch_gpu_wheels.sh carries it)."""
+    assert_losses_close(losses(str(work / kernels)), losses(str(work / "reference")), BF16_REL,
+                        range(1, STEPS + 1))
 
 
 def test_lora_adapters_lower_the_loss_of_their_frozen_base(work) -> None:

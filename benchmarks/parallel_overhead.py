@@ -174,7 +174,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _measure(args: argparse.Namespace, counter: dict) -> dict | None:
-    """One schedule's engine, a warm-up step, then the timed steps; rank 0's result (None on the other ranks)."""
+    """One run's engine, a warm-up step, then the timed steps; rank 0's result (None on the other ranks)."""
     import gc
 
     import torch

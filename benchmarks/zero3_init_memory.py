@@ -73,14 +73,14 @@ def worker(paths: list[str], out: str) -> None:
     from llama_megatron.training.run.setup import load_model, preflight, start_process_groups
 
     adopt_launcher_env()
+    import torch.distributed as dist
+
     measured = []
     for path in paths:
         with open(path, encoding="utf-8") as fh:
             config = TrainingConfig.from_dict(json.load(fh))
         pre = preflight(config, config.deepspeed_config, mode="evaluate")
         pctx = start_process_groups(pre)
-        import torch.distributed as dist
-
         gc.collect()
         dist.barrier()
         with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:

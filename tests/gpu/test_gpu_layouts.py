@@ -22,7 +22,7 @@ import os
 
 import pytest
 import torch
-from launch_utils import ROOT, assert_losses_close, losses, run_command
+from launch_utils import ROOT, assert_losses_close, losses, run_command, train_args
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available()
                                 and os.environ.get("LLAMA_MEGATRON_GPU_TESTS_ON_CPU") != "1",
@@ -47,9 +47,8 @@ RUNS = {  # name -> overrides (each run: STEPS steps from the same seed)
 
 
 def _argv(prefix: str, out, *extra: str) -> list[str]:
-    overrides = [f"data.prefix={prefix}", f"output_dir={out}", f"train.steps={STEPS}", "logging.tensorboard_dir=null",
-                 *extra]
-    return ["--config", CONFIG] + [a for item in overrides for a in ("--set", item)]
+    return train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={out}", f"train.steps={STEPS}",
+                               "logging.tensorboard_dir=null", *extra])
 
 
 @pytest.fixture(scope="module")

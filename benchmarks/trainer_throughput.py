@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 from gpu_throughput import have_liger  # noqa: E402  (this directory is the script's first import path)
 
-from llama_megatron.parallel.launch import launcher_command, skip_cpu_shared_memory_op  # noqa: E402
+from llama_megatron.parallel.launch import end_process_groups, launcher_command, skip_cpu_shared_memory_op  # noqa: E402
 from llama_megatron.training.config import TrainingConfig  # noqa: E402
 from llama_megatron.training.engine.deepspeed_config import load_deepspeed_json, precision, zero_stage  # noqa: E402
 
@@ -125,6 +125,10 @@ def hf_worker(args, overrides: list[str]) -> None:
             json.dump({"tokens_per_s": tokens / (marks[args.steps] - marks[args.warmup]),
                        "zero": engine.zero_optimization_stage() if trainer.is_deepspeed_enabled else None,
                        "steps": trainer.state.global_step}, fh)
+    # Left to the interpreter's exit, gloo's teardown aborted this worker once after its result was written
+    # ("terminate called without an active exception", exit -6, in CI): take the groups down in order, as our
+    # commands do.
+    end_process_groups()
 
 
 def hf_tokens_per_s(args, variant: str, zero: int, work: str) -> float:

@@ -15,12 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llama_megatron.parallel.launch import adopt_launcher_env, end_process_groups
+    from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.run.loop import run_evaluation
 
     adopt_launcher_env()
     config = TrainingConfig.from_file(args.config, args.overrides)
     run_evaluation(config, args.deepspeed_config or config.deepspeed_config)
-    end_process_groups()
     return 0

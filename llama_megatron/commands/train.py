@@ -45,14 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llama_megatron.parallel.launch import adopt_launcher_env, end_process_groups
+    from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.run.loop import run_pretraining
 
     adopt_launcher_env()
     config = TrainingConfig.from_file(args.config, args.overrides)
     run_pretraining(config, args.deepspeed_config or config.deepspeed_config, eval_only=args.eval_only)
-    end_process_groups()  # a finished run must exit 0, not abort in gloo's teardown at interpreter exit
     return 0
 
 

@@ -57,7 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help()
         return 2
-    return exit_code_of(lambda: _load_verb(args.verb).run(args))
+    return exit_code_of(lambda: _run_verb(args))
+
+
+def _run_verb(args: argparse.Namespace) -> int | None:
+    from llama_megatron.parallel.launch import quiet_library_warnings
+
+    quiet_library_warnings()  # before any verb imports DeepSpeed
+    return _load_verb(args.verb).run(args)
 
 
 if __name__ == "__main__":

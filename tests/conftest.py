@@ -48,7 +48,7 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     # order from 2026-11-25's cold-cache figures ran slower (2155 s against 1901 s): which files meet decides more
     # than the figures do (two multi-rank launches at once oversubscribe the 2 cores)
     "test_training_e2e.py": 800, "test_multinode.py": 450, "test_benchmark_scripts.py": 320,
-    "test_pipeline_schedules.py": 260, "test_model_families.py": 260, "test_finetune_recipe.py": 200,
+    "test_pipeline_schedules.py": 260, "test_model_families.py": 260,
     "test_lora.py": 190, "test_estimate.py": 160, "test_kernels.py": 140, "test_faults.py": 130,
     "test_universal_conversion.py": 120, "test_sft_e2e.py": 105, "test_zero3_init.py": 95, "test_generate.py": 87,
     "test_context_parallel.py": 80, "test_checkpoint_safety.py": 76, "test_convert_deepspeed.py": 72,
@@ -57,6 +57,8 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     # files added since (2026-11-26's CI: 120 s and 70 s in their slowest fixtures alone), which otherwise ran last
     "test_preference_train.py": 200, "test_async_save.py": 150, "test_preference_data.py": 30,
     "test_hardening.py": 28,
+    # README's tour, twice (2026-11-27: the recipes themselves, about 15 minutes on 2 cores), and the launch tests
+    "test_readme_tour.py": 1000, "test_launch_rendezvous.py": 60,
 }
 
 

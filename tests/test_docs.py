@@ -159,12 +159,14 @@ def commands(block: str) -> list[list[str]]:
     return out
 
 
-def command_errors(page: str, text: str, root: str = ROOT) -> list[str]:
+def _shell_blocks(text: str) -> list[str]:
     _, blocks = _prose_and_blocks(text)
+    return [block for lang, block in blocks if lang in ("bash", "sh", "shell")]
+
+
+def command_errors(page: str, text: str, root: str = ROOT) -> list[str]:
     errors = []
-    for lang, block in blocks:
-        if lang not in ("bash", "sh", "shell"):
-            continue
+    for block in _shell_blocks(text):
         for argv in commands(block):
             shown = " ".join(argv)
             if not argv or argv[0] not in cli.VERBS:
@@ -202,10 +204,47 @@ def _config_path_errors(page: str, value: str, shown: str, root: str) -> list[st
     return []
 
 
+def config_errors(page: str, text: str) -> list[str]:
+    """Every ``train`` / ``evaluate`` / ``estimate`` command of a bash block whose ``--config`` is a shipped file
+    reads as a training config with its ``--set`` overrides applied (a key renamed or removed since fails here);
+    files the page's earlier commands make (a converted model's config) are not looked for."""
+    from llama_megatron.errors import LlamaMegatronError
+    from llama_megatron.training.config import TrainingConfig
+
+    errors = []
+    for block in _shell_blocks(text):
+        for argv in commands(block):
+            if not argv or argv[0] not in ("train", "evaluate", "estimate") or "--config" not in argv:
+                continue
+            config = argv[argv.index("--config") + 1]
+            overrides = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--set"]
+            if PLACEHOLDER.search(config) or not os.path.isfile(os.path.join(ROOT, config)):
+                continue
+            cwd = os.getcwd()
+            try:
+                os.chdir(ROOT)
+                TrainingConfig.from_file(config, overrides)
+            except LlamaMegatronError as exc:
+                if not re.search(r"not found|does not exist|no such", str(exc)):  # made by an earlier command
+                    errors.append(f"{page}: {' '.join(argv)}: {exc}")
+            finally:
+                os.chdir(cwd)
+    return errors
+
+
+def convention_errors(page: str, text: str) -> list[str]:
+    """One way to write the virtualenv's commands on every page: bare (``llama-megatron``, ``deepspeed``, with the
+    virtualenv active: docs/command-line.md says so), never ``.venv/bin/...`` in a command block."""
+    return [f"{page}: .venv/bin/ in a command block (write the bare command): {line.strip()}"
+            for block in _shell_blocks(text) for line in block.split("\n")
+            if ".venv/bin/" in line.split("#")[0] and not line.strip().startswith("source .venv/bin/activate")]
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_links_paths_and_commands(page: str) -> None:
     text = open(os.path.join(ROOT, page), encoding="utf-8").read()
-    errors = link_errors(page, text) + path_errors(page, text) + command_errors(page, text)
+    errors = (link_errors(page, text) + path_errors(page, text) + command_errors(page, text)
+              + config_errors(page, text) + convention_errors(page, text))
     assert not errors, "\n".join(errors)
 
 
@@ -238,6 +277,13 @@ def test_the_checker_fails_on_rot(tmp_path) -> None:
         "train --confg configs/pretrain/tiny-cpu.json --set model=configs/models/nope.json",
         "p.md: unknown subcommand: convert hf-to-hf --input A",
     ]
+    configs = ("```bash\ndeepspeed --num_gpus 4 --module llama_megatron.train --config configs/pretrain/tiny-cpu.json "
+               "--set train.stpes=3\n.venv/bin/llama-megatron estimate --config configs/pretrain/tiny-cpu.json\n```\n")
+    assert config_errors("p.md", configs) == [
+        "p.md: train --config configs/pretrain/tiny-cpu.json --set train.stpes=3: unknown keys in 'train': stpes"]
+    assert convention_errors("p.md", configs) == [
+        "p.md: .venv/bin/ in a command block (write the bare command): .venv/bin/llama-megatron estimate --config "
+        "configs/pretrain/tiny-cpu.json"]
     assert slug("Fine-tuning recipes: from a Hugging Face checkpoint to a generated answer") == \
         "fine-tuning-recipes-from-a-hugging-face-checkpoint-to-a-generated-answer"
     assert slug("The `.bin` / `.idx` format (`indexed_dataset.py`)") == "the-bin--idx-format-indexed_datasetpy"

@@ -317,7 +317,9 @@ def test_fresh_run_into_a_used_save_dir(single_source, work, capsys) -> None:
     shutil.copytree(work / "clean" / "ckpt", ckpt)
     _train_fails(capsys, ['data={"type": "synthetic"}', f"output_dir={work}/used", f"checkpoint.save={ckpt}"],
                  f"checkpoint.save {ckpt} already holds checkpoints (global_step6, global_step4, global_step2) of "
-                 "another run: continue it with checkpoint.load auto, or replace them with checkpoint.overwrite true")
+                 "another run (it differs in data.prefix, data.split, data.type): save this one elsewhere, or replace "
+                 "them with checkpoint.overwrite true (that run continues with its own config and checkpoint.load "
+                 "auto)")
     (ckpt / "latest").write_text("../../clean/ckpt/global_step6")
     _train_fails(capsys, ['data={"type": "synthetic"}', f"output_dir={work}/used", f"checkpoint.load={ckpt}"],
                  f"{ckpt}/latest names '../../clean/ckpt/global_step6' is not a plain tag name (letters, digits, "

@@ -126,10 +126,11 @@ def test_sampling_filters() -> None:
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--top-p", "0"], "--top-p in (0, 1]"),
     (["--prompts", "missing.jsonl"], "prompt file missing.jsonl not found"),
-    (["--prompt", "hi", "--tokenizer", "no-such-dir"], "no tokenizer: no-such-dir is not a directory"),
+    (["--prompt", "hi", "--tokenizer", "no-such-dir"], "--tokenizer no-such-dir is not a directory"),
+    (["--prompt", "hi", "--checkpoint", "runs/nope"], "checkpoint directory not found: runs/nope"),
 ])
 def test_bad_input_is_one_line(converted, args, message, capsys) -> None:
-    assert cli_main(["generate", "--checkpoint", converted[1], *args]) == 2
+    assert cli_main(["generate", "--checkpoint", converted[1], *args]) == 2  # a later --checkpoint replaces it
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 

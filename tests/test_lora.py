@@ -32,6 +32,9 @@ from llama_megatron.model.lora_layout import (
     adapter_layout,
     from_peft,
     is_adapter_parameter,
+    saved_module_specs,
+    ties_embeddings,
+    trained_module_names,
 )
 from llama_megatron.model.param_layout import as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards, shard_for_rank
@@ -85,19 +88,46 @@ CASES = {
                                       shared_expert_intermediate_size=48),
                                  LoraConfig(rank=3, alpha=6.0, dropout=0.2, targets=("o_proj", "gate_proj", "up_proj",
                                                                                      "down_proj"))),
+    # modules trained in full beside the adapters (PEFT's modules_to_save): both vocab tables over a vocab the TP
+    # degrees pad (250), and "norm", which PEFT matches as a suffix: every norm of the class
+    "saved-tables-norms": (dict(num_key_value_heads=2, vocab_size=250),
+                           LoraConfig(rank=2, alpha=4.0, dropout=0.1, targets=("q_proj", "down_proj"),
+                                      modules_to_save=("lm_head", "embed_tokens", "norm"))),
+    # a tied table trained as one (PEFT's ensure_weight_tying), the final norm alone
+    "tied-saved-head": (dict(tie_word_embeddings=True, vocab_size=250),
+                        LoraConfig(rank=2, alpha=2.0, targets=("v_proj", "o_proj"),
+                                   modules_to_save=("lm_head", "model.norm"))),
+    # Qwen3's per-head q/k norms (each TP rank holds a share of the heads) and the MLP's input norm
+    "qwen3-saved-qk-norms": (dict(model_type="qwen3", num_key_value_heads=4, head_dim=12),
+                             LoraConfig(rank=2, alpha=4.0, targets=("k_proj",),
+                                        modules_to_save=("q_norm", "k_norm", "post_attention_layernorm"))),
+    # an MoE model's embedding and per-layer norms beside its experts' adapters
+    "mixtral-saved-embed": (dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4,
+                                 num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02),
+                            LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "mlp.experts.down_proj"),
+                                       modules_to_save=("embed_tokens", "input_layernorm"))),
 }
 
 
-def peft_model(config, lora: LoraConfig, seed: int = 0):
-    """PEFT's LoRA on the HF twin, with random (non-zero) A and B so every path of the adapter is exercised."""
-    model = peft.get_peft_model(hf_model(config), peft.LoraConfig(
+def peft_config(config, lora: LoraConfig) -> peft.LoraConfig:
+    """PEFT's config of ``lora`` on the class of ``config``: a tied table trained as one (``ensure_weight_tying``)."""
+    return peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.module_targets,
-        target_parameters=lora.expert_targets or None))
+        target_parameters=lora.expert_targets or None, modules_to_save=list(lora.modules_to_save) or None,
+        ensure_weight_tying=ties_embeddings(config, lora))
+
+
+def peft_model(config, lora: LoraConfig, seed: int = 0):
+    """PEFT's LoRA on the HF twin, with random (non-zero) A and B so every path of the adapter is exercised, and
+    the modules to save moved off the base (so the trained copy is what counts)."""
+    model = peft.get_peft_model(hf_model(config), peft_config(config, lora))
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+            elif ".modules_to_save." in name:
+                param.add_(0.05 * torch.randn(param.shape, generator=gen))
     return model
 
 
@@ -105,10 +135,18 @@ def peft_state(model) -> dict[str, torch.Tensor]:
     return peft.get_peft_model_state_dict(model)
 
 
+def peft_trainable(model, attribute: str = "grad") -> dict[str, torch.Tensor]:
+    """The trainable tensors' ``attribute`` (grad) under the keys PEFT saves them with (adapter name stripped)."""
+    return {re.sub(r"\.(modules_to_save\.)?default\.", ".", n): getattr(p, attribute)
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
 def peft_base_state(model) -> dict[str, torch.Tensor]:
-    """The base weights of a PEFT model under transformers' names (wrapped modules' ``base_layer`` removed)."""
-    state = {k.removeprefix("base_model.model."): v for k, v in model.state_dict().items() if "lora_" not in k}
-    return {re.sub(r"(\.base_layer)+\.", ".", k): v for k, v in state.items()}
+    """The base weights of a PEFT model under transformers' names (wrapped modules' ``base_layer`` removed, the
+    modules to save as the base had them: their ``original_module``)."""
+    state = {k.removeprefix("base_model.model."): v for k, v in model.state_dict().items()
+             if "lora_" not in k and ".modules_to_save." not in k}
+    return {re.sub(r"(\.base_layer|\.original_module)+\.", ".", k): v for k, v in state.items()}
 
 
 def our_model(config, lora: LoraConfig, pctx: ParallelContext, hf_state: dict, adapters: dict):
@@ -152,15 +190,18 @@ def check_peft_parity(overrides: dict, lora: LoraConfig, pctx: ParallelContext, 
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
 
-    ref_grads = from_peft({n.replace(".default.", "."): p.grad for n, p in ref.named_parameters() if p.requires_grad},
-                          config, lora)
+    ref_grads = from_peft(peft_trainable(ref), config, lora)
     params = dict(model.named_parameters())
+    layout = adapter_layout(config, lora)
+    trained = trained_module_names(config, lora)
+    assert {s.module_name for s in layout} == trained
+    saved = {s.module_name for s in saved_module_specs(config, lora)}
+    assert saved == trained - {n for n in params if is_adapter_parameter(n)}
+    assert len(saved) == sum(1 for n in peft_state(ref) if "lora_" not in n) - ties_embeddings(config, lora)
     for name, param in params.items():
-        assert param.requires_grad == is_adapter_parameter(name), name
+        assert param.requires_grad == (name in trained), name
         if not param.requires_grad:
             assert param.grad is None, f"frozen {name} got a gradient"
-    layout = adapter_layout(config, lora)
-    assert {s.module_name for s in layout} == {n for n in params if is_adapter_parameter(n)}
     for spec in layout:
         shards = gather_shards(params[spec.module_name].grad, pctx)
         if spec.split == "replicated":  # every rank holds the whole (TP-summed) gradient
@@ -235,7 +276,8 @@ def test_adapters_start_at_the_base_model_and_alike_at_every_tp(overrides: dict,
 
 # --- through DeepSpeed's engines, in process: frozen base, adapter-only optimizer, ZeRO 0-3, TP1 == TP2 ---------
 
-ENGINE_LORA = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}'
+ENGINE_LORA = ('{"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", '
+               '"down_proj"], "modules_to_save": ["embed_tokens", "lm_head", "norm"]}')
 ENGINE_RUNS = {  # name: (tensor, sequence_parallel, DeepSpeed config); DP = 2 / tensor, every DP rank the same data
     "tp1-zero0": (1, False, "ds_configs/zero0_fp32.json"),
     "tp2-sp-zero1": (2, True, "ds_configs/zero1_fp32.json"),
@@ -266,70 +308,142 @@ def _full_parameters(model, pctx) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in params.items()}
 
 
-def _engine_worker(rank: int, world_size: int, out_dir: str) -> None:
-    from llama_megatron.parallel.launch import init_distributed
+def _engine_config(tp: int, sp: bool, world_size: int):
     from llama_megatron.training.config import TrainingConfig
+
+    dp = world_size // tp
+    return TrainingConfig.from_file(CONFIG, [
+        'data={"type": "synthetic"}', f"lora={ENGINE_LORA}", f"parallel.tensor={tp}",
+        f"parallel.sequence_parallel={str(sp).lower()}", "batch.micro_batch_size=2",
+        f"batch.global_batch_size={2 * dp}", "optimizer.warmup_steps=0"])
+
+
+def _engine_worker(rank: int, world_size: int, out_dir: str) -> None:
+    from test_estimate import _measure
+
+    from llama_megatron.parallel.launch import init_distributed
     from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
     from llama_megatron.training.engine.training_engine import TrainingEngine
 
     init_distributed()
     results = {}
     for name, (tp, sp, ds) in ENGINE_RUNS.items():
-        dp = world_size // tp
-        config = TrainingConfig.from_file(CONFIG, [
-            'data={"type": "synthetic"}', f"lora={ENGINE_LORA}", f"parallel.tensor={tp}",
-            f"parallel.sequence_parallel={str(sp).lower()}", "batch.micro_batch_size=2",
-            f"batch.global_batch_size={2 * dp}", "optimizer.warmup_steps=0"])
+        config = _engine_config(tp, sp, world_size)
         pctx = ParallelContext.build(tp, 1, sp)
         model = build_model(config.model, config.parallel, pctx, seed=config.seed, lora=config.lora)
         base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()
+                 if p.requires_grad and not is_adapter_parameter(n)}
         batches = _micro_batches(config, ENGINE_STEPS)
         if name == "tp1-zero0":  # the base model's loss on the first batch, for step 1 of the adapted one
             plain = build_model(config.model, config.parallel, pctx, seed=config.seed)
             with torch.no_grad():
                 results["base_loss"] = float(plain(batches[0].input_ids, batches[0].position_ids,
                                                    labels=batches[0].labels))
+        trained = trained_module_names(config.model, config.lora)
         optimized = {id(p) for group in parameter_groups(model, 0.1) for p in group["params"]}
-        assert optimized == {id(p) for n, p in model.named_parameters() if is_adapter_parameter(n)}
+        assert optimized == {id(p) for n, p in model.named_parameters() if n in trained}
         engine = TrainingEngine(config, build_deepspeed_config(config, ds, world_size), pctx, model)
         losses = [float(engine.train_step([mb])) for mb in batches]
+        states = _measure(engine)  # before gathering: ZeRO-3's gather and release drop its persistent parameters
         after = _full_parameters(model, pctx)
         changed = [n for n, t in base.items() if not torch.equal(after[n], t)]
         assert not changed, f"{name}: frozen base weights changed: {changed[:3]}"
+        unmoved = [n for n, t in saved.items() if torch.equal(after[n], t)]
+        assert not unmoved, f"{name}: modules to save did not train: {unmoved[:3]}"
         adapters = {}
         for spec in adapter_layout(config.model, config.lora):
             shards = gather_shards(after[spec.module_name], pctx)
-            adapters.update({k: v.tolist() for k, v in merge_shards(spec, shards, config.model).items()})
-        results[name] = {"losses": losses, "adapters": adapters}
+            adapters.update(merge_shards(spec, shards, config.model))
+        results[name] = {"losses": losses, "adapters": adapters, "states": states}
         del engine
     if rank == 0:
-        with open(os.path.join(out_dir, "engine.json"), "w", encoding="utf-8") as fh:
-            json.dump(results, fh)
+        torch.save(results, os.path.join(out_dir, "engine.pt"))
 
 
 def test_engines_train_adapters_only_and_tp_does_not_change_them(tmp_path, monkeypatch) -> None:
-    """ZeRO 0/1/2/3 and TP2 with SP, 3 AdamW steps: step 1's loss is the base model's, the frozen base is bit for
-    bit the same after training, and every run's adapters equal the TP1 run's (1e-5)."""
+    """ZeRO 0/1/2/3 and TP2 with SP, 3 AdamW steps, the vocab tables and norms trained in full beside the adapters:
+    step 1's loss is the base model's, the frozen base is bit for bit the same after training, every run's adapters
+    and trained modules equal the TP1 run's (1e-5), and `estimate` counts the parameter and optimizer bytes each
+    engine holds (the trained modules' as the adapters': fp32 masters and Adam's moments, partitioned by ZeRO)."""
+    from llama_megatron.training.diagnostics.memory_estimate import estimate
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+
     monkeypatch.chdir(ROOT)
     run_distributed(_engine_worker, 2, str(tmp_path))
-    results = json.load(open(tmp_path / "engine.json", encoding="utf-8"))
+    results = torch.load(tmp_path / "engine.pt", weights_only=True)
     reference = results["tp1-zero0"]
     assert reference["losses"][0] == results["base_loss"]
     assert reference["losses"][-1] < reference["losses"][0]
-    assert all(torch.tensor(v).any() for k, v in reference["adapters"].items() if "lora_B" in k), "B stayed zero"
-    for name in ENGINE_RUNS:
+    assert all(v.any() for k, v in reference["adapters"].items() if "lora_B" in k), "B stayed zero"
+    saved = [k for k in reference["adapters"] if "lora_" not in k]
+    assert len(saved) == 2 + 2 * 4 + 1  # embed_tokens, lm_head, every norm ("norm" as PEFT matches it)
+    for name, (tp, sp, ds) in ENGINE_RUNS.items():
         run = results[name]
         for got, want in zip(run["losses"], reference["losses"]):
             assert abs(got - want) <= 1e-5 * abs(want), (name, run["losses"], reference["losses"])
         for key, want in reference["adapters"].items():
-            torch.testing.assert_close(torch.tensor(run["adapters"][key]), torch.tensor(want), rtol=0, atol=1e-5,
+            torch.testing.assert_close(run["adapters"][key], want, rtol=0, atol=1e-5,
                                        msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+        config = _engine_config(tp, sp, 2)
+        stage = estimate(config, build_deepspeed_config(config, ds, 2), 2).stages[0]
+        assert (run["states"]["parameters"], run["states"]["optimizer"]) == (
+            stage.parameters + stage.cpu_parameters, stage.optimizer + stage.cpu_optimizer), (name, run["states"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ['lora={"rank": 4, "alpha": 8, "modules_to_save": ["lm_head", "norm"]}'],
+    ['lora={"rank": 4, "alpha": 8, "targets": ["q_proj"], "modules_to_save": ["input_layernorm", "model.norm"]}'],
+    ["model.tie_word_embeddings=true", 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj"], "modules_to_save": ["lm_head"]}'],
+    ["model.model_type=qwen3", "model.head_dim=24",
+     'lora={"rank": 4, "alpha": 8, "targets": ["q_proj"], "modules_to_save": ["q_norm", "embed_tokens"]}'],
+], ids=["head-norms", "some-norms", "tied-table", "qwen3-qk-norm-embed"])
+def test_estimate_of_what_a_weight_pass_keeps_for_modules_to_save(overrides: list[str]) -> None:
+    """ZB-H1's W passes keep, for the modules to save, what they keep in full training (the norms' weight
+    gradients, the head's input and output gradient on the reference path): the estimate's bytes per micro batch
+    are those the weight-gradient store holds after one B (the helpers of tests/test_estimate.py)."""
+    from test_estimate import _config, _deferred_estimate, _measure_deferred
+
+    config = _config(overrides)
+    assert _measure_deferred(config, ParallelContext.single(), False) == _deferred_estimate(config, False) > 0
+
+
+def test_estimate_counts_modules_to_save_as_trained() -> None:
+    """At TP2 x PP2 (ZeRO-0, fp32: torch's AdamW on the parameters), training the tables and every norm beside the
+    adapters adds their gradients (4 bytes an element) and Adam's two moments (8) per stage, and nothing to the
+    parameters, which are held either way: the first stage the embedding's vocab shard and its layers' norms, the
+    last the head's shard, its layers' norms and the final norm."""
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.diagnostics.memory_estimate import estimate
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+
+    def stages(lora: dict) -> list:
+        config = TrainingConfig.from_file(CONFIG, ['data={"type": "synthetic"}', "tokenizer=null", "parallel.tensor=2",
+                                                   "parallel.pipeline=2", f"lora={json.dumps(lora)}"])
+        return estimate(config, build_deepspeed_config(config, {"zero_optimization": {"stage": 0}}, 4), 4).stages
+
+    lora = {"rank": 4, "alpha": 8}
+    plain, saved = stages(lora), stages({**lora, "modules_to_save": ["embed_tokens", "lm_head", "norm"]})
+    model = _engine_config(1, False, 1).model
+    shard = 4224 // 2 * model.hidden_size  # the vocab padded to a multiple of 64 x TP, split over TP
+    layer_norms = 2 * 2 * model.hidden_size  # two layers per stage, two norms each
+    for stage, trained in ((0, shard + layer_norms), (1, shard + layer_norms + model.hidden_size)):
+        assert saved[stage].parameters == plain[stage].parameters
+        assert saved[stage].gradients - plain[stage].gradients == 4 * trained
+        assert saved[stage].optimizer - plain[stage].optimizer == 8 * trained
 
 
 # --- whole runs under the launcher: layouts agree, resume, export to PEFT and merged HF weights -------------------
 
-RUN_LORA = '{"rank": 4, "alpha": 8, "dropout": 0.0}'  # all seven targets
+# all seven targets, both vocab tables and every norm trained in full (PEFT's modules_to_save)
+RUN_MODULES = ["embed_tokens", "lm_head", "norm"]
+RUN_LORA = json.dumps({"rank": 4, "alpha": 8, "dropout": 0.0, "modules_to_save": RUN_MODULES})
 DROPOUT_LORA = '{"rank": 4, "alpha": 8, "dropout": 0.2}'
+# on a tied base: the one table of embedding and head trained (PEFT's ensure_weight_tying), the final norm and the
+# MLPs' input norms
+TIED_LORA = ('{"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"], '
+             '"modules_to_save": ["lm_head", "model.norm", "post_attention_layernorm"]}')
+TIED = "model.tie_word_embeddings=true"
 RUN_STEPS = 10
 
 
@@ -347,15 +461,21 @@ def _hf_base(config, out: str, seed: int) -> str:
     return out
 
 
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory) -> dict[str, str]:
-    """The base model as HF weights, converted to TP1 and TP2 checkpoints, and another model of the same shape."""
+def _run_model(*overrides: str):
     from llama_megatron.training.config import TrainingConfig
 
+    return TrainingConfig.from_file(CONFIG, ['data={"type": "synthetic"}', *overrides]).model
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory) -> dict[str, str]:
+    """The base model as HF weights, converted to TP1 and TP2 checkpoints, another model of the same shape, and the
+    model with tied embeddings (TP1)."""
     out = tmp_path_factory.mktemp("bases")
-    model = TrainingConfig.from_file(CONFIG, ['data={"type": "synthetic"}']).model
-    paths = {"hf": _hf_base(model, str(out / "hf"), 0), "other-hf": _hf_base(model, str(out / "other-hf"), 1)}
-    for name, hf, tp in (("tp1", "hf", 1), ("tp2", "hf", 2), ("other", "other-hf", 1)):
+    model = _run_model()
+    paths = {"hf": _hf_base(model, str(out / "hf"), 0), "other-hf": _hf_base(model, str(out / "other-hf"), 1),
+             "tied-hf": _hf_base(_run_model(TIED), str(out / "tied-hf"), 2)}
+    for name, hf, tp in (("tp1", "hf", 1), ("tp2", "hf", 2), ("other", "other-hf", 1), ("tied", "tied-hf", 1)):
         paths[name] = str(out / name)
         assert cli_main(["convert", "hf-to-megatron", "--hf-dir", paths[hf], "--output", paths[name], "--tp",
                          str(tp), "--make-vocab-size-divisible-by", "64"]) == 0
@@ -367,35 +487,46 @@ def _lora_run(prefix: str, out: str, base: str, *extra: str, lora: str = RUN_LOR
             "checkpoint.finetune=true", f"checkpoint.save={out}/ckpt", f"train.steps={RUN_STEPS}", *extra]
 
 
-LORA_LAYOUTS = {  # TP2 against TP1, each from the base converted at TP2
-    "tp2-pp2-sp-recompute": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
-                             "activation_checkpointing.interval=1", "checkpoint.interval=10"],
-    "tp2-dp2-sp-zero3": ["parallel.tensor=2", "parallel.sequence_parallel=true", "checkpoint.interval=10",
-                         "deepspeed_config=ds_configs/zero3_fp32.json", "batch.micro_batch_size=1"],
+LORA_LAYOUTS = {  # name: (the TP1 run it must equal, base, lora, overrides)
+    # TP2 from the base converted at TP2
+    "tp2-pp2-sp-recompute": ("tp1", "tp2", RUN_LORA, ["parallel.tensor=2", "parallel.pipeline=2",
+                                                      "parallel.sequence_parallel=true",
+                                                      "activation_checkpointing.interval=1", "checkpoint.interval=10"]),
+    "tp2-dp2-sp-zero3": ("tp1", "tp2", RUN_LORA, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                  "checkpoint.interval=10", "deepspeed_config=ds_configs/zero3_fp32.json",
+                                                  "batch.micro_batch_size=1"]),
+    # the tied table trained at both ends of the pipeline (DeepSpeed's tied-weight gradient sum), context parallel
+    "tied-pp2-cp2-zero1": ("tied", "tied", TIED_LORA, [TIED, "parallel.pipeline=2", "parallel.context=2",
+                                                       "checkpoint.interval=10",
+                                                       "deepspeed_config=ds_configs/zero1_fp32.json"]),
 }
 
 
 @pytest.fixture(scope="module")
 def lora_runs(data_prefix, bases, tmp_path_factory) -> dict[str, str]:
-    """TP1 (checkpoints at 5 and 10, validation at 10), the TP2 layouts in one 4-process launch, the TP1 run
-    resumed from step 5, and the same two TP1 runs with adapter dropout."""
+    """TP1 (checkpoints at 5 and 10, validation at 10), the TP1 run resumed from step 5, the same two TP1 runs with
+    adapter dropout (no modules to save), TP1 on the tied base (validation at 10), and the layouts in one
+    4-process launch."""
     work = tmp_path_factory.mktemp("lora-runs")
-    dirs = {name: str(work / name) for name in ("tp1", "resumed", "dropout", "dropout-resumed", *LORA_LAYOUTS)}
+    dirs = {name: str(work / name) for name in ("tp1", "resumed", "dropout", "dropout-resumed", "tied",
+                                                *LORA_LAYOUTS)}
     single = [_lora_run(data_prefix, dirs["tp1"], bases["tp1"], "checkpoint.interval=5", "eval.interval=10"),
-              _lora_run(data_prefix, dirs["dropout"], bases["tp1"], "checkpoint.interval=5", lora=DROPOUT_LORA)]
+              _lora_run(data_prefix, dirs["dropout"], bases["tp1"], "checkpoint.interval=5", lora=DROPOUT_LORA),
+              _lora_run(data_prefix, dirs["tied"], bases["tied"], TIED, "checkpoint.interval=10", "eval.interval=10",
+                        lora=TIED_LORA)]
     for run, resumed, lora in (("tp1", "resumed", RUN_LORA), ("dropout", "dropout-resumed", DROPOUT_LORA)):
         single.append([f"data.prefix={data_prefix}", f"output_dir={dirs[resumed]}", f"lora={lora}",
                        f"checkpoint.load={dirs[run]}/ckpt", "checkpoint.tag=global_step5", f"train.steps={RUN_STEPS}"])
     # one process runs them in order (the resumes after the runs they resume)
     launch_many(1, [train_args(CONFIG, overrides) for overrides in single], str(work / "single.json"))
-    launch_many(4, [train_args(CONFIG, _lora_run(data_prefix, dirs[name], bases["tp2"], *extra))
-                    for name, extra in LORA_LAYOUTS.items()], str(work / "runs.json"))
+    launch_many(4, [train_args(CONFIG, _lora_run(data_prefix, dirs[name], bases[base], *extra, lora=lora))
+                    for name, (_, base, lora, extra) in LORA_LAYOUTS.items()], str(work / "runs.json"))
     return dirs
 
 
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))
 def test_lora_layouts_match_tp1(name, lora_runs) -> None:
-    reference = losses(lora_runs["tp1"])
+    reference = losses(lora_runs[LORA_LAYOUTS[name][0]])
     assert reference[RUN_STEPS] < reference[1] - 0.05, "the adapters must learn"
     assert_losses_close(losses(lora_runs[name]), reference, 1e-5, range(1, RUN_STEPS + 1))
 
@@ -414,42 +545,62 @@ def test_lora_resume_is_exact(lora_runs) -> None:
     assert_losses_close(losses(lora_runs["resumed"]), losses(lora_runs["tp1"]), 1e-6, range(6, RUN_STEPS + 1))
     meta = json.load(open(os.path.join(lora_runs["tp1"], "ckpt", "global_step5", "llama_megatron.json")))
     assert meta["lora"]["rank"] == 4 and meta["lora"]["base"]["fingerprint"].startswith("sha256:")
+    assert meta["lora"]["modules_to_save"] == RUN_MODULES
 
 
 def _export(*args: str) -> int:
     return cli_main(["export", *args])
 
 
+def _base_of(run: str) -> str:
+    """The exported base (HF) that a run's adapters belong to."""
+    return "tied-base" if run.startswith("tied") else "base"
+
+
 @pytest.fixture(scope="module")
 def exported(lora_runs, bases, tmp_path_factory) -> dict[str, str]:
-    """PEFT adapters of every run, the base exported to HF, and the TP2-PP2 adapters merged into it."""
+    """PEFT adapters of every run, the bases exported to HF, and the TP2-PP2 and tied adapters merged into theirs."""
     out = tmp_path_factory.mktemp("exported")
-    paths = {"base": str(out / "base"), "merged": str(out / "merged")}
+    paths = {"base": str(out / "base"), "tied-base": str(out / "tied-base")}
     assert _export("--input", bases["tp2"], "--output", paths["base"]) == 0
-    for name in ("tp1", *LORA_LAYOUTS):
+    assert _export("--input", bases["tied"], "--output", paths["tied-base"]) == 0
+    for name in ("tp1", "tied", *LORA_LAYOUTS):
         paths[name] = str(out / name)
         assert _export("--input", f"{lora_runs[name]}/ckpt", "--output", paths[name], "--base-model",
-                       paths["base"]) == 0
-    assert _export("--input", f"{lora_runs['tp2-pp2-sp-recompute']}/ckpt", "--output", paths["merged"],
-                   "--merge") == 0
+                       paths[_base_of(name)]) == 0
+    for name in ("tp2-pp2-sp-recompute", "tied"):
+        paths[f"{name}-merged"] = str(out / f"{name}-merged")
+        assert _export("--input", f"{lora_runs[name]}/ckpt", "--output", paths[f"{name}-merged"], "--merge") == 0
     return paths
 
 
 def test_exported_adapters_agree_across_layouts(exported) -> None:
-    """TP2-PP2 (pipeline layer files) and TP2-DP2 ZeRO-3 (fp32 partitions) adapters after 10 AdamW steps equal
-    TP1's: each tensor within 1e-4 relative (observed <= 2.3e-5), elements within 5e-5 (observed 9.3e-6 for
-    TP2-PP2, 2.3e-5 for ZeRO-3 at micro batch 1, whose accumulation order differs most). Adam divides by the
-    gradient's own scale, so reduction-order noise grows over steps; the 3-step engine test above holds 1e-5."""
+    """TP2-PP2 (pipeline layer files), TP2-DP2 ZeRO-3 (fp32 partitions) and, on the tied base, PP2 x CP2 adapters
+    and trained modules after 10 AdamW steps equal TP1's: each tensor within 1e-4 relative (observed <= 2.4e-5),
+    adapter and norm elements within 5e-5 (observed <= 1.4e-5, norms <= 8.3e-7), the vocab tables' within 5e-4
+    (observed 1.3e-4 at TP2, 6.0e-6 on the tied base). Adam divides by the gradient's own scale, so reduction-order
+    noise grows over steps, most in the table rows of tokens seen once or twice, whose gradients are near Adam's
+    eps; the 3-step engine test above holds 1e-5. The vocab tables are exported at the true vocab (the TP2 runs'
+    padding stripped)."""
     from safetensors.torch import load_file
 
-    reference = load_file(os.path.join(exported["tp1"], "adapter_model.safetensors"))
-    assert len(reference) == 4 * 7 * 2
-    for name in LORA_LAYOUTS:
+    references = {name: load_file(os.path.join(exported[name], "adapter_model.safetensors")) for name in ("tp1", "tied")}
+    # 7 targets x 4 layers x (A, B); the tables, 2 norms x 4 layers and the final norm; on the tied base 3 targets,
+    # the table under both of PEFT's keys, the final norm and one norm per layer
+    assert (len(references["tp1"]), len(references["tied"])) == (4 * 7 * 2 + 2 + 2 * 4 + 1, 4 * 3 * 2 + 2 + 1 + 4)
+    vocab = _run_model().vocab_size
+    assert references["tp1"]["base_model.model.lm_head.weight"].shape[0] == vocab
+    assert torch.equal(references["tied"]["base_model.model.lm_head.weight"],
+                       references["tied"]["base_model.model.model.embed_tokens.weight"])
+    for name, (ref_run, *_) in LORA_LAYOUTS.items():
+        reference = references[ref_run]
         got = load_file(os.path.join(exported[name], "adapter_model.safetensors"))
         assert got.keys() == reference.keys()
         for key, tensor in reference.items():
             assert (got[key] - tensor).norm() <= 1e-4 * tensor.norm(), f"{name} {key}"
-            torch.testing.assert_close(got[key], tensor, rtol=0, atol=5e-5, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+            table = tensor.shape[0] == vocab
+            torch.testing.assert_close(got[key], tensor, rtol=0, atol=5e-4 if table else 5e-5,
+                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
 
 
 def _validation_batches(prefix: str) -> list:
@@ -466,25 +617,52 @@ def _validation_batches(prefix: str) -> list:
     return [mb for batch in step_batches(valid_ds, config, ParallelContext.single(), 0, 1) for mb in batch]
 
 
-def test_peft_loads_the_adapter_and_gives_our_loss(exported, lora_runs, data_prefix) -> None:
-    """PEFT loads the exported adapter on the exported base with no missing or unexpected keys, and its validation
-    loss is the one our run logged at the last step (1e-4); the merged export gives PEFT's logits."""
+def _peft_loaded(base_dir: str, adapter_dir: str):
+    """``PeftModel.from_pretrained`` of the adapter on the base, checked to hold exactly the adapter file's tensors:
+    PEFT warns of missing LoRA keys only, so every adapter and module to save (a tied table under both of its
+    names) is compared with the file, and every key of the file must have been used."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    model = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    loaded = {re.sub(r"\.(modules_to_save\.)?default\.", ".", n): p
+              for n, p in model.named_parameters(remove_duplicate=False)
+              if "lora_" in n or ".modules_to_save." in n}
+    assert loaded.keys() == saved.keys()  # no missing, no unexpected keys
+    for key, tensor in saved.items():
+        assert torch.equal(loaded[key], tensor), key
+    return model
+
+
+@pytest.mark.parametrize("run, merged_run", [("tp1", "tp2-pp2-sp-recompute"), ("tied", "tied")])
+def test_peft_loads_the_adapter_and_gives_our_loss(run, merged_run, exported, lora_runs, data_prefix, tmp_path) -> None:
+    """The exported adapter holds the keys and config PEFT's own `save_pretrained` writes for these adapters and
+    modules to save on the class (on the tied base with `ensure_weight_tying`), PEFT loads it on the exported base
+    with no missing or unexpected keys, and its validation loss is the one our run logged at the last step (1e-4);
+    the merged export (the trained modules' weights in place of the base's) gives PEFT's logits."""
     import torch.nn.functional as F
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    adapter_dir = exported["tp1"]
+    base_dir, adapter_dir = exported[_base_of(run)], exported[run]
     config = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
-        "LORA", 4, 8, exported["base"])
-    model = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(exported["base"]), adapter_dir).eval()
-    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
-    loaded = {n.replace(".default.", "."): p for n, p in model.named_parameters() if "lora_" in n}
-    assert loaded.keys() == saved.keys()  # no missing, no unexpected adapter keys
-    for key, tensor in saved.items():
-        assert torch.equal(loaded[key], tensor), key
+        "LORA", 4, 8, base_dir)
+    lora = LoraConfig.from_dict(json.loads(TIED_LORA if run == "tied" else RUN_LORA))
+    reference = peft.get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
+                                    peft_config(_run_model(*[TIED] * (run == "tied")), lora))
+    reference.save_pretrained(str(tmp_path / "peft"))
+    want = json.load(open(tmp_path / "peft" / "adapter_config.json"))
+    for key in ("modules_to_save", "ensure_weight_tying", "target_modules", "target_parameters", "r", "lora_alpha"):
+        got = config[key]
+        assert (sorted(got) if key == "target_modules" else got) == (
+            sorted(want[key]) if key == "target_modules" else want[key]), key
+    assert (load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).keys()
+            == load_file(tmp_path / "peft" / "adapter_model.safetensors").keys())
+    model = _peft_loaded(base_dir, adapter_dir)
 
-    records = [json.loads(line) for line in open(os.path.join(lora_runs["tp1"], "metrics.jsonl"))]
+    records = [json.loads(line) for line in open(os.path.join(lora_runs[run], "metrics.jsonl"))]
     (ours,) = [r["val_loss"] for r in records if "val_loss" in r]
     batches = _validation_batches(data_prefix)
     with torch.no_grad():
@@ -492,12 +670,11 @@ def test_peft_loads_the_adapter_and_gives_our_loss(exported, lora_runs, data_pre
                                        mb.labels.flatten()).item() for mb in batches]
     assert abs(sum(peft_losses) / len(peft_losses) - ours) <= 1e-4 * ours
 
-    tp2 = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(exported["base"]),
-                                         exported["tp2-pp2-sp-recompute"]).eval()
-    merged = LlamaForCausalLM.from_pretrained(exported["merged"]).eval()
+    adapted = _peft_loaded(base_dir, exported[merged_run])
+    merged = LlamaForCausalLM.from_pretrained(exported[f"{merged_run}-merged"]).eval()
     with torch.no_grad():
         ids = batches[0].input_ids
-        want, got = tp2(input_ids=ids).logits, merged(input_ids=ids).logits
+        want, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
     assert (got - want).abs().max().item() <= 1e-5
 
 
@@ -539,21 +716,50 @@ def test_lora_misconfigurations_are_refused(bases, tmp_path, capsys, in_repo) ->
         (["lora={}", f"checkpoint.load={bases['tp1']}"], "is a full model: a LoRA run starts from it with "
                                                          "checkpoint.finetune true"),
         (["lora={}", *base, "model.num_hidden_layers=2"], "holds a different model config"),
+        (['lora={"modules_to_save": ["score"]}', *base],
+         "lora.modules_to_save: 'score' is not a module trained beside the adapters here; names are PEFT's: "
+         "embed_tokens, lm_head, norm, model.norm"),
+        (['lora={"modules_to_save": "lm_head"}', *base], "lora.modules_to_save must be a list of module names"),
+        (['lora={"modules_to_save": ["norm", "norm"]}', *base], "lora.modules_to_save names a module twice"),
+        (['lora={"modules_to_save": ["lm_head", "q_norm"]}', *base],
+         "lora.modules_to_save q_norm: the llama model has no such module; it has embed_tokens, lm_head, norm"),
     ]:
         _refused(capsys, _train(out, *overrides), out, message)
 
 
-def _lora_checkpoint_with_base(src: str, dst: str, base_path: str) -> str:
-    """A copy of a LoRA checkpoint whose llama_megatron.json names another base."""
+def test_final_norm_alone_at_pp2_zero1_is_refused(tmp_path, capsys, in_repo) -> None:
+    """The final norm trained alone is a parameter group on the last stage only, on which DeepSpeed's ZeRO-1
+    optimizer at PP > 1 would hang (it reduces each group's gradient norm across the stages): refused in one line;
+    with the layers' norms every stage has the same groups, and ZeRO-0 and bf16 do not reduce per group."""
+    def argv(lora: str, ds: str) -> list[str]:
+        return ["estimate", "--config", CONFIG, "--world-size", "2", "--deepspeed-config", f"ds_configs/{ds}.json",
+                "--set", 'data={"type": "synthetic"}', "--set", "parallel.pipeline=2", "--set", f"lora={lora}"]
+
+    alone = '{"modules_to_save": ["lm_head", "model.norm"]}'
+    _refused(capsys, argv(alone, "zero1_fp32"), str(tmp_path / "none"),
+             "lora.modules_to_save trains the final norm (no weight decay: a parameter group of its own) on the last "
+             "pipeline stage only, and ZeRO-1 at pipeline=2 needs the same parameter groups on every stage")
+    for lora, ds in ((alone, "zero0_fp32"), (alone, "zero1_bf16"),
+                     ('{"modules_to_save": ["model.norm", "input_layernorm"]}', "zero1_fp32")):
+        assert cli_main(argv(lora, ds)) == 0, (lora, ds)
+
+
+def _edited_lora_checkpoint(src: str, dst: str, **lora: object) -> str:
+    """A copy of a LoRA checkpoint whose llama_megatron.json's lora section says ``lora`` (``base``: its path)."""
     import shutil
 
     shutil.copytree(src, dst)
-    meta_path = os.path.join(dst, "global_step10", "llama_megatron.json")
+    tag = open(os.path.join(dst, "latest")).read().strip()
+    meta_path = os.path.join(dst, tag, "llama_megatron.json")
     meta = json.load(open(meta_path))
-    meta["lora"]["base"]["path"] = base_path
+    for key, value in lora.items():
+        if key == "base":
+            meta["lora"]["base"]["path"] = value
+        else:
+            meta["lora"][key] = value
     with open(meta_path, "w") as fh:
         json.dump(meta, fh)
-    # a checkpoint really trained on that base: its manifest matches its files
+    # a checkpoint really trained so: its manifest matches its files
     write_manifest_for(os.path.dirname(meta_path))
     return dst
 
@@ -563,11 +769,18 @@ def test_adapter_checkpoint_misuse_is_refused(lora_runs, bases, tmp_path, capsys
     reshard misuse."""
     ckpt = f"{lora_runs['tp1']}/ckpt"
     out = str(tmp_path / "out")
-    swapped = _lora_checkpoint_with_base(ckpt, str(tmp_path / "swapped"), bases["other"])
-    missing = _lora_checkpoint_with_base(ckpt, str(tmp_path / "missing"), str(tmp_path / "no-such-base"))
+    swapped = _edited_lora_checkpoint(ckpt, str(tmp_path / "swapped"), base=bases["other"])
+    missing = _edited_lora_checkpoint(ckpt, str(tmp_path / "missing"), base=str(tmp_path / "no-such-base"))
+    # a record naming a module to save that the run did not train (its files hold the adapters only)
+    unsaved = _edited_lora_checkpoint(f"{lora_runs['dropout']}/ckpt", str(tmp_path / "unsaved"),
+                                      modules_to_save=["lm_head"])
+    other_modules = json.dumps({**json.loads(RUN_LORA), "modules_to_save": ["lm_head"]})
     for overrides, message in [
         ([f"checkpoint.load={ckpt}"], "holds LoRA adapters only (rank 4"),
         ([f"checkpoint.load={ckpt}", 'lora={"rank": 8}'], "holds LoRA adapters of rank 4, alpha 8"),
+        ([f"checkpoint.load={ckpt}", f"lora={other_modules}"],
+         "modules_to_save embed_tokens, lm_head, norm; this run's lora section has rank 4, alpha 8 on q_proj, k_proj, "
+         "v_proj, o_proj, gate_proj, up_proj, down_proj, modules_to_save lm_head"),
         ([f"checkpoint.load={swapped}", f"lora={RUN_LORA}"], "is another model"),
         ([f"checkpoint.load={missing}", f"lora={RUN_LORA}"], "no-such-base/converted, is missing"),
     ]:
@@ -578,6 +791,8 @@ def test_adapter_checkpoint_misuse_is_refused(lora_runs, bases, tmp_path, capsys
         (["export", "--input", ckpt, "--output", out, "--base", bases["tp1"]], "use it with --merge"),
         (["export", "--input", bases["tp1"], "--output", out, "--merge"], "holds a full model"),
         (["reshard", "--input", ckpt, "--output", out, "--tp", "2"], "holds LoRA adapters only"),
+        (["export", "--input", unsaved, "--output", out], "no tensor '6.lm_head.weight' (lm_head.weight, TP rank 0)"),
+        (["export", "--input", unsaved, "--output", out, "--merge"], "no tensor '6.lm_head.weight'"),
     ]:
         _refused(capsys, argv, out, message)
     # the base resharded to TP2 is the same model: merging onto it is allowed

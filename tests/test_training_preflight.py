@@ -240,3 +240,57 @@ def test_overrides_and_unknown_keys() -> None:
         _config("stepz=1")
     with pytest.raises(ConfigError, match="--set expects key=value"):
         _config("train.steps")
+
+
+def _saved_run(save, config: TrainingConfig, step: int, start: str | None = None) -> None:
+    """A save of ``config``'s run at ``step`` in ``save``, its record as the loop writes it."""
+    tag = save / f"global_step{step}"
+    tag.mkdir(parents=True)
+    record = dict(step=step, consumed_samples=8 * step, tensor=1, pipeline=1, data_parallel=1, zero_stage=0,
+                  model=config.model.to_dict(), padded_vocab_size=4160, format_version=1,
+                  run=config.run_record(start))
+    (tag / "llama_megatron.json").write_text(json.dumps(record))
+    (save / "latest").write_text(f"global_step{step}")
+
+
+def test_a_finished_run_started_again_trains_nothing_and_another_run_is_named(tmp_path) -> None:
+    from llama_megatron.training.checkpointing import check_save_dir, finished_run
+
+    save = tmp_path / "ckpt"
+    run = _config(f"checkpoint.save={save}", "checkpoint.interval=5")
+    _saved_run(save, run, 10)
+    # the same config (train.steps 10, and a checkpoint at 10): finished, whether it resumes or starts fresh
+    assert finished_run(run).step == 10
+    assert finished_run(_config(f"checkpoint.save={save}", "checkpoint.load=auto")).step == 10
+    # what does not make a run another one: its layout, logging, evaluation
+    assert finished_run(_config(f"checkpoint.save={save}", "logging.interval=5", "eval.interval=5",
+                                "batch.micro_batch_size=4")).step == 10
+    # not finished: more steps asked for, starting again, or another run
+    assert finished_run(_config(f"checkpoint.save={save}", "train.steps=20")) is None
+    assert finished_run(_config(f"checkpoint.save={save}", "checkpoint.overwrite=true")) is None
+    assert finished_run(_config(f"checkpoint.save={save}", "seed=7")) is None
+    longer = _config(f"checkpoint.save={save}", "train.steps=20")
+    with pytest.raises(ConfigError) as same:
+        check_save_dir(longer, None, None)
+    assert str(same.value) == (
+        f"checkpoint.save {save} holds this run's checkpoints (global_step10: the same config, seed and start) up to "
+        "step 10 of 20: continue it with checkpoint.load auto, or start it again with checkpoint.overwrite true")
+    with pytest.raises(ConfigError) as other:
+        check_save_dir(_config(f"checkpoint.save={save}", "seed=7", "optimizer.lr=0.01"), None, None)
+    assert str(other.value) == (
+        f"checkpoint.save {save} already holds checkpoints (global_step10) of another run (it differs in "
+        "optimizer.lr, seed): save this one elsewhere, or replace them with checkpoint.overwrite true (that run "
+        "continues with its own config and checkpoint.load auto)")
+    # a fine-tuning run's start is part of it: another base is another run; the same one says how to continue
+    base = _fake_checkpoint(tmp_path / "base")
+    tuned = tmp_path / "tuned"
+    finetune = _config(f"checkpoint.save={tuned}", f"checkpoint.load={base}", "checkpoint.finetune=true")
+    _saved_run(tuned, finetune, 6, start=base)
+    assert finished_run(finetune) is None
+    with pytest.raises(ConfigError, match="up to step 6 of 10: continue it with checkpoint.load auto and "
+                                          "checkpoint.finetune false"):
+        check_save_dir(finetune, base, base)
+    with pytest.raises(ConfigError, match=r"of another run \(it differs in the checkpoint it started from\)"):
+        check_save_dir(finetune, base, str(tmp_path / "other-base"))
+    assert finished_run(_config(f"checkpoint.save={tuned}", f"checkpoint.load={base}", "checkpoint.finetune=true",
+                                "train.steps=6")).step == 6

@@ -1,7 +1,7 @@
 """Which base checkpoint a LoRA run's adapters belong to, and every check that pairs the two.
 
-A LoRA run saves its adapters only (and their optimizer state). ``llama_megatron.json`` records the adapter config
-and the base checkpoint: its absolute path, tag and a fingerprint, a sha256 of the model config, every norm weight
+A LoRA run saves its adapters only (and the modules it trains in full, and their optimizer state).
+``llama_megatron.json`` records the adapter config (modules to save included) and the base checkpoint: its absolute path, tag and a fingerprint, a sha256 of the model config, every norm weight
 and the first rows of the embedding (a few KB read from any layout, ZeRO-3 partitions included), so a base that was
 replaced or retrained under the same path is told apart while the same base resharded is not. Resuming,
 fine-tuning from and merging adapters re-read the base there (or where ``export --base`` says), and refuse, with
@@ -96,9 +96,9 @@ def check_lora_start(lora: LoraConfig | None, meta: CheckpointMeta | None, load_
     where = f"{load_dir}/{meta.tag}" if meta else ""
     if lora is None:
         if adapters is not None:
-            raise ConfigError(f"checkpoint {where} holds LoRA adapters only (rank {adapters.rank} on "
-                              f"{', '.join(adapters.targets)}): load it with its lora section in the training "
-                              "config, or merge it into its base with `llama-megatron export --merge`")
+            raise ConfigError(f"checkpoint {where} holds LoRA adapters only ({adapters.describe()}): load it with its "
+                              "lora section in the training config, or merge it into its base with "
+                              "`llama-megatron export --merge`")
         return None, None
     if meta is None:
         if auto:
@@ -113,8 +113,7 @@ def check_lora_start(lora: LoraConfig | None, meta: CheckpointMeta | None, load_
                               "checkpoint.finetune true (its weights only)")
         return base_record(load_dir, meta.tag), None
     if not lora.same_adapters(adapters):
-        raise ConfigError(f"checkpoint {where} holds LoRA adapters of rank {adapters.rank}, alpha {adapters.alpha} on "
-                          f"{', '.join(adapters.targets)}; this run's lora section has rank {lora.rank}, alpha "
-                          f"{lora.alpha} on {', '.join(lora.targets)}")
+        raise ConfigError(f"checkpoint {where} holds LoRA adapters of {adapters.describe()}; this run's lora section "
+                          f"has {lora.describe()}")
     record = BaseRecord.of(meta, where)
     return record, find_base(record, where)

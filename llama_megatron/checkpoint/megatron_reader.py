@@ -170,11 +170,12 @@ class MegatronCheckpoint:
 def load_model_weights(model: nn.Module, load_dir: str, tag: str | None, tp_rank: int) -> None:
     """Fill the parameters of ``model`` (plain or pipeline form, any PP) that the checkpoint holds with TP rank
     ``tp_rank``'s tensors of a checkpoint with the same TP degree: the fine-tuning start, before DeepSpeed wraps
-    the model. A full checkpoint fills the base weights, a LoRA checkpoint the adapters. ZeRO-3 and bf16
-    checkpoints give their fp32 master weights."""
+    the model. A full checkpoint fills the base weights, a LoRA checkpoint the adapters and the modules it trained
+    in full. ZeRO-3 and bf16 checkpoints give their fp32 master weights."""
     source = MegatronCheckpoint(load_dir, tag, fp32_master=True, checksum=False)
+    held = {spec.module_name for spec in source.layout}
     for name, param in model.named_parameters():
-        if is_adapter_parameter(name) != (source.lora is not None):
+        if (name not in held) if source.lora is not None else is_adapter_parameter(name):
             continue
         tensor = source.read_rank(source.layout.for_module(name), tp_rank)
         if tuple(tensor.shape) != full_shape(param):

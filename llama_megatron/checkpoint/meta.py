@@ -69,6 +69,9 @@ class CheckpointMeta:
     # which layers each pipeline rank holds (training.config.PipelineConfig.layer_placement; None: PP 1, or an
     # older checkpoint: DeepSpeed's one block per rank)
     layer_placement: dict[str, Any] | None = None
+    # the run that saved it (training.config.TrainingConfig.run_record: what is trained, from where); None for
+    # conversions, other tools' and older checkpoints
+    run: dict[str, Any] | None = None
     tag: str = ""
 
     @property
@@ -89,7 +92,7 @@ class CheckpointMeta:
     def to_json(self) -> str:
         data = dict(self.__dict__)
         data.pop("tag")
-        for key in ("lora", "saved_at", "save_index"):
+        for key in ("lora", "saved_at", "save_index", "run"):
             if data[key] is None:
                 data.pop(key)
         return json.dumps(data, indent=2, sort_keys=True)
@@ -113,7 +116,7 @@ def _check_fields(data: dict) -> None:
             raise ValueError(f"{key} {data[key]!r} is not an integer >= 0")
     if "zero_stage" in data and data["zero_stage"] not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage {data['zero_stage']!r} is not 0, 1, 2 or 3")
-    for key in ("model", "lora", "layer_placement"):
+    for key in ("model", "lora", "layer_placement", "run"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise ValueError(f"{key} is not an object")
 

@@ -1,12 +1,16 @@
 """A LoRA checkpoint (any TP/PP/ZeRO) as a PEFT adapter directory, or merged into its base as HF weights.
 
 - Adapter: ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, ``lora_dropout``,
-  ``target_modules``, ``task_type`` CAUSAL_LM, ``base_model_name_or_path``) and ``adapter_model.safetensors``
-  with PEFT's keys (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), TP shards merged by the
-  adapter table's splits. ``peft.PeftModel.from_pretrained`` loads it onto the exported base.
+  ``target_modules``, ``modules_to_save``, ``task_type`` CAUSAL_LM, ``base_model_name_or_path``) and
+  ``adapter_model.safetensors`` with PEFT's keys (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``;
+  a module to save's whole weight, ``base_model.model.lm_head.weight``), TP shards merged by the adapter table's
+  splits and the vocab tables cut back to the true vocab. ``peft.PeftModel.from_pretrained`` loads it onto the
+  exported base. A trained tied table is written as PEFT's ``ensure_weight_tying`` writes it: under both the
+  embedding's and the head's key, the config's ``modules_to_save`` rewritten as PEFT rewrites it.
 - Merged: the base checkpoint the adapters record (or ``--base DIR``, fingerprint-checked) streamed tensor by
-  tensor, each target weight plus ``B @ A * alpha / rank`` (PEFT's ``merge_and_unload``, in fp32), written as any
-  export (:func:`~llama_megatron.checkpoint.hf_writer.write_hf_directory`).
+  tensor, each target weight plus ``B @ A * alpha / rank`` (PEFT's ``merge_and_unload``, in fp32) and each module to
+  save's trained weight in place of the base's, written as any export
+  (:func:`~llama_megatron.checkpoint.hf_writer.write_hf_directory`).
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ from llama_megatron.checkpoint.hf_writer import write_hf_directory
 from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, find_base
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
 from llama_megatron.checkpoint.safetensors_stream import SafetensorsShardWriter
+from llama_megatron.config import ModelConfig
 from llama_megatron.errors import CheckpointError
 from llama_megatron.model.lora_layout import (
     ALL_TARGETS,
+    PEFT_PREFIX,
     LoraConfig,
     adapted_layers,
     base_weight_name,
     expert_adapter_names,
     peft_key,
+    peft_modules_to_save,
+    saved_module_specs,
+    ties_embeddings,
     to_peft,
 )
 from llama_megatron.progress import TaskProgress
@@ -38,14 +47,17 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_STEM = "adapter_model"  # adapter_model.safetensors, the one file PEFT reads
 
 
-def peft_adapter_config(lora: LoraConfig, base_model: str | None) -> dict:
-    """What ``peft.LoraConfig.save_pretrained`` writes for these adapters (defaults for the rest)."""
+def peft_adapter_config(config: ModelConfig, lora: LoraConfig, base_model: str | None) -> dict:
+    """What ``peft.LoraConfig.save_pretrained`` writes for these adapters on the model of ``config`` (defaults for
+    the rest)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "target_modules": lora.module_targets,
             "target_parameters": lora.expert_targets or None, "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_rslora": False,
-            "use_dora": False, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-            "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model, "revision": None}
+            "use_dora": False, "modules_to_save": peft_modules_to_save(config, lora),
+            "ensure_weight_tying": ties_embeddings(config, lora), "layers_to_transform": None,
+            "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model,
+            "revision": None}
 
 
 def write_peft_adapter(source: MegatronCheckpoint, out_dir: str, dtype: torch.dtype, base_model: str | None,
@@ -72,20 +84,23 @@ def write_peft_adapter(source: MegatronCheckpoint, out_dir: str, dtype: torch.dt
             writer.write(name, tensor)
     writer.close()
     with open(os.path.join(out_dir, ADAPTER_CONFIG_FILE), "w", encoding="utf-8") as fh:
-        json.dump(peft_adapter_config(source.lora, base_model), fh, indent=2, sort_keys=True)
+        json.dump(peft_adapter_config(source.config, source.lora, base_model), fh, indent=2, sort_keys=True)
         fh.write("\n")
 
 
 class MergedSource:
     """A :class:`~llama_megatron.checkpoint.sources.TensorSource`: the base's HF tensors, target weights with their
-    adapter merged in (fp32)."""
+    adapter merged in (fp32), the modules to save's weights the trained ones."""
 
     def __init__(self, base: MegatronCheckpoint, adapters: MegatronCheckpoint) -> None:
         self.base, self.adapters = base, adapters
         lora = adapters.lora
         self.scaling = lora.scaling
-        # each adapted HF weight: the names of its adapter's A and B (an expert's gate and up weights: B's rows for it)
         config = base.config
+        # each module to save's HF weight: its key in the adapter checkpoint
+        self.saved = {name.removeprefix(PEFT_PREFIX): name for spec in saved_module_specs(config, lora)
+                      for name in spec.hf_names}
+        # each adapted HF weight: the names of its adapter's A and B (an expert's gate and up weights: B's rows for it)
         self.pairs = {base_weight_name(config, i, t): (peft_key(config, i, t, "A"), peft_key(config, i, t, "B"))
                       for t in lora.module_targets for i in adapted_layers(config, t)}
         for i in filter(base.config.is_moe_layer, range(base.config.num_hidden_layers)):
@@ -106,6 +121,8 @@ class MergedSource:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def get_parts(self, name: str) -> list[torch.Tensor]:
+        if name in self.saved:
+            return self.adapters.get_parts(self.saved[name])
         parts = self.base.get_parts(name)
         if name not in self.pairs:
             return parts

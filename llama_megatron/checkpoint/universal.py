@@ -4,8 +4,8 @@ Patterns are built from the parameter layout table, one exact name per parameter
 really has (DeepSpeed's strict mode rejects a pattern that matches nothing). The fused QKV is a plain
 column-parallel tensor for this purpose: its rows are grouped per KV group, so concatenating TP shards along
 dim 0 gives a layout that splits again for any TP dividing the KV heads. A LoRA run's checkpoints hold the
-adapters only, so their patterns come from the adapter table (column-split B matrices need none: dim 0 is
-DeepSpeed's default).
+adapters only (and the modules they train in full), so their patterns come from the adapter table (column-split B
+matrices need none: dim 0 is DeepSpeed's default).
 """
 
 from __future__ import annotations
@@ -35,6 +35,6 @@ def universal_checkpoint_info(config: ModelConfig, lora: LoraConfig | None = Non
         # merged vocab tensors are cut back to the true vocab and re-padded for the loading layout
         C.ORIGINAL_VOCAB_SIZE: config.vocab_size,
     }
-    if config.tie_word_embeddings and not lora:
+    if any(s.module_name.startswith(TIED_PREFIX) for s in layout):  # a tied table (a LoRA run's when it trains it)
         info[C.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [rf"^{re.escape(TIED_PREFIX)}.*"]
     return info

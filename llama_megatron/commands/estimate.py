@@ -32,11 +32,12 @@ def _unit(est: Estimate) -> tuple[str, int]:
     return ("GiB", 2**30) if est.peak_gpu >= 2**30 else ("MiB", 2**20)
 
 
-def format_table(est: Estimate) -> str:
+def format_table(est: Estimate, seq_length: int) -> str:
     lines = [f"world size {est.world_size} | data parallel {est.data_parallel} | context {est.context} | "
              f"ZeRO {est.zero} | "
-             f"{est.precision} | optimizer {est.optimizer_wrapper} | micro batch {est.micro_batch_size} x "
-             f"{est.micro_batches} per step | kernels {est.kernels} | schedule {est.schedule}"
+             f"{est.precision} | optimizer {est.optimizer_wrapper} | {est.micro_batches} micro batches per step "
+             f"and rank, each {est.micro_batch_size} x {seq_length} tokens | kernels {est.kernels} | schedule "
+             f"{est.schedule}"
              + (f" ({est.virtual_stages} virtual stages per rank)" if est.virtual_stages > 1 else ""),
              f"{_unit(est)[0]} per rank (GPU; CPU where offloaded)"]
     scale = _unit(est)[1]
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     # "cuda" so fp16 configs (refused on a CPU *run*) can still be estimated for the GPUs they are meant for
     ds = build_deepspeed_config(config, args.deepspeed_config or config.deepspeed_config, world, "cuda")
     est = estimate(config, ds, world)
-    print(format_table(est))
+    print(format_table(est, config.seq_length))
     best = largest_micro_batch(config, ds, world, budget)
     verdict = "fits" if est.peak_gpu <= budget else "does NOT fit"
     print(f"peak {est.peak_gpu / 2**30:.3f} GiB per GPU {verdict} in {args.gpu_memory}")

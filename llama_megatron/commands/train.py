@@ -47,10 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from llama_megatron.parallel.launch import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
-    from llama_megatron.training.run.loop import run_pretraining
 
     adopt_launcher_env()
     config = TrainingConfig.from_file(args.config, args.overrides)
+    # DeepSpeed is imported once the config is known to be good
+    from llama_megatron.training.run.loop import run_pretraining
+
     run_pretraining(config, args.deepspeed_config or config.deepspeed_config, eval_only=args.eval_only)
     return 0
 
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    from llama_megatron.parallel.launch import quiet_library_warnings
+
+    quiet_library_warnings()  # before DeepSpeed is imported (`llama-megatron train` does this in cli.py)
     return exit_code_of(lambda: run(args))
 
 

@@ -179,17 +179,21 @@ def attach_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, pctx: P
                 shapes: LocalShapes, seed: int) -> None:
     """Put ``lora``'s adapters on every decoder layer of ``model`` (plain or pipeline form), draw them (A from its
     own seeded generator, as PEFT draws it, sliced for this rank; B zero, so the model starts as the base), and
-    freeze every other parameter."""
+    freeze every other parameter but the modules to save. Those train in full as they are (the base's weights,
+    split and reduced as in full training: vocab-parallel tables, replicated norms whose gradients sequence
+    parallelism sums over TP in the norm itself)."""
     for module in model.modules():
         if isinstance(module, DecoderLayerPipe):
             _attach_layer(module, config, lora, pctx, shapes)
+    layout = adapter_layout(config, lora)
+    trained = {spec.module_name for spec in layout}
     adapters = []
     for name, param in model.named_parameters():
         if is_adapter_parameter(name):
             adapters.append((name, param))
-        else:
+        elif name not in trained:
             param.requires_grad_(False)
-    initialize_parameters(adapters, adapter_layout(config, lora), config, pctx, shapes.padded_vocab_size, seed)
+    initialize_parameters(adapters, layout, config, pctx, shapes.padded_vocab_size, seed)
     if isinstance(model, PipelineModule) and model.activation_checkpoint_interval:
         for module in model.modules():
             if isinstance(module, EmbeddingPipe):
@@ -199,7 +203,8 @@ def attach_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, pctx: P
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """The base model: every adapter's delta scaled by 0 (exactly the base's outputs), as PEFT's
-    ``disable_adapter``; the reference of a LoRA preference run."""
+    ``disable_adapter``; the reference of a LoRA preference run, computed before training. Modules to save keep
+    their current weights, which are the base's until the first step (PEFT keeps a second copy for this)."""
     modules = [m for m in model.modules() if isinstance(m, (ColumnLoRA, RowLoRA))]
     scalings = [m.scaling for m in modules]
     for m in modules:

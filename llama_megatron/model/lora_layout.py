@@ -17,9 +17,18 @@ follows its weight:
   split. ``A`` is ``replicated`` (its gradient is summed over TP in the forward, see :mod:`.lora`).
 - row-parallel targets (o, down): ``A`` splits on its input columns (``row``), ``B`` is ``replicated``.
 
+Modules trained in full beside the adapters (PEFT's ``modules_to_save``: the embedding, the LM head, the norms) are
+base parameters left trainable: the table holds their base rows (same module name, split and pipeline layer: the
+embedding and head vocab-parallel over the padded vocab, the norms replicated) under PEFT's keys
+(``base_model.model.lm_head.weight``), so everything that reads or writes an adapter checkpoint handles them as it
+handles the adapters. PEFT selects a module when its qualified name ends with a listed name (``_set_trainable``'s
+``key.endswith(name)``): ``norm`` is every norm of the class, ``model.norm`` the final one alone. A tied embedding
+is one table for the embedding and the head: ``embed_tokens`` or ``lm_head`` trains it, as PEFT does with
+``ensure_weight_tying=True`` (without it PEFT would train an untied copy of one of them).
+
 The specs live in a :class:`ParamLayout` of their own (never in the base model's), so initialisation, conversion
 and checkpoint code that walk the base layout see exactly the base parameters; the same slicing code
-(:mod:`.tp_slicing`) cuts and merges both. An adapter's ``hf_names`` is its PEFT key
+(:mod:`.tp_slicing`) cuts and merges both. A row's ``hf_names`` is its PEFT key
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
 """
 
@@ -39,6 +48,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # PEFT's target_parameters of a mixture of experts, in the order MixtralExperts registers them
 EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 PEFT_PREFIX = "base_model.model."
+# PEFT's modules_to_save names this accepts: those that select, by PEFT's suffix rule, only embeddings, heads and
+# norms on every family's class ("norm": all of them; "q_norm" / "k_norm": Qwen3's per-head norms)
+MODULES_TO_SAVE = ("embed_tokens", "lm_head", "norm", "model.norm", "input_layernorm", "post_attention_layernorm",
+                   "q_norm", "k_norm")
+EMBED_MODULE, HEAD_MODULE = "model.embed_tokens", "lm_head"  # HF module names of the two vocab tables
 ADAPTER_MODULE = "lora"  # the attribute of our linear layers that holds a LoRA adapter (parallel/layers.py)
 
 
@@ -100,6 +114,10 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapter input (not on expert targets)
     # HF module names (and mlp.experts.gate_up_proj / down_proj for experts) that get adapters
     targets: tuple[str, ...] = LORA_TARGETS
+    # modules trained in full beside the adapters (PEFT's modules_to_save, LLaMA-Factory's additional_target):
+    # embed_tokens, lm_head, norm (every norm, as PEFT matches name suffixes), model.norm (the final norm),
+    # input_layernorm, post_attention_layernorm, q_norm, k_norm (Qwen3); a tied embedding trains as one table
+    modules_to_save: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
@@ -118,6 +136,10 @@ class LoraConfig:
         if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
             raise ConfigError(f"lora.targets must be a list of module names, got {targets!r}")
         data["targets"] = tuple(targets)
+        modules = data.get("modules_to_save", ())
+        if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+            raise ConfigError(f"lora.modules_to_save must be a list of module names, got {modules!r}")
+        data["modules_to_save"] = tuple(modules)
         config = cls(**data)
         config.validate()
         return config
@@ -143,11 +165,18 @@ class LoraConfig:
             raise ConfigError(f"lora.dropout {self.dropout} with the expert targets {', '.join(experts)}: their "
                               "adapters add to the expert weights (PEFT's target_parameters), which takes no dropout; "
                               "set lora.dropout 0")
+        for name in self.modules_to_save:
+            if name not in MODULES_TO_SAVE:
+                raise ConfigError(f"lora.modules_to_save: {name!r} is not a module trained beside the adapters here; "
+                                  f"names are PEFT's: {', '.join(MODULES_TO_SAVE)}")
+        if len(set(self.modules_to_save)) != len(self.modules_to_save):
+            raise ConfigError(f"lora.modules_to_save names a module twice: {list(self.modules_to_save)}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The section as written to ``llama_megatron.json`` (targets in model order)."""
+        """The section as written to ``llama_megatron.json`` (targets in model order, modules_to_save as given:
+        PEFT's adapter config keeps them so)."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
-                "targets": [*self.module_targets, *self.expert_targets]}
+                "targets": [*self.module_targets, *self.expert_targets], "modules_to_save": list(self.modules_to_save)}
 
     @property
     def module_targets(self) -> list[str]:
@@ -160,9 +189,15 @@ class LoraConfig:
         return [t for t in EXPERT_TARGETS if t in self.targets]
 
     def same_adapters(self, other: LoraConfig) -> bool:
-        """Whether checkpoints of ``other`` hold this config's adapters (dropout is a training choice only)."""
-        return (self.rank, float(self.alpha), set(self.targets)) == (other.rank, float(other.alpha),
-                                                                    set(other.targets))
+        """Whether checkpoints of ``other`` hold this config's adapters and trained modules (dropout is a training
+        choice only)."""
+        return ((self.rank, float(self.alpha), set(self.targets), set(self.modules_to_save))
+                == (other.rank, float(other.alpha), set(other.targets), set(other.modules_to_save)))
+
+    def describe(self) -> str:
+        """The adapters and trained modules in words, for log lines and refusals."""
+        saved = f", modules_to_save {', '.join(self.modules_to_save)}" if self.modules_to_save else ""
+        return f"rank {self.rank}, alpha {self.alpha} on {', '.join(self.targets)}{saved}"
 
 
 def target_shapes(config: ModelConfig, target: str, layer: int | None = None) -> tuple[int, int]:
@@ -239,15 +274,79 @@ def _specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
     return specs
 
 
+def _saveable_modules(config: ModelConfig) -> list[tuple[ParamSpec, tuple[str, ...]]]:
+    """The base rows a ``modules_to_save`` entry may select, each with the HF module names it is on the class: the
+    vocab tables and the norms (the replicated rows that start at one). A tied table is both modules."""
+    out = []
+    for spec in ParamLayout(config):
+        if spec.split == "vocab" or (spec.split == "replicated" and spec.init == "ones"):
+            modules = tuple(name.removesuffix(".weight") for name in spec.hf_names)
+            if spec.split == "vocab" and config.tie_word_embeddings:
+                modules += (HEAD_MODULE,)
+            out.append((spec, modules))
+    return out
+
+
+def _selects(name: str, module: str) -> bool:
+    """PEFT's rule (``_set_trainable``): a modules_to_save name selects every module whose name ends with it."""
+    return module.endswith(name)
+
+
+def saved_module_specs(config: ModelConfig, lora: LoraConfig) -> list[ParamSpec]:
+    """The base rows of the modules ``lora.modules_to_save`` selects, in layer order, under PEFT's keys
+    (``base_model.model.`` + the HF name; a tied table under the embedding's)."""
+    return [dataclasses.replace(spec, hf_names=tuple(PEFT_PREFIX + name for name in spec.hf_names))
+            for spec, modules in _saveable_modules(config)
+            if any(_selects(name, module) for name in lora.modules_to_save for module in modules)]
+
+
+def ties_embeddings(config: ModelConfig, lora: LoraConfig) -> bool:
+    """Whether the run trains a tied embedding table (PEFT's ``ensure_weight_tying``: embedding and head one)."""
+    return config.tie_word_embeddings and any(spec.split == "vocab" for spec in saved_module_specs(config, lora))
+
+
+def peft_modules_to_save(config: ModelConfig, lora: LoraConfig) -> list[str] | None:
+    """``modules_to_save`` as PEFT writes it into ``adapter_config.json``: as given, but with a tied table trained
+    PEFT (``ensure_weight_tying``) adds the embedding's full name and drops ``lm_head``, which it ties to it
+    (``LoraModel._add_modules_to_save_to_tie``)."""
+    names = list(lora.modules_to_save)
+    if ties_embeddings(config, lora):
+        if EMBED_MODULE not in names:
+            names.append(EMBED_MODULE)
+        if HEAD_MODULE in names:
+            names.remove(HEAD_MODULE)
+    return names or None
+
+
+def trains_final_norm_alone(config: ModelConfig, lora: LoraConfig) -> bool:
+    """Whether the only norm the run trains is the final one: the one parameter without weight decay (an optimizer
+    group of its own) then sits on the last pipeline stage only."""
+    norms = [spec for spec in saved_module_specs(config, lora) if spec.split == "replicated"]
+    return bool(norms) and all(spec.name == "norm.weight" for spec in norms)
+
+
 def adapter_layout(config: ModelConfig, lora: LoraConfig) -> ParamLayout:
-    """Every adapter matrix of ``lora`` on the model of ``config``, in layer order."""
+    """Every adapter matrix of ``lora`` on the model of ``config`` and every module it trains in full, in layer
+    order."""
     check_targets(config, lora)
-    return ParamLayout(config, specs=_specs(config, lora))
+    specs = sorted([*_specs(config, lora), *saved_module_specs(config, lora)], key=lambda s: s.layers[0])
+    return ParamLayout(config, specs=specs)
+
+
+def trained_module_names(config: ModelConfig, lora: LoraConfig) -> set[str]:
+    """The module names of every parameter a LoRA run trains: its adapters and its modules to save."""
+    return {spec.module_name for spec in adapter_layout(config, lora)}
 
 
 def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
     """Every target names something PEFT adapts on the model's class: an MLP target of a mixture of experts a dense
-    MLP or a shared expert in some layer (:func:`layer_target`), an expert target an MoE layer."""
+    MLP or a shared expert in some layer (:func:`layer_target`), an expert target an MoE layer; every module to
+    save selects some module of the class."""
+    modules = [module for _, names in _saveable_modules(config) for module in names]
+    unmatched = [name for name in lora.modules_to_save if not any(_selects(name, m) for m in modules)]
+    if unmatched:
+        raise ConfigError(f"lora.modules_to_save {', '.join(unmatched)}: the {config.model_type} model has no such "
+                          f"module; it has {', '.join(n for n in MODULES_TO_SAVE if any(_selects(n, m) for m in modules))}")
     missing = [t for t in lora.module_targets if not adapted_layers(config, t)]
     if missing:
         raise ConfigError(f"lora.targets {', '.join(missing)}: the {config.model_type} model has no MLP module PEFT "
@@ -261,9 +360,13 @@ def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
 def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """The table's tensors (full, HF names) under PEFT's keys: each adapted expert parameter's per-expert A and B
     fused as ``ParamWrapper`` holds them, A ``[E x r, in]`` (expert-major rows), B ``[out, r x E]`` (column
-    ``j x E + e`` is rank j of expert e). Module targets are passed through; layers absent from ``tensors`` are
-    skipped (a writer may fuse one layer at a time)."""
+    ``j x E + e`` is rank j of expert e). Module targets and modules to save are passed through, a tied table under
+    both of PEFT's keys (as ``ensure_weight_tying`` saves it); layers absent from ``tensors`` are skipped (a writer
+    may fuse one layer at a time)."""
     out = {name: t for name, t in tensors.items() if ".mlp.experts." not in name}
+    embed = f"{PEFT_PREFIX}{EMBED_MODULE}.weight"
+    if config.tie_word_embeddings and embed in out:
+        out[f"{PEFT_PREFIX}{HEAD_MODULE}.weight"] = out[embed]
     experts = range(config.num_local_experts)
     for i in range(config.num_hidden_layers):
         for target in lora.expert_targets:
@@ -281,6 +384,8 @@ def from_peft(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
     fused = {peft_key(config, i, t, m, lora.targets)
              for i in filter(config.is_moe_layer, range(config.num_hidden_layers))
              for t in lora.expert_targets for m in "AB"}
+    if config.tie_word_embeddings:  # the head's key of a tied table is the embedding's tensor again
+        fused.add(f"{PEFT_PREFIX}{HEAD_MODULE}.weight")
     out = {name: t for name, t in state.items() if name not in fused}
     experts = config.num_local_experts
     for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import io
 import ipaddress
+import logging
 import os
 import random
 import re
 import socket
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 import torch
 
+from llama_megatron import host_sockets
 from llama_megatron.errors import ConfigError
 
 # The variables torch's env:// rendezvous reads; every launcher we support ends up setting them.
@@ -267,6 +272,65 @@ def serve_job_store(address: tuple[str, int], where: Placement, timeout_s: float
     return store
 
 
+def _port_moves(where: Placement) -> bool:
+    """Whether rank 0 may serve the rendezvous on another port than the launcher's, telling the other ranks
+    (:func:`settle_job_store`): every rank is a child of one deepspeed launcher on this host, so they can ask rank 0
+    before any of them reaches the port (:mod:`llama_megatron.host_sockets`)."""
+    return (where.launcher == "deepspeed" and where.world_size == where.local_world_size > 1
+            and host_sockets.supported())
+
+
+def _port_in_use(address: tuple[str, int]) -> ConfigError:
+    return ConfigError(f"the rendezvous port {address[1]} at {address[0]} (MASTER_ADDR:MASTER_PORT) is in use on this "
+                       f"host, by another job or program: start this one with another port (deepspeed --master_port P, "
+                       f"torchrun --master-port P, or MASTER_PORT=P under srun)")
+
+
+def settle_job_store(address: tuple[str, int], where: Placement, timeout_s: float):
+    """Rank 0: serve the job's store at ``address`` (:func:`serve_job_store`; None where torch is to serve it). When
+    that port is taken (another job on this host started with the launcher's default) and every rank is this
+    launcher's (:func:`_port_moves`), rank 0 serves on a free port instead, says so in one line, and answers each
+    other rank's question for the port; elsewhere a taken port is one line (:class:`ConfigError`). The other ranks
+    of such a launch ask rank 0 before they touch the port (they never reach the other job's store), then go on with
+    MASTER_PORT set to its answer; they return None."""
+    moves = _port_moves(where)
+    name = f"rendezvous/{host_sockets.launcher_key()}/{address[1]}"
+    if where.rank != 0:
+        if moves:
+            os.environ["MASTER_PORT"] = _ask_port(name, timeout_s)
+        return None
+    try:
+        server = serve_job_store(address, where, timeout_s)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        if not moves:
+            raise _port_in_use(address) from None
+        server = serve_job_store((address[0], 0), where, timeout_s)
+        print(f"port {address[1]} (MASTER_PORT) is in use on this host, by another job: this one's rendezvous is on "
+              f"port {server.port}", flush=True)
+        os.environ["MASTER_PORT"] = str(server.port)
+    if moves:
+        holder = host_sockets.claim(name)
+        if holder is not None:
+            _SERVERS.append(holder)
+            threading.Thread(target=host_sockets.answer, name="rendezvous-port", daemon=True,
+                             args=(holder, os.environ["MASTER_PORT"].encode(), where.world_size - 1,
+                                   timeout_s)).start()
+    return server
+
+
+def _ask_port(name: str, timeout_s: float) -> str:
+    """Rank 0's answer to :func:`settle_job_store`'s question, asked until it comes (rank 0 may still be importing);
+    past ``timeout_s`` one line."""
+    deadline = time.monotonic() + timeout_s
+    while (port := host_sockets.ask(name)) is None:
+        if time.monotonic() > deadline:
+            raise ConfigError(f"rank 0 of this launch did not say its rendezvous port within {timeout_s:g} s")
+        time.sleep(0.05)
+    return port.decode()
+
+
 def progress_store_address(timeout_s: float) -> tuple[str, int] | None:
     """Where the ranks publish their progress (the stall watchdog), as rank 0 sees it: MASTER_ADDR:MASTER_PORT,
     whose store rank 0 serves on MASTER_ADDR only (:func:`init_distributed`); under torchrun, whose agent serves
@@ -331,12 +395,28 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
+class _DropAcceleratorGuess(logging.Filter):
+    """DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
+    which every process that imports it prints on a host without CUDA (each rank, the launcher twice): the run's
+    first line says which device it trains on instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
 def quiet_library_warnings() -> None:
     """Torch deprecates ``all_gather_into_tensor``, which DeepSpeed calls from many places, each warning once per
-    rank; nothing a user can change, so it is filtered (once per process) unless ``LLAMA_MEGATRON_VERBOSE=1``."""
-    if not verbose():
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                                category=FutureWarning)
+    rank, and DeepSpeed guesses its accelerator aloud in every process (:class:`_DropAcceleratorGuess`): nothing a
+    user can change, so both are filtered unless ``LLAMA_MEGATRON_VERBOSE=1``. Called as a command starts, before
+    DeepSpeed is imported (its logger keeps a filter added before it configures it), and again (idempotent) as the
+    process group starts."""
+    if verbose():
+        return
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropAcceleratorGuess) for f in deepspeed_logger.filters):
+        deepspeed_logger.addFilter(_DropAcceleratorGuess())
 
 
 # What DeepSpeed's PipelineModule prints on rank 0 as it is built: its seed settings, the topology and the layers
@@ -385,10 +465,15 @@ def init_distributed(timeout_minutes: float = 30) -> None:
     import torch.distributed as dist
 
     started = dist.is_available() and dist.is_initialized()  # a later run in the same processes (tests)
-    if where.rank == 0 and where.world_size > 1 and address is not None and not agent_store and not started:
-        server = serve_job_store(address, where, 60.0 * timeout_minutes)
+    if where.world_size > 1 and address is not None and not agent_store and not started:
+        server = settle_job_store(address, where, 60.0 * timeout_minutes)
     if server is None:
-        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+        try:
+            deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+        except RuntimeError as exc:  # torch serving the store itself (a wildcard MASTER_ADDR) on a taken port
+            if where.rank == 0 and address is not None and "EADDRINUSE" in str(exc):
+                raise _port_in_use(address) from None
+            raise
         return
     # rank 0 serves the store itself, bound to MASTER_ADDR: torch's env:// rendezvous then connects to it as a
     # client, as it does to torchrun's agent store (the variable says so only for this call)

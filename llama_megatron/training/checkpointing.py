@@ -65,7 +65,7 @@ from llama_megatron.checkpoint.universal import universal_checkpoint_info
 from llama_megatron.errors import CheckpointError, ConfigError, SaveFailed
 from llama_megatron.parallel.launch import barrier
 from llama_megatron.training.background_save import BackgroundSaves, DirectEngine, write_failure_line
-from llama_megatron.training.config import AUTO_LOAD, CheckpointConfig
+from llama_megatron.training.config import AUTO_LOAD, CheckpointConfig, TrainingConfig
 
 
 def resolve_load_dir(cfg: CheckpointConfig) -> str | None:
@@ -108,19 +108,77 @@ def choose_tag(load_dir: str, tag: str | None, fallback: bool,
     raise CheckpointError(f"no complete checkpoint in {load_dir}" + (f" ({notes[0]})" if notes else ""))
 
 
-def check_save_dir(cfg: CheckpointConfig, load_dir: str | None) -> None:
-    """A run that does not continue ``checkpoint.save`` may not write into one that holds checkpoints (its
-    retention and ``latest`` would mix two runs) unless ``checkpoint.overwrite`` says to replace them."""
+def resumes_save_dir(cfg: CheckpointConfig, load_dir: str | None) -> bool:
+    """Whether the run loads (and so continues) the run saved in ``checkpoint.save``."""
+    return bool(cfg.save and load_dir is not None and os.path.isdir(load_dir) and os.path.isdir(cfg.save)
+                and os.path.samefile(load_dir, cfg.save))
+
+
+def finished_run(config: TrainingConfig) -> CheckpointMeta | None:
+    """The checkpoint in ``checkpoint.save`` that holds this run at ``train.steps`` or later, where there is nothing
+    to train (a finished job started again, a recipe run twice). This run: the one a resume would continue
+    (``checkpoint.load: auto``), or one whose record (:meth:`TrainingConfig.run_record`) equals this config's: the
+    same model, data, optimizer, seed and start. Never with ``checkpoint.overwrite`` (start again)."""
+    cfg = config.checkpoint
     if not cfg.save or cfg.overwrite:
+        return None
+    try:
+        if not cfg.finetune and resumes_save_dir(cfg, resolve_load_dir(cfg)):
+            meta, _ = choose_tag(cfg.save, cfg.tag, fallback=cfg.load == AUTO_LOAD)
+            return meta if meta.step >= config.train.steps else None
+        tags = saved_tags(cfg.save)
+        if not tags or cfg.load is not None and not cfg.finetune:  # a resume of another directory's checkpoint
+            return None
+        meta = read_meta(cfg.save, tags[0])
+    except CheckpointError:
+        return None
+    start = cfg.load if cfg.finetune else None
+    return meta if meta.step >= config.train.steps and meta.run == config.run_record(start) else None
+
+
+def _record_differences(saved: dict, run: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two run records (``config.optimizer.lr``, ``start``); the training
+    JSON's keys under ``config.``."""
+    keys = []
+    for key in sorted(set(saved) | set(run)):
+        a, b = saved.get(key), run.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += _record_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def check_save_dir(config: TrainingConfig, load_dir: str | None, start: str | None) -> None:
+    """A run that does not continue ``checkpoint.save`` may not write into one that holds checkpoints (its
+    retention and ``latest`` would mix two runs) unless ``checkpoint.overwrite`` says to replace them. The refusal
+    says what the saves there are: this very run (the same record, ``start`` being where this one starts), not
+    finished yet, or another run and where it differs."""
+    cfg = config.checkpoint
+    if not cfg.save or cfg.overwrite or resumes_save_dir(cfg, load_dir):
         return
-    if load_dir is not None and os.path.isdir(load_dir) and os.path.isdir(cfg.save) and \
-            os.path.samefile(load_dir, cfg.save):
-        return  # resuming (or rolling back) the run saved there
     existing = saved_tags(cfg.save)
-    if existing:
-        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
-        raise ConfigError(f"checkpoint.save {cfg.save} already holds checkpoints ({shown}) of another run: continue "
-                          "it with checkpoint.load auto, or replace them with checkpoint.overwrite true")
+    if not existing:
+        return
+    shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
+    try:
+        newest = read_meta(cfg.save, existing[0])
+    except CheckpointError:
+        newest = None
+    record = config.run_record(start)
+    if newest is not None and newest.run == record:
+        how = "checkpoint.load auto" + (" and checkpoint.finetune false" if cfg.finetune else "")
+        raise ConfigError(f"checkpoint.save {cfg.save} holds this run's checkpoints ({shown}: the same config, seed "
+                          f"and start) up to step {newest.step} of {config.train.steps}: continue it with {how}, or "
+                          "start it again with checkpoint.overwrite true")
+    differs = ""
+    if newest is not None and newest.run is not None:
+        keys = [key.removeprefix("config.").replace("start", "the checkpoint it started from")
+                for key in _record_differences(newest.run, record)]
+        differs = f" (it differs in {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+    raise ConfigError(f"checkpoint.save {cfg.save} already holds checkpoints ({shown}) of another run{differs}: save "
+                      "this one elsewhere, or replace them with checkpoint.overwrite true (that run continues with "
+                      "its own config and checkpoint.load auto)")
 
 
 class SaveDirLock:

@@ -97,7 +97,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    interval: int = 1  # steps between log lines
+    interval: int = 1  # steps between log lines (step 1 and the last step are logged too)
     tensorboard_dir: str | None = None  # TensorBoard directory (null: no TensorBoard logs)
     wandb_project: str | None = None  # a Weights & Biases project to log to
     # peak TFLOP/s per device for MFU (default: known GPUs' dense bf16 peak, or a measured CPU peak)
@@ -402,6 +402,18 @@ class TrainingConfig:
         out["data"] = self.data.to_dict()
         out["lora"] = self.lora.to_dict() if self.lora else None
         return out
+
+    def run_record(self, start: str | None) -> dict[str, Any]:
+        """What makes two runs one, as each checkpoint records it (``llama_megatron.json``'s ``run``): what is
+        trained (model, data, tokenizer, sequence length, global batch, optimizer and LR schedule, adapters,
+        preference loss, seed) and from where (``start``: the checkpoint the run's first step started from, weights
+        only; None from a seeded init). Not how long (a larger ``train.steps`` continues the same run), nor the
+        layout, evaluation, logging or saving. As JSON reads it back (lists, not tuples), so records compare."""
+        whole = self.to_dict()
+        trained = {key: whole[key] for key in ("model", "data", "tokenizer", "seq_length", "optimizer", "lora",
+                                               "preference", "seed")}
+        trained["batch"] = {"global_batch_size": self.batch.global_batch_size}
+        return json.loads(json.dumps({"config": trained, "start": start}))
 
 
 def model_config(value: Any) -> ModelConfig:

@@ -43,7 +43,7 @@ from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.launch import (
     Placement,
     rendezvous_address,
-    serve_job_store,
+    settle_job_store,
     skip_cpu_shared_memory_op,
 )
 from llama_megatron.training.checkpointing import all_gather_objects
@@ -103,10 +103,12 @@ def run_doctor(config: TrainingConfig, where: Placement, timeout_minutes: float,
 # ---- the check-in: every rank present, before any process group ----
 def _store(where: Placement, address: tuple[str, int], timeout: datetime.timedelta):
     # torchrun's agent already serves the store at MASTER_PORT; under other launchers rank 0 hosts it
-    hosts_store = where.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    server = serve_job_store(address, where, timeout.total_seconds()) if hosts_store else None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosts_store = where.rank == 0 and not agent_store
+    server = None if agent_store else settle_job_store(address, where, timeout.total_seconds())
     if server is not None:
         return server
+    address = rendezvous_address()  # the port rank 0 serves (settle_job_store may have moved it)
     return dist.TCPStore(address[0], address[1], where.world_size if hosts_store else None, is_master=hosts_store,
                          wait_for_workers=False, timeout=timeout)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llama_megatron.config import ModelConfig
@@ -41,6 +42,7 @@ from llama_megatron.model.lora_layout import (
     LoraConfig,
     adapter_layout,
     layer_target,
+    saved_module_specs,
     target_shapes,
 )
 from llama_megatron.model.param_layout import ParamLayout
@@ -127,8 +129,8 @@ class _Layer:
 
     kind: str  # EmbeddingPipe, DecoderLayerPipe, FinalNormPipe, LMHeadPipe
     params: list[tuple[int, bool]]  # (numel, decayed: a matrix, not a norm or bias) per parameter of the model
-    adapters: list[tuple[int, bool]]  # the same for the LoRA adapters on it
-    frozen: bool  # a LoRA run: the model's own parameters do not train
+    adapters: list[tuple[int, bool]]  # the same for the LoRA adapters on it and the modules to save, which train
+    frozen: bool  # a LoRA run: the model's own parameters do not train (but the modules to save, in ``adapters``)
     experts: list[tuple[int, bool]] = field(default_factory=list)  # this EP rank's experts, with expert parallelism
     expert_adapters: list[tuple[int, bool]] = field(default_factory=list)  # their LoRA adapters
 
@@ -152,7 +154,9 @@ def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | N
     n = model.num_hidden_layers
     head = "EmbeddingPipe" if model.tie_word_embeddings else "LMHeadPipe"
     kinds = ["EmbeddingPipe"] + ["DecoderLayerPipe"] * n + ["FinalNormPipe", head]
-    tables = [ParamLayout(model).held_by(0, ep), adapter_layout(model, lora).held_by(0, ep) if lora else []]
+    trained = adapter_layout(model, lora).held_by(0, ep) if lora else []
+    saved = {spec.module_name for spec in trained}  # a LoRA run's modules to save: base rows that train
+    tables = [[s for s in ParamLayout(model).held_by(0, ep) if s.module_name not in saved], trained]
     # per table, [everything but this EP rank's experts, its experts (EP > 1)], each a list per layer
     params = [[[[] for _ in kinds] for _ in range(2)] for _ in tables]
     for table, (rows, experts) in zip(tables, params):
@@ -303,7 +307,8 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
     LM head of the reference path, its own or the tied table (the fused loss computes the weight's gradient in
     its forward). The inputs share their storage with the forward's saved tensors, which the B frees otherwise.
     LoRA (the base frozen): the adapters' inputs, their rank-wide intermediates and gradients, and the gradients
-    of the adapted outputs.
+    of the adapted outputs, and what full training keeps for the modules to save (the norms' weight gradients, the
+    head's input and output gradient).
 
     An MoE layer's MLP (full-parameter runs): the router's input (the whole, SP-gathered sequence) and its logits'
     gradient; per routed assignment (balanced routing: k x tokens rows on this EP rank's experts) each expert's
@@ -314,16 +319,27 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
     activations do)."""
     m = config.model
     tokens = b * config.seq_length // config.parallel.context
+    trains = _trained_rows(config)
     head = 0
-    if "FinalNormPipe" in kinds and config.lora is None:  # the final norm's weight gradient, and the head's
-        head = e * m.hidden_size
-        if not fast:
+    if "FinalNormPipe" in kinds:  # the final norm's weight gradient, and the head's
+        head = e * m.hidden_size if trains("norm.weight") else 0
+        if not fast and trains("embed.weight" if m.tie_word_embeddings else "lm_head.weight"):
             head += e * tokens * (m.hidden_size + config.local_shapes.vocab_rows)
-    norms = 0 if config.lora is not None else 2 * e * m.hidden_size  # the two norms' weight gradients
-    if m.qk_norm and config.lora is None:  # Qwen3's q and k norms (a head_dim weight each)
-        norms += 2 * e * m.head_dim
+    # the two norms' weight gradients, and Qwen3's q and k norms' (a head_dim weight each); every layer alike
+    norms = sum(e * m.hidden_size for norm in ("input_layernorm", "post_attention_layernorm")
+                if trains(f"layers.0.{norm}.weight"))
+    if m.qk_norm:
+        norms += sum(e * m.head_dim for norm in ("q_norm", "k_norm") if trains(f"layers.0.self_attn.{norm}.weight"))
     widths = max(_deferred_widths(config, layer) for layer in range(m.num_hidden_layers))
     return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
+
+
+def _trained_rows(config: TrainingConfig) -> Callable[[str], bool]:
+    """Whether the base row of a canonical name trains: every one in full training, a LoRA run's modules to save."""
+    if config.lora is None:
+        return lambda name: True
+    saved = {spec.name for spec in saved_module_specs(config.model, config.lora)}
+    return saved.__contains__
 
 
 def _deferred_widths(config: TrainingConfig, layer: int) -> int:

@@ -2,7 +2,8 @@
 
 The training config is the single source of truth for batch sizes and gradient clipping: DeepSpeed keys that
 repeat them are allowed only when they agree. Combinations DeepSpeed would reject deep inside its engine
-(ZeRO-2/3 with pipeline parallelism, fp16 on a CPU) are refused here with one line.
+(ZeRO-2/3 with pipeline parallelism, fp16 on a CPU), or on which it would hang (ZeRO-1 at PP > 1 with parameter
+groups that differ between stages), are refused here with one line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from llama_megatron.config import read_json
 from llama_megatron.errors import ConfigError
+from llama_megatron.model.lora_layout import trains_final_norm_alone
 from llama_megatron.training.config import TrainingConfig
 
 
@@ -50,6 +52,14 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
             f"ZeRO stage {stage} cannot be combined with pipeline parallelism (pipeline={pp}): "
             "use ZeRO-0/1 with PP, or pipeline=1 with ZeRO-2/3"
         )
+    if pp > 1 and stage == 1 and precision(ds) != "bf16" and config.lora and trains_final_norm_alone(config.model,
+                                                                                                   config.lora):
+        # DeepSpeed's ZeRO-1/2 optimizer all-reduces each parameter group's gradient norm over the model-parallel
+        # group, which spans the stages: with a group more on the last stage the others never join (a hang)
+        raise ConfigError("lora.modules_to_save trains the final norm (no weight decay: a parameter group of its own) "
+                          f"on the last pipeline stage only, and ZeRO-1 at pipeline={pp} needs the same parameter "
+                          "groups on every stage: train the layers' norms too (norm, input_layernorm or "
+                          "post_attention_layernorm), or use ZeRO-0 or bf16")
     if stage == 3 and config.parallel.expert > 1:
         raise ConfigError(f"ZeRO stage 3 cannot be combined with expert parallelism (expert={config.parallel.expert}): "
                           "DeepSpeed partitions only its own AutoEP experts under ZeRO-3; use ZeRO-1/2")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_megatron.checkpoint.meta import read_meta
-from llama_megatron.errors import ConfigError
+from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.generation import Sampling, generate
 from llama_megatron.parallel.launch import end_process_groups, placement
 from llama_megatron.training.config import TrainingConfig
@@ -48,9 +48,17 @@ class GenerationRequest:
 
 
 def _tokenizer_dir(request: GenerationRequest) -> str:
-    path = request.tokenizer or os.path.join(request.checkpoint, "hf_config")
+    """``--tokenizer``, or the one a converted checkpoint carries (``hf_config/``): what is missing said first."""
+    if request.tokenizer is not None:
+        if not os.path.isdir(request.tokenizer):
+            raise ConfigError(f"--tokenizer {request.tokenizer} is not a directory")
+        return request.tokenizer
+    if not os.path.isdir(request.checkpoint):
+        raise CheckpointError(f"checkpoint directory not found: {request.checkpoint}")
+    path = os.path.join(request.checkpoint, "hf_config")
     if not os.path.isdir(path):
-        raise ConfigError(f"no tokenizer: {path} is not a directory (pass --tokenizer DIR)")
+        raise ConfigError(f"checkpoint {request.checkpoint} carries no tokenizer (no hf_config/, which converted "
+                          "checkpoints have): pass --tokenizer DIR")
     return path
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from llama_megatron.checkpoint.meta import TMP_PREFIX, CheckpointMeta, step_tag
 from llama_megatron.data.sft_config import PreferenceData
 from llama_megatron.errors import ConfigError
-from llama_megatron.parallel.launch import barrier, launcher_chain
+from llama_megatron.parallel.launch import barrier, launcher_chain, placement
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.background_save import BackgroundSaves
 from llama_megatron.training.config import TrainingConfig
@@ -24,7 +24,7 @@ from llama_megatron.training.pipeline.schedules import analytic_bubble
 from llama_megatron.training.run.batches import build_datasets, step_batches
 from llama_megatron.training.run.metrics import device_peak_tflops, format_eta
 from llama_megatron.training.run.reference import prepare_reference
-from llama_megatron.training.run.setup import Session, open_session
+from llama_megatron.training.run.setup import Preflight, Session, open_session
 
 
 def evaluate(session: Session, valid_ds, progress: Callable[[], None] | None = None) -> dict:
@@ -56,6 +56,13 @@ def run_evaluation(config: TrainingConfig, ds_source=None) -> dict:
 def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = False) -> dict:
     if eval_only:
         return run_evaluation(config, ds_source)
+    finished = ckpt.finished_run(config)
+    if finished is not None:
+        if placement().rank == 0:
+            print(f"nothing to train: {config.checkpoint.save}/{finished.tag} holds this run at step {finished.step} "
+                  f"of train.steps {config.train.steps}; to train it again from the start set checkpoint.overwrite "
+                  "true, to train it on raise train.steps", flush=True)
+        return {"step": finished.step}
     session = open_session(config, ds_source)
     try:
         return _train(session, config)
@@ -85,7 +92,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     schedule = (f" ({pipe.schedule}{chunks}, {micro_batches} micro batches: bubble {100 * bubble:.1f}% at equal "
                 "pass costs)" if pctx.pp_size > 1 else "")
     log.info(
-        f"training {config.model.num_parameters() / 1e6:.1f}M parameters | tensor {pctx.tp_size} pipeline "
+        f"training {config.model.num_parameters() / 1e6:.1f}M parameters on {engine.device.type} | tensor {pctx.tp_size} pipeline "
         f"{pctx.pp_size}{schedule} context {pctx.cp_size} "
         f"data {pctx.dp_size} | ZeRO {zero_stage(ds_config)} | global batch "
         f"{config.batch.global_batch_size}{' pairs' if config.rows_per_sample == 2 else ''} x "
@@ -136,7 +143,8 @@ def _train(session: Session, config: TrainingConfig) -> dict:
             settle(wait=False)
             evaluate_now = bool(config.eval.interval) and step % config.eval.interval == 0
             save_now = bool(save.save and save.interval) and (step % save.interval == 0 or step == train.steps)
-            log_now = step % config.logging.interval == 0 or step == train.steps or evaluate_now
+            # step 1 too: the starting loss (ln of the vocabulary for a new model) is the curve's first point
+            log_now = step % config.logging.interval == 0 or step in (1, train.steps) or evaluate_now
             if not (log_now or save_now or stop):
                 watchdog.beat(step + 1, "reading its batches")
                 continue
@@ -196,7 +204,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
                 writing = os.path.join(save.save, TMP_PREFIX + step_tag(step)) if save.save else None
                 with watchdog.working(step, "checkpoint save", writing) as progress:
                     saved = _save_if_good(engine, guard, config, pctx, ds_config, step, consumed, log,
-                                          session.pre.checkpoint_lora(), background, progress)
+                                          session.pre, background, progress)
                 if isinstance(saved, ckpt.PendingSave):
                     pending, saved = saved, saved.tag
             if stop:
@@ -216,7 +224,7 @@ def _train(session: Session, config: TrainingConfig) -> dict:
     return {"step": step, **last_metrics}
 
 
-def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consumed, log, lora,
+def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consumed, log, pre: Preflight,
                   background: BackgroundSaves | None = None,
                   progress: Callable[[], None] | None = None) -> str | ckpt.PendingSave | None:
     """Save unless the latest step was bad or left non-finite weights (a poisoned state is never written, so
@@ -227,17 +235,17 @@ def _save_if_good(engine, guard: StepGuard, config, pctx, ds_config, step, consu
     if not engine.parameters_finite():
         log.info(f"not saving a checkpoint at step {step}: the weights are not finite")
         return None
-    return _save(engine, config, pctx, ds_config, step, consumed, log, lora, background, progress)
+    return _save(engine, config, pctx, ds_config, step, consumed, log, pre, background, progress)
 
 
-def _save(engine, config, pctx, ds_config, step, consumed, log, lora: dict | None,
+def _save(engine, config, pctx, ds_config, step, consumed, log, pre: Preflight,
           background: BackgroundSaves | None = None,
           progress: Callable[[], None] | None = None) -> str | ckpt.PendingSave:
     meta = CheckpointMeta(
         step=step, consumed_samples=consumed, tensor=pctx.tp_size, pipeline=pctx.pp_size, data_parallel=pctx.dp_size,
         context=pctx.cp_size, expert=pctx.ep_size, zero_stage=zero_stage(ds_config), model=config.model.to_dict(),
-        padded_vocab_size=config.local_shapes.padded_vocab_size, lora=lora,
-        layer_placement=config.pipeline.layer_placement(pctx.pp_size),
+        padded_vocab_size=config.local_shapes.padded_vocab_size, lora=pre.checkpoint_lora(),
+        layer_placement=config.pipeline.layer_placement(pctx.pp_size), run=config.run_record(pre.run_start),
     )
     saved = ckpt.save_checkpoint(engine, config.checkpoint.save, meta, config.checkpoint.keep_last, pctx, background,
                                  progress)

@@ -67,10 +67,26 @@ class Preflight:
         return checkpoint_lora_section(self.config.lora, self.lora_base)
 
     @property
+    def run_start(self) -> str | None:
+        """Where this run's first step started from, for its checkpoints' run record (:func:`run_start`)."""
+        return run_start(self.config, self.checkpoint)
+
+    @property
     def weights_only(self) -> bool:
         """Fine-tuning start: read the weights per (layer, TP rank) before DeepSpeed wraps the model, so any PP,
         DP and ZeRO stage of this run can start from the checkpoint."""
         return self.checkpoint is not None and self.config.checkpoint.finetune
+
+
+def run_start(config: TrainingConfig, meta: CheckpointMeta | None) -> str | None:
+    """Where a run's first step started from (its record's ``start``): the checkpoint a fine-tuning run loads the
+    weights of; for a resume, the start the resumed checkpoint records (a run continued is still the run that
+    started there); None from a seeded init."""
+    if meta is None:
+        return None
+    if config.checkpoint.finetune:
+        return config.checkpoint.load
+    return (meta.run or {}).get("start")
 
 
 @dataclass
@@ -195,9 +211,9 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
     kernels = resolve_kernels(config.kernels, accelerator)
     load_dir = ckpt.resolve_load_dir(config.checkpoint)
-    if mode == "train":
-        ckpt.check_save_dir(config.checkpoint, load_dir)
     meta, notes = _check_checkpoint(config, load_dir, world_size, ds_config)
+    if mode == "train":
+        ckpt.check_save_dir(config, load_dir, run_start(config, meta))
     if where.world_size == world_size and where.group_spans_nodes(config.parallel.tensor):
         notes.append(f"warning: tensor parallel groups of {config.parallel.tensor} span nodes ({where.local_world_size} "
                      f"processes per node): their all-reduces, the heaviest traffic, cross the network; use a "
@@ -351,7 +367,6 @@ def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") ->
         log.info(f"no checkpoint in {config.checkpoint.save} yet: starting fresh (checkpoint.load auto)")
     if config.lora:
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters() if p.requires_grad)
-        log.info(f"LoRA rank {config.lora.rank} alpha {config.lora.alpha} on {', '.join(config.lora.targets)}: "
-                 f"{trainable:,} trainable parameters on rank 0 (base frozen: {pre.lora_base.path}/"
+        log.info(f"LoRA {config.lora.describe()}: {trainable:,} trainable parameters on rank 0 (base frozen: {pre.lora_base.path}/"
                  f"{pre.lora_base.tag})")
     return Session(pre, pctx, log, engine, step, consumed, owner)

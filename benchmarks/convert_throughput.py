@@ -40,7 +40,7 @@ def peak_rss() -> int:
 def child(kind: str, args: list[str]) -> dict:
     """Runs in a fresh process: import, then time one job."""
     if kind.startswith("ours"):
-        from llama_megatron.checkpoint.convert import to_hf, to_megatron
+        from llama_megatron.checkpoint.interop.convert import to_hf, to_megatron
     else:
         from transformers import LlamaForCausalLM
     start = time.perf_counter()
@@ -72,8 +72,8 @@ def write_hf_input(config_path: str, dtype_name: str, path: str) -> tuple[int, i
     import torch
     from safetensors.torch import save_file
 
-    from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES, hf_config_dict
-    from llama_megatron.checkpoint.safetensors_stream import plan_shards
+    from llama_megatron.checkpoint.interop.hf_writer import DTYPE_NAMES, hf_config_dict
+    from llama_megatron.checkpoint.interop.safetensors_stream import plan_shards
     from llama_megatron.config import ModelConfig
     from llama_megatron.model.param_layout import ParamLayout
 

@@ -24,12 +24,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llama_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
+from llama_megatron.config import ModelConfig  # noqa: E402
 from llama_megatron.model.build import build_model  # noqa: E402
 from llama_megatron.model.kernels import resolve_kernels  # noqa: E402
 from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention  # noqa: E402
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
+from llama_megatron.parallel.degrees import ParallelConfig  # noqa: E402
 from llama_megatron.training.diagnostics.flops import training_flops_per_token  # noqa: E402
 from llama_megatron.training.run.metrics import device_peak_tflops  # noqa: E402
 

@@ -46,7 +46,8 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llama_megatron.parallel.launch import launcher_command  # noqa: E402
+from llama_megatron.parallel.placement import launcher_command  # noqa: E402
+from llama_megatron.training.pipeline.schedules import SCHEDULES  # noqa: E402
 
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 1024}
@@ -135,7 +136,8 @@ def _model(args: argparse.Namespace) -> dict:
 
 def _training_config(args: argparse.Namespace, world: int):
     """The worker's training config and DeepSpeed config (ZeRO-0; fp32 unless ``--bf16``)."""
-    from llama_megatron.config import ModelConfig, ParallelConfig
+    from llama_megatron.config import ModelConfig
+    from llama_megatron.parallel.degrees import ParallelConfig
     from llama_megatron.training.config import BatchConfig, TrainingConfig
     from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
@@ -149,7 +151,7 @@ def _training_config(args: argparse.Namespace, world: int):
     config.train.steps = args.steps + 1
     config.activation_checkpointing.interval = int(args.recompute)
     config.pipeline.schedule = args.schedule
-    config.pipeline.virtual_stages = VIRTUAL_STAGES.get(args.schedule, 1)
+    config.pipeline.virtual_stages = _chunks(args.schedule)
     ds = build_deepspeed_config(config, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": args.bf16}}, world)
     return config, ds
 
@@ -162,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
     _count_bytes(counter)
     import torch
 
-    from llama_megatron.parallel.launch import init_distributed
+    from llama_megatron.parallel.process_groups import init_distributed
 
     init_distributed()
     results = [_measure(argparse.Namespace(**{**vars(args), **run}), counter) for run in json.loads(args.runs)]
@@ -186,7 +188,7 @@ def _measure(args: argparse.Namespace, counter: dict) -> dict | None:
     from llama_megatron.training.run.batches import build_datasets, step_batches
 
     config, ds = _training_config(args, int(os.environ["WORLD_SIZE"]))
-    pctx = ParallelContext.build(args.tp, args.pp, args.sp, args.cp, args.ep)
+    pctx = ParallelContext.build(config.parallel)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(config.model, config.parallel, pctx, activation_checkpoint_interval=int(args.recompute),
                         kernels=resolve_kernels(config.kernels, device),
@@ -293,8 +295,9 @@ def _timed_steps(args: argparse.Namespace, engine, batches: list, pctx, counter:
                                for name in sorted({r[0] for r in ordered[0][i][1]})} for i in range(args.pp)]}
 
 
-VIRTUAL_STAGES = {"interleaved-1f1b": 2, "zb-v": 2}  # --schedules runs the virtual-stage schedules at v = 2
-SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+
+def _chunks(schedule: str) -> int:  # --schedules runs the virtual-stage schedules at v = 2
+    return SCHEDULES[schedule].default_chunks()
 
 
 def schedules(args: argparse.Namespace) -> None:
@@ -313,18 +316,18 @@ def schedules(args: argparse.Namespace) -> None:
     for pp in args.schedule_stages:
         for m in args.schedule_micro_batches:
             names = [n for n in args.schedule_names
-                     if micro_batch_rule(n, pp, VIRTUAL_STAGES.get(n, 1), m) is None]
+                     if micro_batch_rule(n, pp, _chunks(n), m) is None]
             cfg = {"tp": 1, "pp": pp, "sp": False, "micro_batches": m}
             measured = dict(zip(names, _launch_runs(cfg, args, [{"schedule": n} for n in names], timeline=True)))
             line = {"benchmark": "pipeline_schedules", "pp": pp, "micro_batches": m, "seq": args.seq,
                     "hidden": model["hidden_size"], "layers": model["num_hidden_layers"],
-                    "analytic_idle_share": {name: round(analytic_bubble(name, pp, m, VIRTUAL_STAGES.get(name, 1)), 3)
+                    "analytic_idle_share": {name: round(analytic_bubble(name, pp, m, _chunks(name)), 3)
                                             for name in names}}
             if "zb-h1" in measured:  # a whole stage's F, B and W, measured under ZB-H1: every order replayed
                 costs = measured["zb-h1"]["pass_s"]
                 forward, b, w = costs["ChunkForward"], costs["ChunkBackwardInput"], costs["ChunkWeight"]
                 line["replayed_idle_share_with_measured_passes"] = {
-                    name: round(simulate(name, pp, m, VIRTUAL_STAGES.get(name, 1), forward, b, w)["idle_share"], 3)
+                    name: round(simulate(name, pp, m, _chunks(name), forward, b, w)["idle_share"], 3)
                     for name in names}
             for name, result in measured.items():
                 config, ds = _training_config(argparse.Namespace(**{**vars(args), "tp": 1, "pp": pp, "cp": 1,
@@ -371,7 +374,7 @@ def analytic(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> dict:
 
 def ulysses_bytes_per_layer(cfg: dict, seq: int = SEQ, model: dict = MODEL) -> float:
     """Bytes one rank sends in a decoder layer's all-to-alls, forward and backward, one micro batch (fp32)."""
-    from llama_megatron.config import kv_head_repeats
+    from llama_megatron.parallel.degrees import kv_head_repeats
 
     t, c = cfg["tp"], cfg["cp"]
     heads = model["num_attention_heads"] // t
@@ -487,7 +490,7 @@ def main() -> None:
                         help="with --schedules: the 8-layer model's hidden size (default 512; 1024: W costs what B does)")
     parser.add_argument("--schedule-micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                         help="with --schedules")
-    parser.add_argument("--schedule-names", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
+    parser.add_argument("--schedule-names", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES),
                         help="with --schedules: which schedules (default: all four)")
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     parser.add_argument("--runs", default="[{}]", help=argparse.SUPPRESS)

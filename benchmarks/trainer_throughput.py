@@ -26,7 +26,8 @@ sys.path.insert(0, ROOT)
 
 from gpu_throughput import have_liger  # noqa: E402  (this directory is the script's first import path)
 
-from llama_megatron.parallel.launch import end_process_groups, launcher_command, skip_cpu_shared_memory_op  # noqa: E402
+from llama_megatron.parallel.placement import launcher_command  # noqa: E402
+from llama_megatron.parallel.process_groups import end_process_groups, skip_cpu_shared_memory_op  # noqa: E402
 from llama_megatron.training.config import TrainingConfig  # noqa: E402
 from llama_megatron.training.engine.deepspeed_config import load_deepspeed_json, precision, zero_stage  # noqa: E402
 

@@ -4,7 +4,7 @@ bounded by memory) against one worker each (what this project ran before) and ag
 (4 extract, 4 merge workers: what Megatron-DeepSpeed users run by hand).
 
 A ZeRO-1 fp32 checkpoint is written by a real 2-process training run (one step, synthetic data), then converted
-by :func:`llama_megatron.checkpoint.universal_conversion.ensure_universal` as rank 0 does, once per worker setting,
+by :func:`llama_megatron.checkpoint.universal.conversion.ensure_universal` as rank 0 does, once per worker setting,
 each into a fresh output. One JSON line.
 
     python benchmarks/universal_conversion.py                          # a 0.54B shape, ~6 minutes
@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llama_megatron.parallel.launch import launcher_command  # noqa: E402
+from llama_megatron.parallel.placement import launcher_command  # noqa: E402
 
 
 def _config(args, work: str) -> dict:
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of the saving run")
     parser.add_argument("--repeats", type=int, default=2, help="conversions per setting (the best is reported)")
     args = parser.parse_args()
-    from llama_megatron.checkpoint.universal_conversion import conversion_workers, ensure_universal
+    from llama_megatron.checkpoint.universal.conversion import conversion_workers, ensure_universal
 
     with tempfile.TemporaryDirectory() as work:
         path = os.path.join(work, "config.json")

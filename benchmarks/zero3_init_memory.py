@@ -28,7 +28,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llama_megatron.parallel.launch import launcher_command  # noqa: E402
+from llama_megatron.parallel.placement import launcher_command  # noqa: E402
 
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
@@ -68,7 +68,7 @@ def worker(paths: list[str], out: str) -> None:
     """One rank, one launch: per config in turn (each phase's model freed before the next is built), the resident
     memory before and the peak while building and filling its model. The peak is the kernel's high-water mark,
     reset before each phase (``/proc/self/clear_refs``), so one process measures every phase as four would."""
-    from llama_megatron.parallel.launch import adopt_launcher_env
+    from llama_megatron.parallel.placement import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.run.setup import load_model, preflight, start_process_groups
 

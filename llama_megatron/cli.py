@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_verb(args: argparse.Namespace) -> int | None:
-    from llama_megatron.parallel.launch import quiet_library_warnings
+    from llama_megatron.quiet import quiet_library_warnings
 
     quiet_library_warnings()  # before any verb imports DeepSpeed
     return _load_verb(args.verb).run(args)

@@ -5,7 +5,7 @@ network namespace see it.
 
 Two uses: the first rank that reports an error holds a name so the others stay silent (:mod:`llama_megatron.errors`),
 and rank 0 tells the other ranks of its launcher which port it serves the rendezvous on when the launcher's port is
-taken (:mod:`llama_megatron.parallel.launch`).
+taken (:mod:`llama_megatron.parallel.job_store`).
 """
 
 from __future__ import annotations

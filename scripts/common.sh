@@ -4,7 +4,7 @@
 # logs warnings and errors only (not its own start-up and exit lines: the runs print theirs).
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-port=${MASTER_PORT:-$(.venv/bin/python -c 'from llama_megatron.parallel.launch import free_port; print(free_port())')}
+port=${MASTER_PORT:-$(.venv/bin/python -c 'from llama_megatron.parallel.placement import free_port; print(free_port())')}
 
 launch() {
   local processes=$1

@@ -47,23 +47,82 @@ def short_documents_prefix(tmp_path_factory) -> str:
 FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file's time under the other's load). An
     # order from 2026-11-25's cold-cache figures ran slower (2155 s against 1901 s): which files meet decides more
     # than the figures do (two multi-rank launches at once oversubscribe the 2 cores)
-    "test_training_e2e.py": 800, "test_multinode.py": 450, "test_benchmark_scripts.py": 320,
-    "test_pipeline_schedules.py": 260, "test_model_families.py": 260,
-    "test_lora.py": 190, "test_estimate.py": 160, "test_kernels.py": 140, "test_faults.py": 130,
-    "test_universal_conversion.py": 120, "test_sft_e2e.py": 105, "test_zero3_init.py": 95, "test_generate.py": 87,
-    "test_context_parallel.py": 80, "test_checkpoint_safety.py": 76, "test_convert_deepspeed.py": 72,
-    "test_model_parity.py": 62, "test_doctor.py": 59, "test_init_invariance.py": 47, "test_data_sft.py": 36,
-    "test_sft_model.py": 34, "test_moe.py": 30, "test_parallel_layers.py": 28, "test_launcher_signals.py": 120,
+    "test_training_e2e.py": 800, "test_parallel_multinode.py": 450, "test_benchmark_scripts.py": 320,
+    "test_training_pipeline_schedules.py": 260, "test_model_families.py": 260,
+    "test_model_lora.py": 190, "test_training_estimate.py": 160, "test_model_kernels.py": 140, "test_training_faults.py": 130,
+    "test_checkpoint_universal.py": 120, "test_training_sft.py": 105, "test_parallel_zero3_init.py": 95, "test_training_generate.py": 87,
+    "test_parallel_context.py": 80, "test_checkpoint_safety.py": 76, "test_checkpoint_convert_deepspeed.py": 72,
+    "test_model_parity.py": 62, "test_training_doctor.py": 59, "test_model_init_invariance.py": 47, "test_data_sft.py": 36,
+    "test_model_sft.py": 34, "test_model_moe.py": 30, "test_parallel_layers.py": 28, "test_training_launcher_signals.py": 120,
     # files added since (2026-11-26's CI: 120 s and 70 s in their slowest fixtures alone), which otherwise ran last
-    "test_preference_train.py": 200, "test_async_save.py": 150, "test_preference_data.py": 30,
-    "test_hardening.py": 28,
+    "test_training_preference.py": 200, "test_training_async_save.py": 150, "test_data_preference.py": 30,
+    "test_training_watchdog.py": 20,
     # README's tour, twice (2026-11-27: the recipes themselves, about 15 minutes on 2 cores), and the launch tests
-    "test_readme_tour.py": 1000, "test_launch_rendezvous.py": 60,
+    "test_readme_tour.py": 1000, "test_parallel_rendezvous.py": 60,
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
 def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if LAUNCHING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launched)
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept
+
+
+# --- the quick loop: `-m "not launched"` runs every test that starts no process ----------------------------------
+
+# Fixtures that start processes (a launcher, torch.multiprocessing, a worker pool, a subprocess): every test that
+# uses one is marked `launched` at collection. A test whose own body starts one carries the mark itself
+# (``@pytest.mark.launched``, or ``pytestmark`` for a file). Both are enforced below: a fixture not listed here, or a
+# test without the mark, that starts a process fails, so the quick loop stays quick and starts nothing.
+LAUNCHING_FIXTURES: set[str] = set()
+
+_STARTED: list[str] = []  # what this process started, in order (the checks compare lengths)
+
+
+def _count_starts() -> None:
+    import multiprocessing.process
+    import subprocess
+
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def counted_popen_init(self, args, *rest, **kwargs):
+        _STARTED.append(" ".join(map(str, args))[:200] if isinstance(args, (list, tuple)) else str(args)[:200])
+        popen_init(self, args, *rest, **kwargs)
+
+    def counted_start(self):
+        _STARTED.append(f"a multiprocessing process ({getattr(self, '_target', None)})")
+        process_start(self)
+
+    subprocess.Popen.__init__ = counted_popen_init
+    multiprocessing.process.BaseProcess.start = counted_start
+
+
+_count_starts()
+
+
+def _launched(item) -> bool:
+    return item.get_closest_marker("launched") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = len(_STARTED)
+    outcome = yield
+    if len(_STARTED) > before and fixturedef.argname not in LAUNCHING_FIXTURES:
+        outcome.force_exception(pytest.fail.Exception(
+            f"fixture {fixturedef.argname!r} started a process ({_STARTED[before]}): add it to LAUNCHING_FIXTURES in "
+            "tests/conftest.py", pytrace=False))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = len(_STARTED)
+    outcome = yield
+    if len(_STARTED) > before and not _launched(item):
+        outcome.force_exception(pytest.fail.Exception(
+            f"{item.nodeid} started a process ({_STARTED[before]}): mark it @pytest.mark.launched", pytrace=False))
 
 
 # --- stress mode: the suite (or any file) with CPU-bound neighbours, as on a shared CI machine --------------------
@@ -72,10 +131,12 @@ def pytest_addoption(parser) -> None:
     parser.addoption("--stress", type=int, default=0, metavar="N",
                      help="run N CPU-bound neighbour processes (busy loops) for the whole session, as a shared CI "
                           "machine's neighbours do: a test whose healthy run depends on machine speed fails here "
-                          "first (e.g. bash scripts/test.sh --stress 2 tests/test_multinode.py)")
+                          "first (e.g. bash scripts/test.sh --stress 2 tests/test_parallel_multinode.py)")
 
 
 def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "launched: the test or a fixture it uses starts processes (the launcher, "
+                                       "torch.multiprocessing, a worker pool); -m 'not launched' is the quick loop")
     # the controller only (not each xdist worker): N neighbours in all
     count = config.getoption("--stress", 0)
     if count and not hasattr(config, "workerinput"):

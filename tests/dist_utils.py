@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llama_megatron.parallel.launch import free_port
+from llama_megatron.parallel.placement import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:

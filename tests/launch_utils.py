@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
-from llama_megatron.parallel.launch import launcher_command
+from llama_megatron.parallel.placement import launcher_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the tiny training configs every launched test starts from, with its own --set overrides
+PRETRAIN_CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+SFT_CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_sft.json")
 # every run started through here (and by files that record theirs): a fixture that fails shows their output tails
 # (conftest.py's report hook)
 LAUNCHED: list[subprocess.CompletedProcess] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -20,18 +21,18 @@ import sys
 import pytest
 import torch
 from dist_utils import run_distributed
-from launch_utils import ROOT, launch_many, run_command, train_args
+from launch_utils import PRETRAIN_CONFIG, ROOT, launch_many, run_command, train_args
 from model_utils import hf_model, tiny_config
-from test_convert_roundtrip import save_hf_bin, save_meta
+from test_checkpoint_convert_roundtrip import save_hf_bin, save_meta
 
 from llama_megatron import train
 from llama_megatron.checkpoint.manifest import MANIFEST_FILE, file_digest, read_manifest, write_manifest
 from llama_megatron.checkpoint.safe_load import load_file, verify_checkpoint_dir
-from llama_megatron.checkpoint.universal_conversion import ensure_universal
+from llama_megatron.checkpoint.universal.conversion import ensure_universal
 from llama_megatron.cli import main as cli
 from llama_megatron.errors import CheckpointError
 
-CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+CONFIG = PRETRAIN_CONFIG
 COMMON = ['data={"type": "synthetic"}', "tokenizer=null", "train.steps=2",
           "deepspeed_config=ds_configs/zero1_fp32.json"]
 LAYOUTS = {"pp2": ["parallel.pipeline=2"], "dp2": []}  # both 2 processes: TP1-PP2-DP1 and TP1-PP1-DP2
@@ -209,7 +210,7 @@ ENGINE_CASES = {  # name -> (layout, file-name prefix poisoned, or None for the 
 def _engine_worker(rank: int, world_size: int, cases: dict, out_dir: str) -> None:
     from llama_megatron.errors import CheckpointError
     from llama_megatron.parallel.context import ParallelContext
-    from llama_megatron.parallel.launch import init_distributed
+    from llama_megatron.parallel.process_groups import init_distributed
     from llama_megatron.training import checkpointing as ckpt
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
@@ -219,7 +220,7 @@ def _engine_worker(rank: int, world_size: int, cases: dict, out_dir: str) -> Non
     results = {}
     for name, (layout, load_dir) in cases.items():
         config = TrainingConfig.from_file(CONFIG, [*COMMON, *LAYOUTS[layout]])
-        pctx = ParallelContext.build(1, config.parallel.pipeline, False)
+        pctx = ParallelContext.build(pipeline=config.parallel.pipeline)
         engine = TrainingEngine(config, build_deepspeed_config(config, config.deepspeed_config, world_size), pctx)
         try:
             ckpt.load_checkpoint(engine, load_dir, "global_step2")
@@ -254,3 +255,17 @@ def test_deepspeed_engines_read_through_our_loader(checkpoints, tmp_path, monkey
                                                                                                      results[name])
                 assert "pickled posix.system" in results[name]
     assert not os.path.exists(marker)
+
+
+def _floor(requirement: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.search(r">=([\d.]+)", requirement).group(1).split("."))
+
+
+def test_dependency_floors_exclude_the_vulnerable_releases() -> None:
+    """torch <= 2.5.1: weights_only=True is bypassable (CVE-2025-32434); jinja2 < 3.1.6: a sandbox escape
+    (CVE-2025-27516). Every untrusted file goes through one or the other."""
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as fh:  # (tomllib: Python >= 3.11 only)
+        deps = dict(re.findall(r'^\s*"([A-Za-z0-9_-]+)(>=[^"]*)",', fh.read().split("dependencies = [")[1].split("]")[0],
+                               re.M))
+    assert _floor(deps["torch"]) >= (2, 6)
+    assert _floor(deps["jinja2"]) >= (3, 1, 6)

@@ -10,8 +10,9 @@ import os
 import pytest
 from transformers import LlamaConfig
 
-from llama_megatron.config import LocalShapes, ModelConfig, ParallelConfig, padded_vocab_size
+from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
+from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig, padded_vocab_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -21,12 +21,12 @@ from launch_utils import ROOT, run_command
 
 from llama_megatron.cli import main as cli_main
 from llama_megatron.data.batch import collate
-from llama_megatron.data.chat_template import ChatEncoder
-from llama_megatron.data.packing import first_fit, pack_rows
-from llama_megatron.data.sft_config import SFTData
-from llama_megatron.data.sft_dataset import SFTShards, build_sft_datasets
-from llama_megatron.data.sft_formats import RecordError, template_messages, to_messages, trained_turns
-from llama_megatron.data.sft_preprocess import preprocess_sft
+from llama_megatron.data.sft.chat_template import ChatEncoder
+from llama_megatron.data.sft.config import SFTData
+from llama_megatron.data.sft.dataset import SFTShards, build_sft_datasets
+from llama_megatron.data.sft.formats import RecordError, template_messages, to_messages, trained_turns
+from llama_megatron.data.sft.packing import first_fit, pack_rows
+from llama_megatron.data.sft.preprocess import preprocess_sft
 from llama_megatron.errors import ConfigError, DataError
 
 TOKENIZER = os.path.join(ROOT, "data", "tokenizer")
@@ -391,7 +391,7 @@ def test_template_that_rewrites_earlier_turns_is_refused(tmp_path) -> None:
     cannot be located by rendering prefixes (refused); with markers they can, as transformers' own mask."""
     from transformers import AutoTokenizer
 
-    from llama_megatron.data.chat_template import TemplateRenderError
+    from llama_megatron.data.sft.chat_template import TemplateRenderError
 
     messages = template_messages(to_messages(_conv("Hi?", "Hello.")))
     for variant in ("plain", "eot"):

@@ -26,7 +26,7 @@ PAGES = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.pa
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:llama_megatron|scripts|configs|tests|benchmarks|ds_configs)/[\w./-]*?"
                        r"\.(?:py|sh|json|sbatch|md))(?![\w*{])")
-PACKAGE_PATH = re.compile(r"(?<![\w./-])((?:training|checkpoint|parallel|model|commands)/[\w/]*?\.py)\b")
+PACKAGE_PATH = re.compile(r"(?<![\w./-])((?:training|checkpoint|parallel|model|commands|data)/[\w/]*?\.py)\b")
 DOTTED = re.compile(r"(?<![\w.])(llama_megatron(?:\.\w+)+)")
 PLACEHOLDER = re.compile(r"/(?:[A-Z_]+|x|\w+_x)\.\w+$")  # configs/pretrain/X.json, tests/test_x.py: slots
 
@@ -238,6 +238,35 @@ def convention_errors(page: str, text: str) -> list[str]:
     return [f"{page}: .venv/bin/ in a command block (write the bare command): {line.strip()}"
             for block in _shell_blocks(text) for line in block.split("\n")
             if ".venv/bin/" in line.split("#")[0] and not line.strip().startswith("source .venv/bin/activate")]
+
+
+def layout_errors(text: str, root: str = ROOT) -> list[str]:
+    """docs/layout.md's trees: every ``name.py`` a row names exists under that row's folder (a top-level row
+    ``llama_megatron/x/`` or ``data/``, or an indented sub-folder row ``  sft/`` of the last top-level one; its
+    continuation lines belong to it), so the map names no file that has moved or gone."""
+    _, blocks = _prose_and_blocks(text)
+    errors, top, folder = [], root, root
+    for line in [line for _, body in blocks for line in body.split("\n")]:
+        first, indent = (line.split() or [""])[0].rstrip(","), len(line) - len(line.lstrip())
+        if first and indent == 0:  # a top-level row: a folder, or files of one
+            top = folder = os.path.join(root, first if first.endswith("/") else os.path.dirname(first))
+        elif first.endswith("/") and indent <= 4:  # a sub-folder row of the last top-level folder
+            folder = os.path.join(top, first)
+        for name in re.findall(r"(?<![\w./-])(\w+\.py)\b", line):
+            if not any(name in files for _, _, files in os.walk(folder)):
+                errors.append(f"docs/layout.md: {name} is not under {os.path.relpath(folder, root)}")
+    return errors
+
+
+def test_the_layout_tree_names_files_that_exist(tmp_path) -> None:
+    assert layout_errors(open(os.path.join(ROOT, "docs", "layout.md"), encoding="utf-8").read()) == []
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("")
+    tree = ("```\npkg/        a.py (the first), b.py\n  sub/       b.py, a.py\n                continued: c.py\n"
+            "pkg/a.py    the module\n```\n")
+    assert layout_errors(tree, str(tmp_path)) == ["docs/layout.md: a.py is not under pkg/sub",
+                                                  "docs/layout.md: c.py is not under pkg/sub"]
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -32,7 +32,17 @@ import re
 import peft
 import pytest
 import torch
-from launch_utils import ROOT, assert_losses_close, assert_run_replays_hf, launch_many, losses, train_args
+from family_cases import MOE_FAMILIES
+from family_cases import RUNS as RUNS_OF_FAMILIES
+from launch_utils import (
+    PRETRAIN_CONFIG,
+    SFT_CONFIG,
+    assert_losses_close,
+    assert_run_replays_hf,
+    launch_many,
+    losses,
+    train_args,
+)
 from model_utils import hf_class, hf_model
 
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
@@ -40,30 +50,9 @@ from llama_megatron.checkpoint.safe_load import load_file
 from llama_megatron.cli import main as cli_main
 from llama_megatron.training.config import TrainingConfig
 
-CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
-SFT_CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_sft.json")
+CONFIG = PRETRAIN_CONFIG
 STEPS = 6
-FAMILIES = {
-    "qwen2": ["model.model_type=qwen2", "model.use_sliding_window=true", "model.sliding_window=12",
-              "model.max_window_layers=2"],
-    "qwen3": ["model.model_type=qwen3", "model.head_dim=24", "model.attention_bias=true",
-              "model.use_sliding_window=true", "model.sliding_window=6",
-              'model.layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]'],
-    "mistral": ["model.model_type=mistral", "model.sliding_window=8"],
-    "mixtral": ["model.model_type=mixtral", "model.sliding_window=8", "model.num_local_experts=4",
-                "model.num_experts_per_tok=2", "model.output_router_logits=true", "model.router_aux_loss_coef=0.02"],
-    # HF's key names (num_experts), a dense layer (mlp_only_layers) on the first pipeline stage
-    "qwen3_moe": ["model.model_type=qwen3_moe", "model.use_sliding_window=true", "model.sliding_window=8",
-                  "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=48",
-                  "model.norm_topk_prob=true", "model.mlp_only_layers=[1]", "model.output_router_logits=true",
-                  "model.router_aux_loss_coef=0.02"],
-    # q/k/v biases (the family's default), the shared expert, MoE on every other layer, windows on layers 0 and 2
-    "qwen2_moe": ["model.model_type=qwen2_moe", "model.use_sliding_window=true", "model.sliding_window=12",
-                  "model.max_window_layers=4", "model.num_experts=4", "model.num_experts_per_tok=2",
-                  "model.moe_intermediate_size=48", "model.shared_expert_intermediate_size=96",
-                  "model.decoder_sparse_step=2", "model.output_router_logits=true", "model.router_aux_loss_coef=0.02"],
-}
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+FAMILIES = RUNS_OF_FAMILIES  # every family's run overrides but llama's (tests/family_cases.py)
 LAYOUTS = {
     "tp2-pp2-sp-recompute": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
                              "activation_checkpointing.interval=1"],
@@ -89,11 +78,11 @@ EIGHT_PROCESSES = {"ep2-tp2-pp2-sp-recompute-documents"}
 PER_DOCUMENT = ["data.per_document_attention=true"]
 BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_router_logits=false"]
 # CP2 x PP2 for the family with the most to lose (biases, q/k norms, windows on alternate layers); every family at
-# CP2 in process (tests/test_context_parallel.py). Expert parallelism for the MoE family: EP2 x DP2 under ZeRO-1,
+# CP2 in process (tests/test_parallel_context.py). Expert parallelism for the MoE family: EP2 x DP2 under ZeRO-1,
 # EP2 x PP2 in bf16 (DeepSpeed's bf16 optimizer) without the aux loss against a bf16 TP1-PP1 run, EP2 x TP2 x PP2
 # with SP, recomputation and per-document attention (8 processes; the pipeline carries the documents and the router
 # statistics together), which stands for the MoE model's TP2 x PP2 too. The Qwen MoE families (every layout of
-# theirs is in process too, tests/test_moe.py): Qwen3-MoE at EP2 x PP2, Qwen2-MoE at TP2 x PP2 with SP and at EP2 x
+# theirs is in process too, tests/test_model_moe.py): Qwen3-MoE at EP2 x PP2, Qwen2-MoE at TP2 x PP2 with SP and at EP2 x
 # DP2 (its shared expert replicated over EP, reduced over the whole data-parallel group)
 QWEN_MOE_RUNS = [("qwen3_moe", "ep2-pp2"), ("qwen2_moe", "tp2-pp2-sp-recompute"), ("qwen2_moe", "ep2-dp2-zero1")]
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
@@ -233,7 +222,7 @@ def test_tp1_pp1_trains_like_the_transformers_class(runs, family, shakespeare_pr
 @pytest.mark.parametrize("family, layout", RUNS)
 def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
     """Losses (1e-5; observed 1.2e-7) and gradient norms (1e-4; observed 8.6e-6): the pipeline engine clips by the
-    whole model's norm, later stages' norms and biases included (training/engine/pipeline.py). A bf16 layout against
+    whole model's norm, later stages' norms and biases included (training/engine/pipeline_engine.py). A bf16 layout against
     the bf16 TP1-PP1 run: 1e-4 and 1e-2 (observed 4e-5 and 3e-3), expert loads 2e-2 (near ties route a few of a
     step's 2048 assignments differently in bf16: observed 9e-3 at step 6)."""
     bf16 = layout.endswith("bf16")

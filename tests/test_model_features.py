@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from model_utils import tiny_config
 
-from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels.attention import cu_seqlens, document_causal_mask
 from llama_megatron.model.layers import DecoderLayerPipe, EmbeddingPipe
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.degrees import ParallelConfig
 
 
 def test_activation_checkpointing_recomputes_decoder_spans_only() -> None:

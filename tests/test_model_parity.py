@@ -14,36 +14,27 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_distributed
-from model_utils import LLAMA3_ROPE, assert_grads_match_hf, hf_model, tiny_config
+from family_cases import DENSE_PARITY, FAMILIES
+from model_utils import assert_grads_match_hf, hf_model, tiny_config
 
-from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.degrees import ParallelConfig
 
 LOGITS_ATOL = 1e-4
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
-FAMILY_CASES = {
-    "qwen2-windows-from-layer-1": dict(model_type="qwen2", hidden_size=96, num_key_value_heads=4,
-                                       use_sliding_window=True, sliding_window=6, max_window_layers=1),
-    "qwen2-layer-types": dict(model_type="qwen2", num_key_value_heads=4, use_sliding_window=True, sliding_window=5,
-                              layer_types=["sliding_attention", "full_attention"], rope_theta=1e6),
-    "qwen3-head-dim-12": dict(model_type="qwen3", num_key_value_heads=4, head_dim=12),
-    "qwen3-bias-tied": dict(model_type="qwen3", num_key_value_heads=4, head_dim=12, attention_bias=True,
-                            tie_word_embeddings=True),
-    "mistral-window-5": dict(model_type="mistral", hidden_size=80, num_key_value_heads=4, sliding_window=5),
-}
-CASES = {
-    "mha-untied": dict(),
-    "gqa-untied-bias": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
-    "gqa-tied-llama3-oddvocab": dict(num_key_value_heads=4, tie_word_embeddings=True, vocab_size=250,
-                                     rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
-    "mqa-like-linear-rope": dict(num_key_value_heads=4, num_attention_heads=16, head_dim=8,
-                                 rope_scaling={"type": "linear", "factor": 2.0}),
-    **FAMILY_CASES,
-}
+CASES = DENSE_PARITY  # every dense family's cases (tests/family_cases.py)
+
+
+def test_every_family_has_test_cases() -> None:
+    """A family of llama_megatron/families.py is tested once tests/family_cases.py has its row."""
+    from llama_megatron.families import FAMILIES as MODEL_FAMILIES
+
+    assert set(FAMILIES) == set(MODEL_FAMILIES)
+    assert all(cases.parity for cases in FAMILIES.values())
 
 
 def check_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kernels: Kernels = REFERENCE,
@@ -96,8 +87,8 @@ def test_parity_dynamic_rope_beyond_max_positions() -> None:
                  ParallelContext.single(), seq=40)
 
 
-@pytest.mark.parametrize("overrides", [dict(num_key_value_heads=4), FAMILY_CASES["mistral-window-5"],
-                                       FAMILY_CASES["qwen2-layer-types"]], ids=["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("overrides", [dict(num_key_value_heads=4), CASES["mistral-window-5"],
+                                       CASES["qwen2-layer-types"]], ids=["llama", "mistral", "qwen2"])
 def test_per_document_attention_equals_separate_documents(overrides: dict) -> None:
     """A packed row [doc A | doc B] with segment ids and restarted positions = HF run on A and B alone (with a
     sliding window shorter than doc B: the window and the document boundary both apply)."""

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 from launch_utils import (
+    PRETRAIN_CONFIG,
     ROOT,
     assert_losses_close,
     assert_run_replays_hf,
@@ -27,7 +28,7 @@ from launch_utils import (
 from llama_megatron.cli import main as cli_main
 from llama_megatron.training.config import TrainingConfig
 
-CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+CONFIG = PRETRAIN_CONFIG
 REL = 1e-4
 # Layouts are compared over HALF steps (past the 2 warm-up steps, Adam's moments in play); checkpoints are saved
 # at HALF and resumed to FULL.
@@ -126,7 +127,7 @@ def _matrix() -> dict[str, tuple[str, list[str], float]]:
     the hardest of these (TP2 x PP2 with SP, recomputation and per-document attention) against the same
     reference-kernel run. One compiled run only: every rank of a compiled run compiles its kernels (the CI starts
     with an empty inductor cache), and what the kernels compute does not depend on the layout: bf16, tied
-    embeddings and other TP shapes are tests/test_kernels.py's, CP2 x TP2 with SP tests/test_context_parallel.py's. The reference is the TP1-PP1 single-process
+    embeddings and other TP shapes are tests/test_model_kernels.py's, CP2 x TP2 with SP tests/test_parallel_context.py's. The reference is the TP1-PP1 single-process
     run on the same data: "causal", "per_document" or "tied".
     """
     runs: dict[str, tuple[str, list[str], float]] = {}

@@ -8,13 +8,15 @@ import subprocess
 import sys
 
 import pytest
+from launch_utils import PRETRAIN_CONFIG
 
 from llama_megatron.errors import CheckpointError, ConfigError, LlamaMegatronError
-from llama_megatron.training.config import TrainingConfig, apply_override
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.config_sections import apply_override
 from llama_megatron.training.run.setup import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
+CONFIG = PRETRAIN_CONFIG
 
 
 def _config(*overrides: str) -> TrainingConfig:
@@ -153,7 +155,7 @@ def test_window_keys_are_compared_by_the_windows_they_give() -> None:
     a checkpoint converted from it loads into a run naming the same windows by ``max_window_layers``, not one whose
     windows differ."""
     from llama_megatron.config import ModelConfig
-    from llama_megatron.training.run.setup import _model_differences
+    from llama_megatron.training.resume import _model_differences
 
     shape = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                  num_attention_heads=8, use_sliding_window=True, sliding_window=12, max_window_layers=2)
@@ -254,7 +256,7 @@ def _saved_run(save, config: TrainingConfig, step: int, start: str | None = None
 
 
 def test_a_finished_run_started_again_trains_nothing_and_another_run_is_named(tmp_path) -> None:
-    from llama_megatron.training.checkpointing import check_save_dir, finished_run
+    from llama_megatron.training.resume import check_save_dir, finished_run
 
     save = tmp_path / "ckpt"
     run = _config(f"checkpoint.save={save}", "checkpoint.interval=5")

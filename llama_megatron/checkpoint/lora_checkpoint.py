@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from llama_megatron.checkpoint.directory import CheckpointMeta, read_meta
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
-from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
 from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.lora_layout import LoraConfig
 

@@ -22,8 +22,8 @@ import os
 import torch
 from torch import nn
 
+from llama_megatron.checkpoint.directory import CheckpointMeta, read_meta
 from llama_megatron.checkpoint.manifest import verify_tag
-from llama_megatron.checkpoint.meta import CheckpointMeta, read_meta
 from llama_megatron.checkpoint.safe_load import load_state_file, verify_checkpoint_dir
 from llama_megatron.checkpoint.weights import (
     expert_file,

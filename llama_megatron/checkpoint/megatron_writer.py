@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from llama_megatron.checkpoint.atomic import write_text_atomic
+from llama_megatron.checkpoint.directory import LATEST_FILE, META_FILE, CheckpointMeta, check_tag_name
 from llama_megatron.checkpoint.manifest import write_manifest_for
-from llama_megatron.checkpoint.meta import LATEST_FILE, META_FILE, CheckpointMeta, check_tag_name
 from llama_megatron.checkpoint.sources import TensorSource
 from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
 from llama_megatron.checkpoint.weights import layer_file, model_states_file

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from llama_megatron.checkpoint.convert import Result
-from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES
+from llama_megatron.checkpoint.interop.convert import Result
+from llama_megatron.checkpoint.interop.hf_writer import DTYPE_NAMES
 from llama_megatron.errors import ConfigError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -1,7 +1,7 @@
 """Every key of the training JSON, with its type, default and meaning, read from the typed config classes.
 
 A field's meaning is the comment on its line or the comment lines right above it, in the class that declares it
-(``llama_megatron/training/config.py``, ``config.py``, ``data/config.py``, ``data/sft_config.py``,
+(``llama_megatron/training/config.py``, ``config.py``, ``data/config.py``, ``data/sft/config.py``,
 ``model/lora_layout.py``). The reference is printed by ``llama-megatron train --help-config`` and written into
 docs/configuration.md between its markers:
 
@@ -24,10 +24,10 @@ import sys
 import textwrap
 import tokenize
 
-from llama_megatron.config import ParallelConfig
 from llama_megatron.data.config import PretrainData, SyntheticData
-from llama_megatron.data.sft_config import PreferenceData, SFTData
+from llama_megatron.data.sft.config import PreferenceData, SFTData
 from llama_megatron.model.lora_layout import LoraConfig
+from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.training import config as training_config
 from llama_megatron.training.config import TrainingConfig
 

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llama_megatron.parallel.launch import adopt_launcher_env
+    from llama_megatron.parallel.placement import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
     from llama_megatron.training.diagnostics.doctor import run_doctor
 

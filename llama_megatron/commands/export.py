@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from llama_megatron.checkpoint.convert import to_hf
+from llama_megatron.checkpoint.interop.convert import to_hf
 from llama_megatron.commands.checkpoint_args import add_export_arguments, parse_size, report
 
 

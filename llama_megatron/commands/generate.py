@@ -65,7 +65,7 @@ def _prompts(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llama_megatron.parallel.launch import adopt_launcher_env
+    from llama_megatron.parallel.placement import adopt_launcher_env
     from llama_megatron.training.run.generate import GenerationRequest, run_generation
 
     for name in ("max_new_tokens",):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from llama_megatron.data.preference_formats import PREFERENCE_FORMAT
-from llama_megatron.data.sft_formats import FORMATS, MASKING
-from llama_megatron.data.sft_preprocess import preprocess_sft
+from llama_megatron.data.sft.formats import FORMATS, MASKING
+from llama_megatron.data.sft.preference_formats import PREFERENCE_FORMAT
+from llama_megatron.data.sft.preprocess import preprocess_sft
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

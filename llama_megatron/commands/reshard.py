@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from llama_megatron.checkpoint.convert import reshard
-from llama_megatron.checkpoint.hf_writer import DTYPE_NAMES
+from llama_megatron.checkpoint.interop.convert import reshard
+from llama_megatron.checkpoint.interop.hf_writer import DTYPE_NAMES
 from llama_megatron.checkpoint.megatron_writer import DEFAULT_TAG
 from llama_megatron.commands.checkpoint_args import add_layout_arguments, report
 

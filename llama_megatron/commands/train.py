@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llama_megatron.parallel.launch import adopt_launcher_env
+    from llama_megatron.parallel.placement import adopt_launcher_env
     from llama_megatron.training.config import TrainingConfig
 
     adopt_launcher_env()
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from llama_megatron.parallel.launch import quiet_library_warnings
+    from llama_megatron.quiet import quiet_library_warnings
 
     quiet_library_warnings()  # before DeepSpeed is imported (`llama-megatron train` does this in cli.py)
     return exit_code_of(lambda: run(args))

@@ -2,7 +2,7 @@
 
 ``{"type": "pretrain", "prefix": ... | "blend": [...], "split": ..., "per_document_attention": ...}`` reads
 Megatron ``.bin``/``.idx`` files; ``{"type": "synthetic"}`` draws random tokens; ``{"type": "sft", ...}`` is chat /
-instruction JSONL for fine-tuning and ``{"type": "preference", ...}`` preference pairs (``sft_config.py``). Without ``type`` a section
+instruction JSONL for fine-tuning and ``{"type": "preference", ...}`` preference pairs (``sft/config.py``). Without ``type`` a section
 with ``"synthetic": true`` is synthetic and anything else is pretraining data (the spelling of earlier
 configs). A new kind of data is a new class in :data:`DATA_TYPES`, not a branch in another one.
 
@@ -24,7 +24,7 @@ from llama_megatron.data.gpt_dataset import (
     input_files,
     validate_data_config,
 )
-from llama_megatron.data.sft_config import PreferenceData, SFTData
+from llama_megatron.data.sft.config import PreferenceData, SFTData
 from llama_megatron.data.synthetic import SyntheticDataset
 from llama_megatron.errors import ConfigError
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llama_megatron.config import LocalShapes, ModelConfig
+from llama_megatron.config import ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import LayerKVCache
 from llama_megatron.model.norm import RMSNorm
 from llama_megatron.model.rope import rotary_cos_sin
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.context_parallel import UlyssesAttention
+from llama_megatron.parallel.degrees import LocalShapes
 from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 

@@ -6,13 +6,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from llama_megatron.config import ModelConfig, ParallelConfig
+from llama_megatron.config import ModelConfig
 from llama_megatron.model.init import initialize_weights
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.llama import LlamaCausalLM, build_pipeline_module
 from llama_megatron.model.lora import attach_lora
 from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.parallel.pipeline_stages import StagePlacement
 
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from llama_megatron.config import LocalShapes, ModelConfig
+from llama_megatron.config import ModelConfig
 from llama_megatron.model.attention import ParallelAttention
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import LayerKVCache
@@ -24,6 +24,7 @@ from llama_megatron.model.mlp import ParallelMLP
 from llama_megatron.model.moe import MoEMLP
 from llama_megatron.model.norm import RMSNorm
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.degrees import LocalShapes
 from llama_megatron.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
 Payload = tuple[torch.Tensor, ...]

@@ -17,7 +17,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llama_megatron.config import LocalShapes, ModelConfig
+from llama_megatron.config import ModelConfig
 from llama_megatron.model.chunked_pipeline import ChunkedPipelineModule
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import KVCache
@@ -43,9 +43,10 @@ from llama_megatron.model.preference import (
 from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
-from llama_megatron.parallel.launch import without_deepspeed_prints
+from llama_megatron.parallel.degrees import LocalShapes
 from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
 from llama_megatron.parallel.pipeline_stages import StagePlacement
+from llama_megatron.quiet import without_deepspeed_prints
 
 TIED_KEY = "embed"
 

@@ -29,7 +29,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
-from llama_megatron.config import LocalShapes, ModelConfig
+from llama_megatron.config import ModelConfig
 from llama_megatron.model.init import initialize_parameters
 from llama_megatron.model.layers import DecoderLayerPipe, EmbeddingPipe
 from llama_megatron.model.lora_layout import (
@@ -44,6 +44,7 @@ from llama_megatron.model.lora_layout import (
 from llama_megatron.model.moe import MoEMLP
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.degrees import LocalShapes
 from llama_megatron.parallel.layers import mark_replicated, mark_tensor_parallel
 from llama_megatron.parallel.weight_grad import WeightGradStore, linear
 

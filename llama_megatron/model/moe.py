@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llama_megatron.config import LocalShapes, ModelConfig
+from llama_megatron.config import ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp, all_to_all_tokens, scale_gradient
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.degrees import LocalShapes
 from llama_megatron.parallel.layers import (
     LocalLinear,
     column_parallel_input,

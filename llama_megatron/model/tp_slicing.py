@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from llama_megatron.config import LocalShapes, ModelConfig
+from llama_megatron.config import ModelConfig
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
+from llama_megatron.parallel.degrees import LocalShapes
 
 HFGetter = Callable[[str], torch.Tensor]
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from llama_megatron.errors import ConfigError
+from llama_megatron.parallel.degrees import ParallelConfig
 
 
 @dataclass
@@ -64,10 +65,14 @@ class ParallelContext:
         return cls()
 
     @classmethod
-    def build(cls, tensor: int = 1, pipeline: int = 1, sequence_parallel: bool = False,
-              context: int = 1, expert: int = 1) -> ParallelContext:
+    def build(cls, degrees: ParallelConfig | None = None, **layout: Any) -> ParallelContext:
         """Create TP/PP/CP/DP(/EP) groups over the initialised default process group (or a single-process
-        context)."""
+        context) for ``degrees`` (or its fields given as keywords), checked against the world size by the degrees
+        object itself (parallel/degrees.py: the one place that knows their rules)."""
+        degrees = ParallelConfig(**layout) if degrees is None else degrees
+        degrees.check_degrees()
+        tensor, pipeline, context, expert = degrees.tensor, degrees.pipeline, degrees.context, degrees.expert
+        sequence_parallel = degrees.sequence_parallel
         if not dist.is_available() or not dist.is_initialized():
             if tensor * pipeline * context * expert != 1:
                 raise ConfigError(
@@ -78,14 +83,8 @@ class ParallelContext:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         world_size = dist.get_world_size()
-        if world_size % (tensor * pipeline * context):
-            raise ConfigError(
-                f"world size {world_size} is not divisible by tensor x pipeline x context = "
-                f"{tensor} x {pipeline} x {context}"
-            )
-        if sequence_parallel and tensor == 1:
-            raise ConfigError("sequence_parallel needs tensor parallel degree > 1")
-        dp = world_size // (tensor * pipeline * context)
+        degrees.check_world_size(world_size)
+        dp = degrees.data_parallel_size(world_size)
         topo = PipeModelDataParallelTopology(num_pp=pipeline, num_mp=tensor, num_dp=dp * context)
         rank = dist.get_rank()
         # Every rank must create every group, in the same order, even those it is not part of.
@@ -100,9 +99,6 @@ class ParallelContext:
         dp_group, cp_group = groups["data"][0], None
         if context > 1:
             dp_group, cp_group = _split_data_axis(topo, rank, dp, context)
-        if (dp * context) % expert:
-            raise ConfigError(f"expert parallel degree {expert} does not divide the data axis (data x context = "
-                              f"{dp * context} ranks)")
         (ep_group, ep_ranks), (edp_group, edp_ranks) = (_expert_groups(topo, rank, expert) if expert > 1 else
                                                          ((None, (rank,)), groups["data"]))
         return cls(

@@ -40,7 +40,7 @@ class UlyssesAttention(nn.Module):
     q [b, s / CP, heads, d] and k, v [b, s / CP, kv_heads, d] of this rank's tokens (TP rank's heads, already
     rotated with their true positions) -> [b, s / CP, heads, d]. ``segment_ids`` are full length [b, s]. KV heads
     are repeated ``kv_repeats`` times first when they do not split evenly over CP
-    (:func:`llama_megatron.config.kv_head_repeats`, in :class:`llama_megatron.config.LocalShapes`).
+    (:func:`llama_megatron.parallel.degrees.kv_head_repeats`, in :class:`llama_megatron.parallel.degrees.LocalShapes`).
     """
 
     def __init__(self, local_attention: Callable, pctx: ParallelContext, kv_repeats: int) -> None:

@@ -11,21 +11,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from llama_megatron.checkpoint.meta import check_tag_name
-from llama_megatron.config import LocalShapes, ModelConfig, ParallelConfig, read_json
+from llama_megatron.checkpoint.directory import check_tag_name
+from llama_megatron.config import ModelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
-from llama_megatron.data.sft_config import PreferenceData
+from llama_megatron.data.sft.config import PreferenceData
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
 from llama_megatron.model.preference import PreferenceLossConfig
+from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
-from llama_megatron.training.pipeline.schedules import SCHEDULE_PLACEMENT, micro_batch_rule, placement_of
+from llama_megatron.training.config_sections import apply_override, typed_section
+from llama_megatron.training.pipeline.schedules import (
+    SCHEDULES,
+    micro_batch_rule,
+    placement_of,
+    schedule_record,
+)
 
 
 @dataclass
@@ -130,14 +135,14 @@ class PipelineConfig:
         if ranks == 1:
             return None
         split = list(self.stage_layers) if self.stage_layers is not None else self.partition_method
-        return {"shape": SCHEDULE_PLACEMENT[self.schedule], "virtual_stages": self.virtual_stages, "split": split}
+        return {"shape": schedule_record(self.schedule).placement, "virtual_stages": self.virtual_stages,
+                "split": split}
 
     def placement(self, ranks: int) -> StagePlacement | None:
-        """The virtual stages of the schedules our pipeline engine runs (None: DeepSpeed's 1F1B)."""
-        return None if self.schedule == "1f1b" else placement_of(self.schedule, ranks, self.virtual_stages)
-
-
-PIPELINE_SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+        """The virtual stages of the schedules our pipeline engine runs (None: DeepSpeed's engine runs it)."""
+        if schedule_record(self.schedule).deepspeed_runs_it:
+            return None
+        return placement_of(self.schedule, ranks, self.virtual_stages)
 
 
 @dataclass
@@ -236,7 +241,7 @@ class TrainingConfig:
             kwargs["data"] = data_config_from_dict(data.pop("data"))
         for name, section_cls in _SECTIONS.items():
             if name in data:
-                kwargs[name] = _section(section_cls, name, data.pop(name))
+                kwargs[name] = typed_section(section_cls, name, data.pop(name))
         if data.get("lora") is not None:
             kwargs["lora"] = LoraConfig.from_dict(data.pop("lora"))
         kwargs.update(data)
@@ -293,9 +298,8 @@ class TrainingConfig:
                 raise ConfigError(f"checkpoint.{key} is empty")
         if ckpt.tag is not None:
             check_tag_name(ckpt.tag, "checkpoint.tag")
-        if self.pipeline.schedule not in PIPELINE_SCHEDULES:
-            raise ConfigError(f"pipeline.schedule {self.pipeline.schedule!r} is not one of "
-                              f"{', '.join(PIPELINE_SCHEDULES)}")
+        if self.pipeline.schedule not in SCHEDULES:
+            raise ConfigError(f"pipeline.schedule {self.pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
         self._validate_pipeline()
         if not self.distributed.timeout_minutes > 0:
             raise ConfigError(f"distributed.timeout_minutes must be > 0, got {self.distributed.timeout_minutes}")
@@ -329,21 +333,18 @@ class TrainingConfig:
         """The schedule, its virtual stages and their split of the layers (the micro-batch count is checked
         where the world size is known: :meth:`check_world_size`)."""
         pipe, ranks = self.pipeline, self.parallel.pipeline
-        if pipe.schedule != "1f1b" and ranks == 1:
+        record = schedule_record(pipe.schedule)
+        if record.needs_pipeline and ranks == 1:
             raise ConfigError(f"pipeline.schedule {pipe.schedule!r} schedules pipeline stages: it needs "
                               "parallel.pipeline > 1")
-        chunks = {"zb-v": (2,), "interleaved-1f1b": None}.get(pipe.schedule, (1,))
-        if chunks is None and pipe.virtual_stages < 2:
-            raise ConfigError(f"pipeline.schedule 'interleaved-1f1b' places several chunks on each rank: set "
-                              f"pipeline.virtual_stages >= 2 (got {pipe.virtual_stages})")
-        if chunks is not None and pipe.virtual_stages not in chunks:
-            raise ConfigError(f"pipeline.schedule {pipe.schedule!r} runs {chunks[0]} virtual stage(s) per rank, "
-                              f"got pipeline.virtual_stages {pipe.virtual_stages}")
+        why = record.chunks_rule(pipe.virtual_stages)
+        if why is not None:
+            raise ConfigError(why)
         stages = ranks * pipe.virtual_stages
         if pipe.stage_layers is not None:
-            if pipe.schedule == "1f1b":
+            if record.deepspeed_runs_it:
                 raise ConfigError("pipeline.stage_layers places layers on the virtual stages of our engine's "
-                                  "schedules: DeepSpeed's 1f1b takes pipeline.partition_method")
+                                  f"schedules: DeepSpeed's {pipe.schedule} takes pipeline.partition_method")
             why = stage_layers_rule(pipe.stage_layers, stages, self.model.num_hidden_layers)
             if why is not None:
                 raise ConfigError(why)
@@ -431,79 +432,3 @@ def model_config(value: Any) -> ModelConfig:
     if not isinstance(path, str):
         raise ConfigError(f"model.path must be a config path, got {path!r}")
     return ModelConfig.from_dict({**ModelConfig.from_file(path).to_dict(), **overrides})
-
-
-def _section(section_cls, name: str, value: Any):
-    if not isinstance(value, dict):
-        raise ConfigError(f"training config section {name!r} must be an object")
-    known = {f.name for f in dataclasses.fields(section_cls)}
-    unknown = set(value) - known
-    if unknown:
-        raise ConfigError(f"unknown keys in {name!r}: {', '.join(sorted(unknown))}")
-    value = dict(value)
-    hints = typing.get_type_hints(section_cls)
-    for key, item in value.items():
-        value[key] = _typed(item, hints[key], f"{name}.{key}")
-    return section_cls(**value)
-
-
-def _typed(value: Any, hint: Any, key: str) -> Any:
-    """``value`` checked against a section field's type (int, float, bool, str, tuple of them, or None where the
-    field allows it); a JSON list becomes the tuple. One-line ConfigError naming the key otherwise."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        if option is bool and isinstance(value, bool):
-            return value
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if option is str and isinstance(value, str):
-            return value
-        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
-            args = typing.get_args(option)
-            item_hints = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
-            if len(item_hints) == len(value):
-                try:
-                    return tuple(_typed(v, h, key) for v, h in zip(value, item_hints))
-                except ConfigError:
-                    pass
-    names = " or ".join(_type_name(o) for o in options)
-    raise ConfigError(f"{key} must be {names}, got {json.dumps(value) if _jsonable(value) else repr(value)}")
-
-
-def _type_name(hint: Any) -> str:
-    if hint is type(None):
-        return "null"
-    if typing.get_origin(hint) is tuple:
-        return "a list"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """``a.b.c=value``; value is JSON when it parses as JSON, else a string."""
-    if "=" not in item:
-        raise ConfigError(f"--set expects key=value, got {item!r}")
-    key, raw = item.split("=", 1)
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    parts = key.split(".")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {key}: {part!r} is not a section")
-        node = child
-    node[parts[-1]] = value

@@ -11,13 +11,13 @@ import pytest
 import torch
 from model_utils import hf_model, tiny_config
 
-from llama_megatron.config import ParallelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import REFERENCE, resolve_kernels
 from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,4 +1,4 @@
-"""Training runs with faults injected, for tests/test_faults.py (one launch, several runs, like train_many.py).
+"""Training runs with faults injected, for tests/test_training_faults.py (one launch, several runs, like train_many.py).
 
     deepspeed --num_gpus N tests/scripts/inject_faults.py RUNS.json
 
@@ -33,7 +33,7 @@ import sys
 import time
 
 from llama_megatron import train
-from llama_megatron.checkpoint import universal_conversion
+from llama_megatron.checkpoint.universal import conversion as universal_conversion
 from llama_megatron.training import background_save, checkpointing
 from llama_megatron.training.engine.training_engine import TrainingEngine
 

@@ -27,7 +27,7 @@ import time
 
 import psutil
 
-from llama_megatron.parallel.launch import RENDEZVOUS_VARS
+from llama_megatron.parallel.placement import RENDEZVOUS_VARS
 
 PR_SET_CHILD_SUBREAPER = 36
 

@@ -40,12 +40,9 @@ from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.data.index_cache import file_fingerprint
 from llama_megatron.errors import ConfigError, Stalled, print_error
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.launch import (
-    Placement,
-    rendezvous_address,
-    settle_job_store,
-    skip_cpu_shared_memory_op,
-)
+from llama_megatron.parallel.job_store import rendezvous_address, settle_job_store
+from llama_megatron.parallel.placement import Placement
+from llama_megatron.parallel.process_groups import skip_cpu_shared_memory_op
 from llama_megatron.training.checkpointing import all_gather_objects
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.faults.watchdog import StallWatchdog, job_store
@@ -78,7 +75,7 @@ def run_doctor(config: TrainingConfig, where: Placement, timeout_minutes: float,
     watchdog = StallWatchdog(timeout_minutes, where.rank, where.world_size, (0, 1), *job_store(timeout_minutes))
     try:
         par = config.parallel
-        pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context, par.expert)
+        pctx = ParallelContext.build(par)
         watchdog.beat(0, "gathering every rank's report")
         reports = all_gather_objects(_local_report(config, where))
         watchdog.beat(0, "the checkpoint directory check")

@@ -15,6 +15,7 @@ from llama_megatron.config import read_json
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.lora_layout import trains_final_norm_alone
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.pipeline.schedules import schedule_record
 
 
 def load_deepspeed_json(source: str | dict | None) -> dict[str, Any]:
@@ -93,8 +94,9 @@ def build_deepspeed_config(config: TrainingConfig, ds_source: str | dict | None,
     if precision(ds) == "bf16" and pp > 1:
         # bf16 gradients accumulated over micro batches drift; keep the accumulation in fp32 under PP.
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-    if pp > 1 and (config.parallel.sequence_parallel or config.pipeline.schedule != "1f1b" or config.model.family.moe):
-        # our engine's schedules (training/engine/pipeline.py) send each rank's payload whole too, and so does
+    ours = not schedule_record(config.pipeline.schedule).deepspeed_runs_it
+    if pp > 1 and (config.parallel.sequence_parallel or ours or config.model.family.moe):
+        # our engine's schedules (training/engine/pipeline_engine.py) send each rank's payload whole too, and so does
         # an MoE model (the engine's single backward over several sent tensors does not rebuild partitioned ones)
         _unpartitioned_pipe_payloads(ds)
     return ds

@@ -15,7 +15,7 @@ ZeRO files as for any run, the experts left out of the former, and each expert i
 (checkpoint/weights.py), written by the first rank of its expert-data-parallel group. ZeRO's files hold each rank's
 partitions of its expert groups, so a resume with the same degrees restores every expert's optimizer state; one at
 another EP or DP x CP degree goes through a universal checkpoint whose merge takes in every rank's experts
-(checkpoint/expert_universal.py), cut by DeepSpeed's loader for the new expert-data-parallel groups.
+(checkpoint/universal/experts.py), cut by DeepSpeed's loader for the new expert-data-parallel groups.
 """
 
 from __future__ import annotations

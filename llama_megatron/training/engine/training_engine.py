@@ -24,7 +24,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from llama_megatron.data.batch import MicroBatch, to_device
-from llama_megatron.data.sft_config import PreferenceData
+from llama_megatron.data.sft.config import PreferenceData
 from llama_megatron.model.build import build_model
 from llama_megatron.model.preference import METRICS, preference_targets
 from llama_megatron.parallel.context import ParallelContext
@@ -33,7 +33,7 @@ from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.engine.experts import global_grad_norm, initialize_engine
 from llama_megatron.training.engine.lr_schedule import build_scheduler
 from llama_megatron.training.engine.optimizer import build_optimizer
-from llama_megatron.training.engine.pipeline import initialize_pipeline_engine
+from llama_megatron.training.engine.pipeline_engine import initialize_pipeline_engine
 
 
 class TrainingEngine:

@@ -11,7 +11,7 @@ while the first is pending interrupts at once (KeyboardInterrupt: one line, exit
 A signal sent to the launcher alone (``kill PID``, Kubernetes' SIGTERM to a container's first process) does not
 always reach the ranks: the deepspeed runner forwards none to its ``launch.py`` (only its pdsh launcher does), so
 the ranks would train on as orphans holding the save dir. Each rank therefore watches the launchers above it
-(:func:`~llama_megatron.parallel.launch.launcher_chain`) from a daemon thread, once a second; one that has
+(:func:`~llama_megatron.parallel.placement.launcher_chain`) from a daemon thread, once a second; one that has
 exited is a stop request like a signal: the step ends, the run saves and exits 0, and ``launch.py`` (left
 running) exits with its ranks.
 """
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from llama_megatron.parallel.launch import LauncherProcess, launcher_gone
+from llama_megatron.parallel.placement import LauncherProcess, launcher_gone
 
 TIME_BUDGET = 1000  # request code of the wall-clock budget (signal requests are the signal numbers)
 LAUNCHER_GONE = 1001  # request code of a launcher that exited

@@ -15,7 +15,7 @@ MASTER_ADDR:MASTER_PORT, which rank 0 serves, or under torchrun (whose agent ser
 beside it (:func:`job_store`). A store that does not answer is named instead: the rank that hosts it (rank 0) is
 then the stopped one, or its host is gone.
 
-The store has no authentication. Rank 0 listens on MASTER_ADDR only (parallel/launch.py; torchrun's agent, which
+The store has no authentication. Rank 0 listens on MASTER_ADDR only (parallel/job_store.py; torchrun's agent, which
 the watchdog uses only where MASTER_ADDR gives rank 0 no address of its own, on every interface), and the keys carry
 a per-job nonce that rank 0 draws and sends over the process group with the store's address, never through the
 store: a client that guesses the fixed names cannot end the job. What is read back is validated, and the thread
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from llama_megatron.errors import Stalled, print_error
-from llama_megatron.parallel.launch import progress_store_address, rendezvous_store
+from llama_megatron.parallel.job_store import progress_store_address, rendezvous_store
 
 KEY = "llama_megatron/{nonce}/progress/{rank}"
 ENDING_KEY = "llama_megatron/{nonce}/stalled"  # set by the first rank that reached the timeout

@@ -4,7 +4,7 @@ An action is a pass of one chunk (virtual stage, parallel/pipeline_stages.py) ov
 BW (the whole backward), or the backward split in two (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
 parallel/weight_grad.py): B, the gradient of the chunk's input, on the critical path (the previous stage waits for
 it), and W, the weights' gradients, needed only by the optimizer step. The engine
-(training/engine/pipeline.py) lowers a list to receives and sends to the owners of the neighbouring virtual stages
+(training/engine/pipeline_engine.py) lowers a list to receives and sends to the owners of the neighbouring virtual stages
 and runs it; :func:`simulate` replays the lists of all ranks with given pass costs (a list that cannot proceed is
 an error: no deadlock reaches a run), which gives each schedule's bubble and the micro batches each rank holds.
 
@@ -26,32 +26,17 @@ an error: no deadlock reaches a run), which gives each schedule's bubble and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from llama_megatron.parallel.pipeline_stages import StagePlacement
-
-SCHEDULE_PLACEMENT = {"1f1b": "loop", "zb-h1": "loop", "interleaved-1f1b": "loop", "zb-v": "v"}
-SPLIT_BACKWARD = ("zb-h1", "zb-v")  # schedules whose backward is B + W
 
 
 class Action(NamedTuple):
     op: str  # "F", "BW" (whole backward), "B" (input gradient), "W" (weight gradients)
     chunk: int
     micro_batch: int
-
-
-def placement_of(schedule: str, ranks: int, chunks: int = 1) -> StagePlacement:
-    return StagePlacement(ranks, chunks, SCHEDULE_PLACEMENT[schedule])
-
-
-def micro_batch_rule(schedule: str, ranks: int, chunks: int, micro_batches: int) -> str | None:
-    """Why ``schedule`` cannot run this many micro batches (None: it can)."""
-    if micro_batches < 1:
-        return "needs at least one micro batch"
-    if schedule == "interleaved-1f1b" and micro_batches % ranks:
-        return (f"interleaved-1f1b runs micro batches in groups of parallel.pipeline ({ranks}): "
-                f"{micro_batches} micro batches per step is not a multiple of it")
-    return None
 
 
 def _one_f_one_b(ranks: int, rank: int, micro_batches: int, split: bool) -> list[Action]:
@@ -144,13 +129,7 @@ def _zb_v(ranks: int, micro_batches: int) -> list[list[Action]]:
 
 def rank_actions(schedule: str, ranks: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
     """``rank``'s list of actions for one training step."""
-    if schedule in ("1f1b", "zb-h1"):
-        return _one_f_one_b(ranks, rank, micro_batches, schedule == "zb-h1")
-    if schedule == "interleaved-1f1b":
-        return _interleaved(ranks, chunks, rank, micro_batches)
-    if schedule == "zb-v":
-        return _zb_v(ranks, micro_batches)[rank]
-    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    return schedule_record(schedule).actions(ranks, rank, micro_batches, chunks)
 
 
 def forward_actions(placement: StagePlacement, rank: int, micro_batches: int) -> list[Action]:
@@ -198,10 +177,83 @@ def simulate(schedule: str, ranks: int, micro_batches: int, chunks: int = 1, for
 
 
 def analytic_bubble(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """The idle share of every stage with equal F, B and W costs and free communication: (p - 1) / (m + p - 1) for
-    1F1B, (p - 1) / (3m + p - 1) for ZB-H1, (p - 1) / (vm + p - 1) for interleaved 1F1B; ZB-V's list, built by
-    a heuristic, has no closed form: its replay at these costs."""
-    if schedule == "zb-v":
-        return simulate(schedule, stages, micro_batches, 2)["idle_share"]
-    passes = {"zb-h1": 3 * micro_batches, "interleaved-1f1b": chunks * micro_batches}.get(schedule, micro_batches)
-    return (stages - 1) / (passes + stages - 1)
+    """The idle share of every stage with equal F, B and W costs and free communication: the record's closed form
+    ((p - 1) / (m + p - 1) for 1F1B, (p - 1) / (3m + p - 1) for ZB-H1, (p - 1) / (vm + p - 1) for interleaved
+    1F1B), else (ZB-V's list, built by a heuristic) its replay at these costs."""
+    record = schedule_record(schedule)
+    if record.idle_passes is None:
+        return simulate(schedule, stages, micro_batches, chunks)["idle_share"]
+    return (stages - 1) / (record.idle_passes(micro_batches, chunks) + stages - 1)
+
+
+def placement_of(schedule: str, ranks: int, chunks: int = 1) -> StagePlacement:
+    return StagePlacement(ranks, chunks, schedule_record(schedule).placement)
+
+
+def micro_batch_rule(schedule: str, ranks: int, chunks: int, micro_batches: int) -> str | None:
+    """Why ``schedule`` cannot run this many micro batches (None: it can)."""
+    if micro_batches < 1:
+        return "needs at least one micro batch"
+    if schedule_record(schedule).micro_batches_in_groups and micro_batches % ranks:
+        return (f"{schedule} runs micro batches in groups of parallel.pipeline ({ranks}): "
+                f"{micro_batches} micro batches per step is not a multiple of it")
+    return None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything the rest of the package knows of a pipeline schedule: the config checks its chunks and micro
+    batches, the engine picks its runner and whether B and W are split, ``estimate`` replays its lists for the
+    activations each rank holds (and the W work pending where the backward is split), the log line and MFU its
+    bubble. A new schedule is one record here (registered in :data:`SCHEDULES`) and its tests."""
+
+    name: str
+    # the action lists of every rank: (ranks, rank, micro batches, chunks per rank) -> rank's list
+    build: Callable[[int, int, int, int], list[Action]]
+    placement: str = "loop"  # how a rank's chunks sit in the layer list: StagePlacement's "loop" or "v"
+    chunks: tuple[int, ...] | None = (1,)  # virtual stages per rank it runs (None: any >= 2)
+    split_backward: bool = False  # its backward is B + W (weight gradients queued: parallel/weight_grad.py)
+    # DeepSpeed's PipelineEngine runs it with its own instructions (the list here is its order, for replays);
+    # else our ActionPipelineEngine runs the lists (training/engine/pipeline_engine.py)
+    deepspeed_runs_it: bool = False
+    micro_batches_in_groups: bool = False  # micro batches per step a multiple of the pipeline ranks
+    # busy passes per stage at equal costs, for the closed-form bubble (p - 1) / (passes + p - 1); None: replayed
+    idle_passes: Callable[[int, int], int] | None = None
+    needs_pipeline: bool = True  # refused at parallel.pipeline 1 (it schedules stages)
+
+    def actions(self, ranks: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
+        return self.build(ranks, rank, micro_batches, chunks)
+
+    def chunks_rule(self, virtual_stages: int) -> str | None:
+        """Why this schedule cannot run ``virtual_stages`` chunks per rank (None: it can)."""
+        if self.chunks is None:
+            if virtual_stages < 2:
+                return (f"pipeline.schedule {self.name!r} places several chunks on each rank: set "
+                        f"pipeline.virtual_stages >= 2 (got {virtual_stages})")
+            return None
+        if virtual_stages not in self.chunks:
+            return (f"pipeline.schedule {self.name!r} runs {' or '.join(map(str, self.chunks))} virtual stage(s) per "
+                    f"rank, got pipeline.virtual_stages {virtual_stages}")
+        return None
+
+    def default_chunks(self) -> int:
+        """The virtual stages per rank it runs by default (the benchmarks' and the tests' choice)."""
+        return 2 if self.chunks is None else self.chunks[0]
+
+
+SCHEDULES: dict[str, Schedule] = {record.name: record for record in (
+    Schedule("1f1b", lambda p, r, m, v: _one_f_one_b(p, r, m, split=False), deepspeed_runs_it=True,
+             needs_pipeline=False, idle_passes=lambda m, v: m),
+    Schedule("zb-h1", lambda p, r, m, v: _one_f_one_b(p, r, m, split=True), split_backward=True,
+             idle_passes=lambda m, v: 3 * m),
+    Schedule("interleaved-1f1b", lambda p, r, m, v: _interleaved(p, v, r, m), chunks=None,
+             micro_batches_in_groups=True, idle_passes=lambda m, v: v * m),
+    Schedule("zb-v", lambda p, r, m, v: _zb_v(p, m)[r], placement="v", chunks=(2,), split_backward=True),
+)}
+
+
+def schedule_record(name: str) -> Schedule:
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline schedule {name!r}") from None

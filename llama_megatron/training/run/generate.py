@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_megatron.checkpoint.meta import read_meta
+from llama_megatron.checkpoint.directory import read_meta
 from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.generation import Sampling, generate
-from llama_megatron.parallel.launch import end_process_groups, placement
+from llama_megatron.parallel.placement import placement
+from llama_megatron.parallel.process_groups import end_process_groups
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.run.setup import (
     load_model,
@@ -112,7 +113,7 @@ def run_generation(request: GenerationRequest) -> list[dict] | None:
     """Completions of every prompt (on global rank 0; None on the others)."""
     from deepspeed.accelerator import get_accelerator
 
-    from llama_megatron.data.chat_template import ChatEncoder, load_hf_tokenizer
+    from llama_megatron.data.sft.chat_template import ChatEncoder, load_hf_tokenizer
 
     tokenizer_dir = _tokenizer_dir(request)
     config = generation_config(request, tokenizer_dir)

@@ -13,9 +13,14 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.flops import training_flops_per_token
+from llama_megatron.training.pipeline.schedules import analytic_bubble
 
 _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}
 
@@ -102,3 +107,94 @@ class RunLogger:
 
 def format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """What a finished step does besides training: evaluate, save, log (a log line at every evaluation)."""
+
+    evaluate: bool
+    save: bool
+    log: bool
+
+    @classmethod
+    def at(cls, config: TrainingConfig, step: int) -> Cadence:
+        train, save = config.train, config.checkpoint
+        evaluate = bool(config.eval.interval) and step % config.eval.interval == 0
+        # step 1 too: the starting loss (ln of the vocabulary for a new model) is the curve's first point
+        log = step % config.logging.interval == 0 or step in (1, train.steps) or evaluate
+        return cls(evaluate, bool(save.save and save.interval) and (step % save.interval == 0 or step == train.steps),
+                   log)
+
+
+def start_line(config: TrainingConfig, pctx, device: str, zero: int, first_step: int) -> str:
+    """The run's first line: parameters, device, layout (the pipeline schedule and its bubble), ZeRO, batch, steps."""
+    micro_batches = config.gradient_accumulation_steps(pctx.world_size)
+    pipe = config.pipeline
+    bubble = analytic_bubble(pipe.schedule, pctx.pp_size, micro_batches, pipe.virtual_stages)
+    chunks = f", {pipe.virtual_stages} virtual stages per rank" if pipe.virtual_stages > 1 else ""
+    schedule = (f" ({pipe.schedule}{chunks}, {micro_batches} micro batches: bubble {100 * bubble:.1f}% at equal "
+                "pass costs)" if pctx.pp_size > 1 else "")
+    return (f"training {config.model.num_parameters() / 1e6:.1f}M parameters on {device} | tensor {pctx.tp_size} "
+            f"pipeline {pctx.pp_size}{schedule} context {pctx.cp_size} data {pctx.dp_size} | ZeRO {zero} | global "
+            f"batch {config.batch.global_batch_size}{' pairs' if config.rows_per_sample == 2 else ''} x "
+            f"{config.rows_per_sample * config.seq_length} tokens | steps {first_step}..{config.train.steps}")
+
+
+class StepMeter:
+    """Throughput over the logging window (tokens/s, TFLOP/s per device, MFU), the ETA over the run so far, and the
+    step's log line and metrics record."""
+
+    def __init__(self, config: TrainingConfig, world_size: int, start_step: int) -> None:
+        self.config, self.world_size, self.start_step = config, world_size, start_step
+        self.tokens_per_step = config.batch.global_batch_size * config.rows_per_sample * config.seq_length
+        # the full sequence length: under CP each rank attends over whole sequences for 1/CP of the heads, so the
+        # step's FLOPs are those of the unsharded model, shared by all world_size ranks (per device: / world size)
+        self.flops_per_step = training_flops_per_token(config.model, config.seq_length) * self.tokens_per_step
+        self.peak = device_peak_tflops(config.logging.peak_tflops)
+        self.window_start = self.run_start = time.perf_counter()
+        self.window_steps = 0
+
+    def stepped(self) -> None:
+        self.window_steps += 1
+
+    def record(self, report, lr: float, consumed: int, extras: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """The metrics record and the line of step ``report.step`` (``extras``: the engine's expert load and
+        preference metrics, where it has them, and an evaluation's); the window starts again."""
+        now = time.perf_counter()
+        elapsed, steps = now - self.window_start, report.step - self.start_step
+        tokens_per_s = self.tokens_per_step * self.window_steps / elapsed
+        tflops = self.flops_per_step * self.window_steps / elapsed / 1e12 / self.world_size
+        metrics: dict[str, Any] = {k: v for k, v in extras.items() if k.startswith("val_")}
+        metrics.update(loss=report.loss, lr=lr, grad_norm=report.grad_norm, tokens_per_s=tokens_per_s,
+                       tflops_per_device=tflops, mfu=tflops / self.peak if self.peak else None,
+                       consumed_samples=consumed)
+        if report.bad:
+            metrics["bad_step"] = "; ".join(report.reasons)
+        load, preference = extras.get("expert_load"), extras.get("preference")
+        if load is not None:
+            metrics["expert_load"] = load
+        if preference is not None:
+            metrics.update(preference)
+        mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
+        steps_left = self.config.train.steps - report.step
+        line = (f"step {report.step}/{self.config.train.steps} | loss {_fmt(report.loss, 6)} | lr {lr:.3e} | grad "
+                f"norm {_fmt(report.grad_norm, 4)} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s{mfu} | "
+                f"ETA {format_eta((now - self.run_start) / steps * steps_left)}")
+        if load is not None:  # 1.0: every expert got its share (1 / experts) of the assignments
+            line += f" | expert load max/mean {max(load) * len(load):.2f}"
+        if preference is not None:
+            line += (f" | reward margin {preference['rewards/margins']:.4f} accuracy "
+                     f"{preference['rewards/accuracies']:.3f}")
+        if report.bad:
+            line += f" | bad step: {metrics['bad_step']}"
+        if "val_loss" in metrics:
+            line += f" | val loss {metrics['val_loss']:.6f}"
+        if "val_ppl" in metrics:
+            line += f" | val ppl {metrics['val_ppl']:.3f}"
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        return metrics, line
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"  # nan and inf print as such

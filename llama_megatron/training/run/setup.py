@@ -19,74 +19,75 @@ import numpy as np
 import torch
 from torch import nn
 
-from llama_megatron.checkpoint import universal_conversion as universal
-from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, check_lora_start, checkpoint_lora_section
+from llama_megatron.checkpoint.directory import CheckpointMeta
+from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, checkpoint_lora_section
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.checkpoint.megatron_reader import load_model_weights
-from llama_megatron.checkpoint.meta import CheckpointMeta
-from llama_megatron.config import ModelConfig
-from llama_megatron.errors import CheckpointError, ConfigError
+from llama_megatron.checkpoint.universal import conversion as universal
+from llama_megatron.errors import CheckpointError
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import Kernels, resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.launch import init_distributed, placement
+from llama_megatron.parallel.placement import placement
+from llama_megatron.parallel.process_groups import init_distributed
 from llama_megatron.parallel.zero3 import is_partitioned
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config, precision, zero_stage
 from llama_megatron.training.engine.training_engine import TrainingEngine
 from llama_megatron.training.pipeline.schedules import analytic_bubble
+from llama_megatron.training.resume import ResumePlan, plan_resume, replan_without
 from llama_megatron.training.run.metrics import RunLogger
+from llama_megatron.training.save_dir import SaveDirLock, take_save_dir
 
 RUN_INFO_FILE = "run.json"
 
 
 @dataclass
 class Preflight:
-    """A validated run, before any process group exists."""
+    """A validated run, before any process group exists: its config, DeepSpeed config, kernels and what it loads
+    (``resume``: training/resume.py decides it, once)."""
 
     config: TrainingConfig
     world_size: int
     ds_config: dict
-    checkpoint: CheckpointMeta | None
+    resume: ResumePlan
     eod_id: int | None
     kernels: Kernels
-    load_dir: str | None = None  # checkpoint.load, "auto" resolved
-    lora_base: BaseRecord | None = None  # a LoRA run's base checkpoint
     notes: list[str] = field(default_factory=list)  # for the log: checkpoints passed over, unverified ones
 
     @property
+    def checkpoint(self) -> CheckpointMeta | None:
+        return self.resume.checkpoint
+
+    @property
+    def load_dir(self) -> str | None:
+        return self.resume.load_dir
+
+    @property
+    def lora_base(self) -> BaseRecord | None:
+        return self.resume.lora_base
+
+    @property
     def adapters_checkpoint(self) -> bool:
-        """``checkpoint.load`` holds LoRA adapters: the base weights come from the checkpoint it records."""
-        return self.checkpoint is not None and self.checkpoint.lora is not None
+        return self.resume.adapters_checkpoint
+
+    @property
+    def weights_only(self) -> bool:
+        """Fine-tuning start: read the weights per (layer, TP rank) before DeepSpeed wraps the model, so any PP,
+        DP and ZeRO stage of this run can start from the checkpoint."""
+        return self.resume.weights_only
+
+    @property
+    def run_start(self) -> str | None:
+        """Where this run's first step started from, for its checkpoints' run record."""
+        return self.resume.start
 
     def checkpoint_lora(self) -> dict | None:
         """``llama_megatron.json``'s ``lora`` for this run's saves (None: not a LoRA run)."""
         if self.config.lora is None:
             return None
         return checkpoint_lora_section(self.config.lora, self.lora_base)
-
-    @property
-    def run_start(self) -> str | None:
-        """Where this run's first step started from, for its checkpoints' run record (:func:`run_start`)."""
-        return run_start(self.config, self.checkpoint)
-
-    @property
-    def weights_only(self) -> bool:
-        """Fine-tuning start: read the weights per (layer, TP rank) before DeepSpeed wraps the model, so any PP,
-        DP and ZeRO stage of this run can start from the checkpoint."""
-        return self.checkpoint is not None and self.config.checkpoint.finetune
-
-
-def run_start(config: TrainingConfig, meta: CheckpointMeta | None) -> str | None:
-    """Where a run's first step started from (its record's ``start``): the checkpoint a fine-tuning run loads the
-    weights of; for a resume, the start the resumed checkpoint records (a run continued is still the run that
-    started there); None from a seeded init."""
-    if meta is None:
-        return None
-    if config.checkpoint.finetune:
-        return config.checkpoint.load
-    return (meta.run or {}).get("start")
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Session:
     engine: TrainingEngine
     step: int
     consumed_samples: int
-    owner: ckpt.SaveDirLock | None = None  # held while the run may write checkpoint.save
+    owner: SaveDirLock | None = None  # held while the run may write checkpoint.save
 
     def close(self) -> None:
         self.log.close()
@@ -122,75 +123,6 @@ def _check_tokenizer(config: TrainingConfig) -> int | None:
     return tokenizer.eos_id
 
 
-# What context extension changes: a fine-tuning start may set them anew (the weights do not depend on them).
-CONTEXT_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling")
-
-
-# What says which layers attend through a window: compared by the windows they give. transformers 5 writes a Qwen
-# model's layer_types into its config.json, where a preset names max_window_layers instead.
-WINDOW_KEYS = frozenset(("layer_types", "max_window_layers", "use_sliding_window", "sliding_window"))
-
-
-def _model_differences(saved: dict, run: dict, finetune: bool) -> list[str]:
-    """Keys of the model config that differ between a checkpoint and this run (a resume must change none)."""
-    keys = sorted(set(saved) | set(run))
-    differences = [k for k in keys if saved.get(k) != run.get(k) and not (finetune and k in CONTEXT_KEYS)]
-    if WINDOW_KEYS.intersection(differences):
-        with contextlib.suppress(ConfigError):
-            if ModelConfig.from_dict(saved).layer_windows() == ModelConfig.from_dict(run).layer_windows():
-                differences = [k for k in differences if k not in WINDOW_KEYS]
-    return differences
-
-
-def _check_checkpoint(config: TrainingConfig, load_dir: str | None, world_size: int, ds_config: dict,
-                      skip: frozenset[str] = frozenset()) -> tuple[CheckpointMeta | None, list[str]]:
-    """The checkpoint this run loads (metadata, layout and files checked) and notes for the log. With
-    ``checkpoint.load: auto`` a damaged newest tag (or those in ``skip``) gives way to the newest good one."""
-    if not load_dir:
-        return None, []
-    finetune = config.checkpoint.finetune
-    meta, notes = ckpt.choose_tag(load_dir, config.checkpoint.tag, fallback=config.checkpoint.load == AUTO_LOAD,
-                                  skip=skip)
-    # weights-only loading reads per (layer, TP rank): any PP of this run will do
-    pipeline = meta.pipeline if finetune else config.parallel.pipeline
-    ckpt.check_resume_layout(meta, config.parallel.tensor, pipeline, load_dir)
-    padded = config.local_shapes.padded_vocab_size
-    if meta.padded_vocab_size != padded:
-        raise ConfigError(
-            f"checkpoint {load_dir}/{meta.tag} pads the vocab to {meta.padded_vocab_size}, this "
-            f"run to {padded}: set parallel.make_vocab_size_divisible_by to match, or reshard the checkpoint"
-        )
-    differences = _model_differences(meta.model, config.model.to_dict(), finetune)
-    if differences:
-        hint = "" if finetune else f"; a fine-tuning start may change {', '.join(CONTEXT_KEYS)}"
-        raise ConfigError(f"checkpoint {load_dir}/{meta.tag} holds a different model config than this run's model "
-                          f"section ({', '.join(differences)}){hint}")
-    partitions = config.data_parallel_size(world_size) * config.parallel.context  # DeepSpeed's DP group
-    placement = config.pipeline.layer_placement(config.parallel.pipeline)
-    if not finetune:
-        ckpt.check_resume_experts(meta, config.parallel.expert, load_dir)
-        ckpt.check_resume_placement(meta, placement, load_dir)
-        ckpt.check_universal_reader(meta, partitions, placement, config.parallel.expert, zero_stage(ds_config),
-                                    precision(ds_config), load_dir)
-    ckpt.verify_load(load_dir, meta, None if finetune else partitions, placement, config.parallel.expert)
-    return meta, notes
-
-
-def _check_lora(config: TrainingConfig, meta: CheckpointMeta | None, load_dir: str | None) -> BaseRecord | None:
-    """A LoRA run's base checkpoint (refusals: see :func:`check_lora_start`); the base of an adapter checkpoint is
-    read per TP rank like any weights-only start."""
-    record, base = check_lora_start(config.lora, meta, load_dir, config.checkpoint.finetune,
-                                    auto=config.checkpoint.load == AUTO_LOAD)
-    if base is not None:
-        ckpt.check_resume_layout(base, config.parallel.tensor, base.pipeline, record.path)
-        differences = _model_differences(base.model, config.model.to_dict(), finetune=False)
-        if differences:
-            raise ConfigError(f"base checkpoint {record.path}/{base.tag} holds a different model config than this "
-                              f"run's model section ({', '.join(differences)})")
-        ckpt.verify_load(record.path, base, None)
-    return record
-
-
 MODES = ("train", "evaluate", "generate")
 
 
@@ -210,16 +142,13 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
     kernels = resolve_kernels(config.kernels, accelerator)
-    load_dir = ckpt.resolve_load_dir(config.checkpoint)
-    meta, notes = _check_checkpoint(config, load_dir, world_size, ds_config)
-    if mode == "train":
-        ckpt.check_save_dir(config, load_dir, run_start(config, meta))
+    resume = plan_resume(config, world_size, ds_config, check_save=mode == "train")
+    notes = list(resume.notes)
     if where.world_size == world_size and where.group_spans_nodes(config.parallel.tensor):
         notes.append(f"warning: tensor parallel groups of {config.parallel.tensor} span nodes ({where.local_world_size} "
                      f"processes per node): their all-reduces, the heaviest traffic, cross the network; use a "
                      f"tensor degree that divides the processes per node")
-    return Preflight(config, world_size, ds_config, meta, eod_id, kernels, load_dir,
-                     _check_lora(config, meta, load_dir), notes)
+    return Preflight(config, world_size, ds_config, resume, eod_id, kernels, notes)
 
 
 def _seed_everything(seed: int) -> None:
@@ -233,7 +162,7 @@ def start_process_groups(pre: Preflight) -> ParallelContext:
     config = pre.config
     init_distributed()
     par = config.parallel
-    pctx = ParallelContext.build(par.tensor, par.pipeline, par.sequence_parallel, par.context, par.expert)
+    pctx = ParallelContext.build(par)
     _seed_everything(config.seed)
     return pctx
 
@@ -270,7 +199,7 @@ def verify_checkpoint_files(pre: Preflight, pctx: ParallelContext, log: RunLogge
     """The checksums of the tag to load against its manifest, each rank hashing its share of the files
     (``checkpoint.verify: checksum``; preflight checked every size already). A damaged tag is an error, or under
     ``checkpoint.load: auto`` gives way to the newest good one (checked again from the start)."""
-    config, skipped = pre.config, set()
+    config = pre.config
     while pre.checkpoint is not None and config.checkpoint.verify == "checksum":
         tag_dir = os.path.join(pre.load_dir, pre.checkpoint.tag)
         error, verified = None, False
@@ -286,12 +215,11 @@ def verify_checkpoint_files(pre: Preflight, pctx: ParallelContext, log: RunLogge
             break
         if config.checkpoint.load != AUTO_LOAD:
             raise CheckpointError(errors[0])
-        skipped.add(pre.checkpoint.tag)
-        meta, notes = _check_checkpoint(config, pre.load_dir, pre.world_size, pre.ds_config, frozenset(skipped))
+        resume = replan_without(pre.resume, pre.checkpoint.tag, config, pre.world_size, pre.ds_config)
         if log is not None:
-            for note in [f"passing over {errors[0]}", *notes]:
+            for note in [f"passing over {errors[0]}", *resume.notes]:
                 log.info(note)
-        pre = replace(pre, checkpoint=meta, lora_base=_check_lora(config, meta, pre.load_dir))
+        pre = replace(pre, resume=resume)
     return pre
 
 
@@ -330,14 +258,13 @@ def open_session(config: TrainingConfig, ds_source=None, mode: str = "train") ->
     model and weights, DeepSpeed engine, checkpoint state."""
     pre = preflight(config, ds_source, mode=mode)
     pctx, log = start(pre)
-    owner = ckpt.take_save_dir(config.checkpoint, pre.load_dir, pctx, log) if mode == "train" else None
+    owner = take_save_dir(config.checkpoint, pre.load_dir, pctx, log) if mode == "train" else None
     pre = verify_checkpoint_files(pre, pctx, log)
-    meta = pre.checkpoint
+    meta, resume = pre.checkpoint, pre.resume
     load_tag = meta.tag if meta else None
-    placement = config.pipeline.layer_placement(config.parallel.pipeline)
-    if meta and not config.checkpoint.finetune and ckpt.needs_universal(meta, pctx.dp_cp_size, placement,
-                                                                        pctx.ep_size):
-        if ckpt.placement_changes(meta, placement):
+    if resume.universal:
+        if resume.placement_changes:
+            placement = config.pipeline.layer_placement(config.parallel.pipeline)
             log.info(f"layers on the pipeline ranks {meta.layer_placement or 'as DeepSpeed places them'} -> "
                      f"{placement}: loading through a universal checkpoint")
         else:

@@ -1,0 +1,89 @@
+"""The training JSON read as typed sections: each section's keys checked against its dataclass (unknown keys, and
+values of the wrong type, are one line naming the key; a JSON list becomes the tuple a field declares), and ``--set
+a.b.c=value`` overrides applied to the JSON before it is read."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+from llama_megatron.errors import ConfigError
+
+
+def typed_section(section_cls, name: str, value: Any):
+    if not isinstance(value, dict):
+        raise ConfigError(f"training config section {name!r} must be an object")
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    unknown = set(value) - known
+    if unknown:
+        raise ConfigError(f"unknown keys in {name!r}: {', '.join(sorted(unknown))}")
+    value = dict(value)
+    hints = typing.get_type_hints(section_cls)
+    for key, item in value.items():
+        value[key] = _typed(item, hints[key], f"{name}.{key}")
+    return section_cls(**value)
+
+
+def _typed(value: Any, hint: Any, key: str) -> Any:
+    """``value`` checked against a section field's type (int, float, bool, str, tuple of them, or None where the
+    field allows it); a JSON list becomes the tuple. One-line ConfigError naming the key otherwise."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+            args = typing.get_args(option)
+            item_hints = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+            if len(item_hints) == len(value):
+                try:
+                    return tuple(_typed(v, h, key) for v, h in zip(value, item_hints))
+                except ConfigError:
+                    pass
+    names = " or ".join(_type_name(o) for o in options)
+    raise ConfigError(f"{key} must be {names}, got {json.dumps(value) if _jsonable(value) else repr(value)}")
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is tuple:
+        return "a list"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """``a.b.c=value``; value is JSON when it parses as JSON, else a string."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value

@@ -1,0 +1,91 @@
+"""Every model family's test cases, in one table every parity test reads: ``parity``, tiny-config overrides (HF key
+names) compared in one process and under TP with the family's transformers class (tests/test_model_parity.py for
+the dense families, tests/test_model_moe.py for the mixtures of experts); ``runs``, the training JSON overrides of the
+family's launched runs (tests/test_model_families.py: every layout against TP1-PP1, export, generate; None for
+``llama``, whose runs are the rest of the suite's). A family of llama_megatron/families.py is tested once it has a
+row here, and tests/test_model_parity.py fails while one lacks it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model_utils import LLAMA3_ROPE
+
+from llama_megatron.families import FAMILIES as MODEL_FAMILIES
+
+
+@dataclass(frozen=True)
+class FamilyCases:
+    parity: dict[str, dict] = field(default_factory=dict)
+    runs: list[str] | None = None
+
+
+MIXTRAL = dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+               output_router_logits=True, router_aux_loss_coef=0.02)
+QWEN_MOE = dict(num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                output_router_logits=True, router_aux_loss_coef=0.02)
+
+FAMILIES = {
+    "llama": FamilyCases(parity={
+        "mha-untied": dict(),
+        "gqa-untied-bias": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+        "gqa-tied-llama3-oddvocab": dict(num_key_value_heads=4, tie_word_embeddings=True, vocab_size=250,
+                                         rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+        "mqa-like-linear-rope": dict(num_key_value_heads=4, num_attention_heads=16, head_dim=8,
+                                     rope_scaling={"type": "linear", "factor": 2.0}),
+    }),
+    "qwen2": FamilyCases(parity={
+        "qwen2-windows-from-layer-1": dict(model_type="qwen2", hidden_size=96, num_key_value_heads=4,
+                                           use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        "qwen2-layer-types": dict(model_type="qwen2", num_key_value_heads=4, use_sliding_window=True,
+                                  sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                                  rope_theta=1e6),
+    }, runs=["model.model_type=qwen2", "model.use_sliding_window=true", "model.sliding_window=12",
+             "model.max_window_layers=2"]),
+    "qwen3": FamilyCases(parity={
+        "qwen3-head-dim-12": dict(model_type="qwen3", num_key_value_heads=4, head_dim=12),
+        "qwen3-bias-tied": dict(model_type="qwen3", num_key_value_heads=4, head_dim=12, attention_bias=True,
+                                tie_word_embeddings=True),
+    }, runs=["model.model_type=qwen3", "model.head_dim=24", "model.attention_bias=true",
+             "model.use_sliding_window=true", "model.sliding_window=6",
+             'model.layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]']),
+    "mistral": FamilyCases(parity={
+        "mistral-window-5": dict(model_type="mistral", hidden_size=80, num_key_value_heads=4, sliding_window=5),
+    }, runs=["model.model_type=mistral", "model.sliding_window=8"]),
+    "mixtral": FamilyCases(parity={
+        "top2-of-4-window": {**MIXTRAL, "sliding_window": 6},
+        "top3-of-8-tied": {**MIXTRAL, "num_local_experts": 8, "num_experts_per_tok": 3, "tie_word_embeddings": True,
+                           "hidden_size": 96, "intermediate_size": 48},
+        "no-aux-loss": {**MIXTRAL, "output_router_logits": False},
+    }, runs=["model.model_type=mixtral", "model.sliding_window=8", "model.num_local_experts=4",
+             "model.num_experts_per_tok=2", "model.output_router_logits=true", "model.router_aux_loss_coef=0.02"]),
+    # Qwen3-MoE: q/k norms, experts narrower than the dense layer 1 (mlp_only_layers), weights renormalised; its runs
+    # with HF's key names (num_experts), a dense layer (mlp_only_layers) on the first pipeline stage
+    "qwen3_moe": FamilyCases(parity={
+        "qwen3-moe": {**QWEN_MOE, "model_type": "qwen3_moe", "norm_topk_prob": True, "mlp_only_layers": [1]},
+    }, runs=["model.model_type=qwen3_moe", "model.use_sliding_window=true", "model.sliding_window=8",
+             "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=48",
+             "model.norm_topk_prob=true", "model.mlp_only_layers=[1]", "model.output_router_logits=true",
+             "model.router_aux_loss_coef=0.02"]),
+    # Qwen2-MoE: q/k/v biases, a shared expert beside the routed ones, weights not renormalised, a window (layer 0);
+    # its runs: the shared expert, MoE on every other layer, windows on layers 0 and 2
+    "qwen2_moe": FamilyCases(parity={
+        "qwen2-moe": {**QWEN_MOE, "model_type": "qwen2_moe", "attention_bias": True,
+                      "shared_expert_intermediate_size": 80, "use_sliding_window": True, "sliding_window": 6,
+                      "max_window_layers": 2},
+    }, runs=["model.model_type=qwen2_moe", "model.use_sliding_window=true", "model.sliding_window=12",
+             "model.max_window_layers=4", "model.num_experts=4", "model.num_experts_per_tok=2",
+             "model.moe_intermediate_size=48", "model.shared_expert_intermediate_size=96",
+             "model.decoder_sparse_step=2", "model.output_router_logits=true", "model.router_aux_loss_coef=0.02"]),
+}
+
+
+def _moe(family: str) -> bool:
+    return MODEL_FAMILIES[family].moe is not None
+
+
+DENSE_PARITY = {name: case for family, cases in FAMILIES.items() if not _moe(family)
+                for name, case in cases.parity.items()}
+MOE_PARITY = {name: case for family, cases in FAMILIES.items() if _moe(family) for name, case in cases.parity.items()}
+RUNS = {family: cases.runs for family, cases in FAMILIES.items() if cases.runs is not None}
+MOE_FAMILIES = tuple(family for family in RUNS if _moe(family))

@@ -1,0 +1,301 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE) is the same function as transformers' MixtralForCausalLM,
+Qwen3MoeForCausalLM and Qwen2MoeForCausalLM: logits, the loss with its load-balancing term (``output_router_logits``)
+and every gradient, fp32, in every layout of the model.
+
+Expert parallelism puts different samples on the ranks of an EP group (it lives in the data axis), so each data
+rank's reference is HF on that rank's own samples, and the gradients to compare are summed over the data ranks: the
+replicated weights' over DP x CP (what DeepSpeed's average does, times the rank count), the experts' over their
+expert-data-parallel group (their EP rank already holds the gradients of every rank's tokens, which the all-to-all
+brought to it). Under context parallelism the CP ranks' losses (the loss rule's shares) add up to CP x HF's.
+Gradients of every TP shard are gathered and merged with the code that exports checkpoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from family_cases import MIXTRAL, MOE_PARITY
+from launch_utils import PRETRAIN_CONFIG
+from model_utils import gather_shards, hf_model, tiny_config
+
+from llama_megatron.config import ModelConfig
+from llama_megatron.data.batch import MicroBatch
+from llama_megatron.errors import ConfigError
+from llama_megatron.model.build import build_model
+from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
+from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+from llama_megatron.parallel.degrees import ParallelConfig
+from llama_megatron.parallel.process_groups import init_distributed
+
+CASES = MOE_PARITY  # every MoE family's cases (tests/family_cases.py)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def _sum_over(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
+    config = tiny_config(**overrides)
+    parallel = ParallelConfig(tensor=pctx.tp_size, context=pctx.cp_size, expert=pctx.ep_size,
+                              sequence_parallel=pctx.sequence_parallel, make_vocab_size_divisible_by=8)
+    hf = hf_model(config)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, config.vocab_size, (pctx.dp_size, 2, seq), generator=gen)
+    labels = ids.clone()
+    labels[:, 0, 3:6] = IGNORE_INDEX
+    refs = [hf(input_ids=ids[d], labels=labels[d]) for d in range(pctx.dp_size)]
+    sum(ref.loss for ref in refs).backward()  # every data rank's loss: the gradients the ranks add up to
+
+    model = build_model(config, parallel, pctx, initialize=False)
+    hf_state = as_checkpoint_tensors(hf.state_dict(), config)
+    model.load_state_dict(hf_to_rank_state_dict(hf_state, config, pctx.tp_rank, pctx.tp_size,
+                                                parallel.padded_vocab_size(config.vocab_size), pctx.ep_rank,
+                                                pctx.ep_size))
+    mine = labels[pctx.dp_rank]
+    next_labels = torch.cat([mine[:, 1:], torch.full_like(mine[:, :1], IGNORE_INDEX)], dim=1)  # HF's shift
+    positions = torch.arange(seq).expand(2, seq)
+    mb = MicroBatch(ids[pctx.dp_rank], positions, next_labels).context_shard(pctx.cp_rank, pctx.cp_size)
+    divisor = torch.tensor(int((next_labels != IGNORE_INDEX).sum()) / pctx.cp_size)  # the loss rule's N / CP
+    loss = model(mb.input_ids, mb.position_ids, labels=(mb.labels, divisor))
+    loss.backward()
+
+    ref = refs[pctx.dp_rank]
+    shard = seq // pctx.cp_size
+    logits = model.full_logits(model(mb.input_ids, mb.position_ids)).detach()
+    torch.testing.assert_close(logits, ref.logits[:, pctx.cp_rank * shard:(pctx.cp_rank + 1) * shard],
+                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(_sum_over(loss.detach(), pctx.cp_group, pctx.cp_size) / pctx.cp_size, ref.loss,
+                               rtol=1e-5, atol=1e-6)
+
+    hf_grads = as_checkpoint_tensors({n: p.grad for n, p in hf.named_parameters()}, config)
+    if config.tie_word_embeddings:
+        hf_grads["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.grad
+    params = dict(model.named_parameters())
+    for spec in ParamLayout(config).held_by(pctx.ep_rank, pctx.ep_size):
+        group = pctx.edp_group if spec.expert is not None else pctx.dp_cp_group
+        size = pctx.dp_cp_size // (pctx.ep_size if spec.expert is not None else 1)
+        grad = _sum_over(params[spec.module_name].grad, group, size) / pctx.cp_size
+        for hf_name, merged in merge_shards(spec, gather_shards(grad, pctx), config).items():
+            expected = hf_grads[hf_name]
+            expected = torch.zeros_like(merged) if expected is None else expected  # an expert no token chose
+            torch.testing.assert_close(merged, expected, **GRAD_TOL, msg=lambda m, n=hf_name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_parity_one_process(name: str) -> None:
+    check_moe_parity(CASES[name], ParallelContext.single())
+
+
+def _four_process_worker(rank: int, world_size: int) -> None:
+    init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
+    dp_lane = (rank % 2, rank % 2 + 2)  # TP2: a TP lane's data coordinates
+    layouts = [  # (cases, layout, this rank's EP group: consecutive data coordinates within its TP lane)
+        (("top2-of-4-window", "top3-of-8-tied", "qwen3-moe", "qwen2-moe"), dict(tensor=2, sequence_parallel=True),
+         (rank,)),
+        (("top2-of-4-window", "top3-of-8-tied"), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+        (("top3-of-8-tied",), dict(expert=4), (0, 1, 2, 3)),
+        (("top3-of-8-tied",), dict(tensor=2, expert=2, sequence_parallel=True), dp_lane),
+        # the Qwen families' EP2 is this one's (their experts are Mixtral's, the all-to-all the same)
+        (("top2-of-4-window", "qwen3-moe", "qwen2-moe"), dict(context=2, expert=2),
+         (rank - rank % 2, rank - rank % 2 + 1)),
+    ]
+    for names, layout, ep_ranks in layouts:
+        pctx = ParallelContext.build(**layout)
+        assert pctx.ep_group_ranks == ep_ranks, (layout, pctx.ep_group_ranks)
+        for name in names:
+            check_moe_parity(CASES[name], pctx)
+
+
+def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
+    """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2; the
+    Qwen MoE families at TP2 with SP and CP2 x EP2."""
+    run_distributed(_four_process_worker, 4)
+
+
+def test_moe_flops_count_the_active_experts() -> None:
+    """MFU's model FLOPs count the router and the k experts a token passes through (and a shared expert), not the
+    experts it skips."""
+    from llama_megatron.training.diagnostics.flops import forward_flops_per_token
+
+    shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
+    dense = forward_flops_per_token(ModelConfig(**shape, model_type="mistral"), 100)
+    moe = ModelConfig(**shape, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+    assert forward_flops_per_token(moe, 100) - dense == 4 * 2 * (3 * 64 * 96 + 64 * 8)  # one more expert, router
+    assert moe.num_active_parameters() == moe.num_parameters() - 4 * 6 * 3 * 64 * 96
+    # Qwen2-MoE with MoE on layers 1 and 3 only: each adds its router, 2 experts of 32, the shared expert (48) and its
+    # gate, and drops the dense MLP (96); its q/k/v biases are no matmul
+    qwen = ModelConfig(**shape, model_type="qwen2_moe", attention_bias=True, num_local_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=2)
+    routed = 2 * 3 * 64 * 32 + 64 * 8 + 3 * 64 * 48 + 64
+    assert [qwen.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert forward_flops_per_token(qwen, 100) - dense == 2 * 2 * (routed - 3 * 64 * 96)
+    assert qwen.num_active_parameters() == qwen.num_parameters() - 2 * 6 * 3 * 64 * 32
+
+
+def test_moe_config_checks() -> None:
+    config = tiny_config(**MIXTRAL)
+    assert config.num_active_parameters() < config.num_parameters()
+    assert sum(p.numel() for p in hf_model(config).parameters()) == config.num_parameters()
+    with pytest.raises(ConfigError, match="num_experts_per_tok 5 exceeds num_local_experts 4"):
+        tiny_config(**{**MIXTRAL, "num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match="router_jitter_noise must be 0"):
+        tiny_config(**{**MIXTRAL, "router_jitter_noise": 0.1})
+    with pytest.raises(ConfigError, match="num_local_experts is not a key of the llama family"):
+        tiny_config(num_local_experts=4)
+    with pytest.raises(ConfigError, match="expert parallel degree 3 does not divide num_local_experts 4"):
+        ParallelConfig(expert=3).validate(config)
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        ParallelConfig(expert=2).validate(tiny_config())
+    with pytest.raises(ConfigError, match="expert parallel degree 4 does not divide the data axis"):
+        ParallelConfig(tensor=2, expert=4).check_world_size(4)
+
+
+
+def test_qwen_moe_config_keys() -> None:
+    """HF's names are read and written back (``num_experts``, Qwen2-MoE's ``qkv_bias``), the family defaults are
+    transformers', and the new keys are checked in one line."""
+    config = ModelConfig.from_dict({"model_type": "qwen2_moe", "num_experts": 8, "num_attention_heads": 4,
+                                    "hidden_size": 64, "moe_intermediate_size": 24, "sliding_window": 0})
+    assert (config.num_local_experts, config.attention_bias, config.norm_topk_prob) == (8, True, False)
+    assert config.shared_expert_intermediate_size == 5632 and config.layer_windows() == [None] * 32
+    hf = config.to_hf_dict()
+    assert hf["num_experts"] == 8 and hf["qkv_bias"] is True and "num_local_experts" not in hf
+    assert ModelConfig.from_dict(config.to_dict()) == config == ModelConfig.from_dict(hf)
+    qwen3 = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    for bad, message in (({"num_local_experts": 8}, "num_local_experts and model.num_experts name the same key"),
+                         ({"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive integer"),
+                         ({"mlp_only_layers": [32]}, r"mlp_only_layers must list layer indices in \[0, 32\)"),
+                         ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+                         ({"shared_expert_intermediate_size": 8}, "unknown model config keys for the qwen3_moe")):
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_dict({**qwen3, **bad})
+    with pytest.raises(ConfigError, match="norm_topk_prob is not a key of the mixtral family"):
+        tiny_config(**MIXTRAL, norm_topk_prob=True)
+    with pytest.raises(ConfigError, match="tensor parallel degree 2 does not divide moe_intermediate_size 25"):
+        ParallelConfig(tensor=2).validate(ModelConfig.from_dict({**qwen3, "moe_intermediate_size": 25}))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['lora={"rank": 2, "targets": ["q_proj", "down_proj"]}'], "lora.targets down_proj: the mixtral model has no MLP module PEFT adapts"),
+    (['lora={"rank": 2, "dropout": 0.1, "targets": ["q_proj", "mlp.experts.down_proj"]}'],
+     r"lora.dropout 0.1 with the expert targets mlp.experts.down_proj: .* set lora.dropout 0"),
+    (['lora={"rank": 2, "targets": ["mlp.experts.up_proj"]}'], "unknown target 'mlp.experts.up_proj'"),
+])
+def test_training_refuses_what_moe_runs_cannot_do_yet(overrides: list[str], message: str) -> None:
+
+    from llama_megatron.training.config import TrainingConfig
+
+    moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
+    with pytest.raises(ConfigError, match=message):
+        TrainingConfig.from_file(PRETRAIN_CONFIG, ['data={"synthetic": true}', *moe,
+                                                                             *overrides])
+
+
+def test_expert_lora_targets_need_experts() -> None:
+    """The experts' targets on a dense model are refused; on a mixture of experts they load, with EP too."""
+
+    from llama_megatron.training.config import TrainingConfig
+
+    lora = 'lora={"rank": 2, "targets": ["q_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}'
+    with pytest.raises(ConfigError, match="the llama model has no experts; its targets are q_proj"):
+        TrainingConfig.from_file(PRETRAIN_CONFIG, ['data={"synthetic": true}', lora])
+    moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
+    config = TrainingConfig.from_file(PRETRAIN_CONFIG,
+                                      ['data={"synthetic": true}', *moe, "parallel.expert=2", lora])
+    assert config.lora.expert_targets == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config.lora.module_targets == ["q_proj"]
+
+
+def test_lora_mlp_targets_are_the_modules_peft_adapts_on_the_class() -> None:
+    """gate_proj/up_proj/down_proj: on Qwen2-MoE the shared expert's and the dense layers' linears (PEFT's name match);
+    refused on Mixtral (w1/w3/w2) and Qwen3-MoE, where PEFT maps them onto the experts and no module takes them."""
+    from llama_megatron.model.lora_layout import LoraConfig, adapter_layout, check_targets
+
+    lora = LoraConfig(rank=2, targets=("q_proj", "up_proj", "down_proj"))
+    qwen2 = tiny_config(**CASES["qwen2-moe"], num_hidden_layers=3, mlp_only_layers=[1])
+    mlp = sorted(n for spec in adapter_layout(qwen2, lora) for n in spec.hf_names if ".mlp." in n)
+    assert mlp == sorted(f"base_model.model.model.layers.{i}.mlp.{m}.lora_{ab}.weight" for i, m in
+                         ((0, "shared_expert.up_proj"), (0, "shared_expert.down_proj"), (1, "up_proj"),
+                          (1, "down_proj"), (2, "shared_expert.up_proj"), (2, "shared_expert.down_proj")) for ab in "AB")
+    for config in (tiny_config(**MIXTRAL), tiny_config(**CASES["qwen3-moe"])):
+        with pytest.raises(ConfigError, match=f"lora.targets up_proj, down_proj: the {config.model_type} model has "
+                                              "no MLP module PEFT adapts under these names"):
+            check_targets(config, lora)
+
+
+def test_deepspeed_settings_expert_parallelism_refuses() -> None:
+    """ZeRO-3 (DeepSpeed partitions its own AutoEP experts only), and checkpoints under ZeRO-0 (DeepSpeed saves the
+    optimizer state of data-parallel rank 0 only); a fine-tuning start, which reads weights only, is fine."""
+
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+
+    moe = [f"model.{k}={str(v).lower()}" for k, v in MIXTRAL.items()]
+
+    def build(zero: int, *overrides: str) -> dict:
+        config = TrainingConfig.from_file(PRETRAIN_CONFIG,
+                                          ['data={"synthetic": true}', *moe, "parallel.expert=2", *overrides])
+        return build_deepspeed_config(config, {"zero_optimization": {"stage": zero}}, 2)
+
+    with pytest.raises(ConfigError, match="ZeRO stage 3 cannot be combined with expert parallelism"):
+        build(3)
+    for overrides in (["checkpoint.save=ckpt"], ["checkpoint.load=ckpt"]):
+        with pytest.raises(ConfigError, match=r"checkpoints of an expert-parallel run \(expert=2\) need ZeRO-1/2"):
+            build(0, *overrides)
+    assert build(0, "checkpoint.load=ckpt", "checkpoint.finetune=true")["zero_optimization"]["stage"] == 0
+    assert build(1, "checkpoint.save=ckpt")["zero_optimization"]["stage"] == 1
+
+
+def test_expert_parallel_resume_at_other_degrees_goes_through_a_universal_checkpoint() -> None:
+    """Another expert degree, as another DP x CP, loads a universal checkpoint (the experts' ZeRO partitions cut
+    anew: whole runs in tests/test_model_families.py); a ZeRO-0 checkpoint (only EP 1 saves one) keeps its EP. Its
+    loaders copy the saved param groups' settings onto this run's by position: each group keeps its weight decay and
+    DeepSpeed's expert-group name and mark, a group more than saved takes the saved learning rate, and the LR
+    schedule's per-group lists fit this run's groups."""
+    from llama_megatron.checkpoint.directory import CheckpointMeta
+    from llama_megatron.errors import CheckpointError
+    from llama_megatron.training import checkpointing as ckpt
+    from llama_megatron.training import resume
+
+    def meta(expert: int, dp: int, zero: int = 1) -> CheckpointMeta:
+        return CheckpointMeta(step=3, consumed_samples=24, tensor=1, pipeline=1, data_parallel=dp, zero_stage=zero,
+                              model={}, padded_vocab_size=64, expert=expert, tag="global_step3")
+
+    assert not resume.needs_universal(meta(2, 4), 4, None, 2)
+    assert resume.needs_universal(meta(2, 4), 4, None, 4) and resume.needs_universal(meta(2, 4), 4, None, 1)
+    assert resume.needs_universal(meta(2, 4), 2, None, 2) and resume.needs_universal(meta(1, 2), 2, None, 2)
+    assert not resume.needs_universal(meta(1, 2, zero=0), 2, None, 2)
+    for saved, expert in ((meta(2, 4), 4), (meta(2, 4), 1), (meta(1, 2), 2), (meta(1, 2, zero=0), 1)):
+        resume.check_resume_experts(saved, expert, "ckpt")
+    with pytest.raises(CheckpointError, match=r"saved with expert=1 under ZeRO-0, this run uses expert=2: a resume "
+                                              r"at another expert degree needs a ZeRO-1/2 checkpoint"):
+        resume.check_resume_experts(meta(1, 2, zero=0), 2, "ckpt")
+
+    # an EP 1 save (two groups) loaded at EP 4 (DeepSpeed's expert group a third), as its universal loader leaves it
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    optimizer = torch.optim.AdamW([{"params": [params[0]], "name": "group0", "weight_decay": 0.1},
+                                   {"params": [params[1]], "name": "group1", "weight_decay": 0.0},
+                                   {"params": [params[2]], "name": "ep_size_4", "moe": True, "weight_decay": 0.1}],
+                                  lr=3e-3)
+    built = [{k: g[k] for k in ckpt._GROUP_STRUCTURE if k in g} for g in optimizer.param_groups]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": [3e-3] * 2, "_last_lr": [2e-3] * 2})
+    for group, saved in zip(optimizer.param_groups, [{"weight_decay": 0.1, "lr": 2e-3, "eps": 1e-6},
+                                                     {"weight_decay": 0.0, "lr": 2e-3, "eps": 1e-6}]):
+        group.update(saved)
+        group.pop("name")
+    wrapper = type("Zero", (), {"param_groups": optimizer.param_groups, "optimizer": optimizer})()
+    ckpt._repair_universal_optimizer(wrapper, built)
+    ckpt._fit_scheduler(scheduler, len(built))
+    assert [(g["lr"], g["eps"], g["weight_decay"], g.get("name"), g.get("moe")) for g in optimizer.param_groups] == [
+        (2e-3, 1e-6, 0.1, "group0", None), (2e-3, 1e-6, 0.0, "group1", None), (2e-3, 1e-6, 0.1, "ep_size_4", True)]
+    assert scheduler.base_lrs == [3e-3] * 3 and scheduler.get_last_lr() == [2e-3] * 3

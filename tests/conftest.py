@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 # Multi-process tests on a 2-core machine: one thread per process, or they oversubscribe and crawl.
@@ -76,9 +77,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 # uses one is marked `launched` at collection. A test whose own body starts one carries the mark itself
 # (``@pytest.mark.launched``, or ``pytestmark`` for a file). Both are enforced below: a fixture not listed here, or a
 # test without the mark, that starts a process fails, so the quick loop stays quick and starts nothing.
-LAUNCHING_FIXTURES: set[str] = set()
+LAUNCHING_FIXTURES = {
+    "checkpoints", "eight_rank_runs", "faults", "four_rank", "launched", "layout_matrix", "layouts", "lora_runs",
+    "reference", "reference_per_document", "reference_tied", "references", "restarted", "resumes", "runs", "single",
+    "single_source", "stalled", "stopped", "tour", "trl_case", "two_rank", "two_rank_resumed", "two_rank_runs",
+    "universal_resumed",
+}
 
 _STARTED: list[str] = []  # what this process started, in order (the checks compare lengths)
+# What counts as starting a process: a Python interpreter, a shell, a launcher (our code or a run of it), and any
+# multiprocessing worker; not a system utility a library runs on its own (ldconfig for ctypes), which would make
+# whichever test came first "launched"
+_PROGRAMS = re.compile(r"python[\d.]*|bash|sh|deepspeed|torchrun|srun|llama-megatron")
 
 
 def _count_starts() -> None:
@@ -88,7 +98,9 @@ def _count_starts() -> None:
     popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 
     def counted_popen_init(self, args, *rest, **kwargs):
-        _STARTED.append(" ".join(map(str, args))[:200] if isinstance(args, (list, tuple)) else str(args)[:200])
+        words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+        if words and _PROGRAMS.fullmatch(os.path.basename(words[0])):
+            _STARTED.append(" ".join(words)[:200])
         popen_init(self, args, *rest, **kwargs)
 
     def counted_start(self):

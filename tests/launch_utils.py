@@ -27,6 +27,12 @@ def train_args(config: str, overrides: list[str]) -> list[str]:
     return ["--config", config] + [a for item in overrides for a in ("--set", item)]
 
 
+def run_args(prefix: str, out, *overrides: str, config: str = PRETRAIN_CONFIG) -> list[str]:
+    """The arguments of one launched run of the tiny pretraining config: its data (a preprocessed ``prefix``), its
+    output directory, then ``overrides`` (``key=value``, as ``--set`` takes them)."""
+    return train_args(config, [f"data.prefix={prefix}", f"output_dir={out}", *overrides])
+
+
 def launch(nprocs: int, config: str, overrides: list[str], timeout: int = 600,
            entry: list[str] | None = None, check: bool = True, launcher: bool = False) -> subprocess.CompletedProcess:
     """Run a training command from the repo root; ``entry`` replaces ``-m llama_megatron.train``."""

@@ -12,6 +12,7 @@ import pytest
 from launch_utils import ROOT
 
 
+@pytest.mark.launched
 def test_gpu_throughput_smoke() -> None:
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_throughput.py"), "--smoke", "--steps", "1",
@@ -25,6 +26,7 @@ def test_gpu_throughput_smoke() -> None:
         assert attention[key]["ms"] > 0
 
 
+@pytest.mark.launched
 def test_cpu_document_attention_smoke() -> None:
     """One small length, eager FlexAttention only: the script runs and reports time and error per variant."""
     result = subprocess.run(
@@ -38,6 +40,7 @@ def test_cpu_document_attention_smoke() -> None:
     assert line["flex_eager_time_vs_ours"] > 0
 
 
+@pytest.mark.launched
 def test_checkpoint_integrity_smoke() -> None:
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_integrity.py"), "--gib", "0.01", "--files", "2",
@@ -47,6 +50,7 @@ def test_checkpoint_integrity_smoke() -> None:
     assert line["verify_gib_per_s"] > 0 and line["verify_time_vs_read"] > 0
 
 
+@pytest.mark.launched
 def test_checkpoint_save_smoke() -> None:
     """The three runs (no saves, synchronous, asynchronous) of a tiny PP2 model in one launch: each rank's stalls
     and times to a complete tag, and its host copy equal to `estimate`'s (up to Adam's step counters)."""
@@ -65,6 +69,7 @@ def test_checkpoint_save_smoke() -> None:
     assert set(pp2["tokens_per_s"]) == {"none", "sync", "async"} and line["disk_write_gib_per_s"] > 0
 
 
+@pytest.mark.launched
 def test_trainer_throughput_smoke() -> None:
     """Both trainers run under the deepspeed launcher on the tiny config (fp32 ZeRO-1) and are timed."""
     result = subprocess.run(
@@ -77,6 +82,7 @@ def test_trainer_throughput_smoke() -> None:
     assert (line["zero"], line["precision"], line["timed_steps"]) == (1, "fp32", 2)
 
 
+@pytest.mark.launched
 def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
     """parallel_overhead.py at CP2 x TP2 with SP and one KV head per TP rank (repeated for the all-to-all), 4
     processes: the bytes the Ulysses all-to-alls send per decoder layer equal the analytic volume exactly."""
@@ -90,6 +96,7 @@ def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
     assert measured == line["analytic"]["cp_all_to_all_bytes_per_layer_per_micro_batch"] > 0
 
 
+@pytest.mark.launched
 def test_expert_parallel_all_to_all_bytes_and_throughput() -> None:
     """parallel_overhead.py --experts: an MoE model on 2 ranks at EP 1 and EP 2. The bytes the token all-to-alls
     send per MoE layer (counted row by row) come within 25% of the balanced-routing volume (a random router is near
@@ -111,6 +118,7 @@ def test_expert_parallel_all_to_all_bytes_and_throughput() -> None:
     assert ep2["tokens_per_s_vs_ep1"] == pytest.approx(ep2["tokens_per_s"] / ep1["tokens_per_s"], rel=2e-3)
 
 
+@pytest.mark.launched
 def test_zero3_init_memory_smoke() -> None:
     """A shape of hidden 1024 and 2 layers at ZeRO-3 DP2, seeded and loaded from a converted checkpoint (the four
     phases one after another in one launch): built partitioned, a rank's peak is below the whole model's, and each
@@ -133,6 +141,7 @@ def test_zero3_init_memory_smoke() -> None:
             assert abs(line[f"{key}_{phase}_peak_mib"] / line[f"{key}_estimate_mib"] - 1) < 0.1, line
 
 
+@pytest.mark.launched
 def test_pipeline_schedules_smoke(tmp_path) -> None:
     """`parallel_overhead.py --schedules` at PP2 with 4 micro batches (one timed step, a small model), the four
     schedules: each stage's busy and idle time add up to the span, each ran its passes (B and W for the split ones),

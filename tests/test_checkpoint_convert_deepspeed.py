@@ -130,6 +130,7 @@ def assert_trained(setup: dict, hf_out: str) -> None:
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.launched
 def test_converted_checkpoint_evaluates_like_hf(setup, runs, sequence_parallel) -> None:
     """TP2 x PP2 with and without sequence parallelism (sequence shards travel between the stages); once as
     `train --eval-only`, once as the `evaluate` verb of `python -m llama_megatron` under the launcher."""

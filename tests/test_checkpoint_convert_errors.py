@@ -126,6 +126,7 @@ def test_meta_missing_shard(model, tmp_path, capsys) -> None:
                    "--tp", "1"], "implies intermediate size 192")
 
 
+@pytest.mark.launched
 def test_cli_prints_one_line_and_exits_2(tmp_path) -> None:
     """The real command line, in a fresh process: stderr is exactly one line."""
     result = subprocess.run([sys.executable, "-m", "llama_megatron.cli", "export", "--input", str(tmp_path / "none"),

@@ -49,6 +49,7 @@ def big_hf(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.launched
 def test_conversion_peak_rss_is_bounded_by_the_largest_layer(big_hf, tmp_path) -> None:
     model_bytes = os.path.getsize(os.path.join(big_hf, "model.safetensors"))
     layer = largest_layer_bytes(CONFIG)

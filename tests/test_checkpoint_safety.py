@@ -101,6 +101,7 @@ def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.launched
 def test_the_payload_is_live(checkpoints, tmp_path) -> None:
     """The poisoned file really runs its command when loaded the way DeepSpeed's torch engine loads it."""
     _, _, path, marker = poisoned_copy(checkpoints, "optimizer", tmp_path)
@@ -181,6 +182,7 @@ def test_check_follows_symlinked_directories_once(tmp_path) -> None:
     assert not os.path.exists(marker)
 
 
+@pytest.mark.launched
 def test_refused_under_the_launcher(checkpoints, tmp_path) -> None:
     """The issue's case: a poisoned pipeline layer file, resumed by `deepspeed --module llama_megatron.train`."""
     ckpt, _, path, marker = poisoned_copy(checkpoints, "model-states", tmp_path)
@@ -232,6 +234,7 @@ def _engine_worker(rank: int, world_size: int, cases: dict, out_dir: str) -> Non
         json.dump(results, fh)
 
 
+@pytest.mark.launched
 def test_deepspeed_engines_read_through_our_loader(checkpoints, tmp_path, monkeypatch) -> None:
     marker = str(tmp_path / "MARKER")
     cases = {}

@@ -234,6 +234,7 @@ def _build_in_process(args) -> list:
     return train.shuffle_idx.tolist()
 
 
+@pytest.mark.launched
 def test_many_ranks_starting_at_once_build_one_cache_entry(tmp_path):
     prefix, _ = unique_token_prefix(tmp_path / "m", 200)
     cache = str(tmp_path / "cache")

@@ -257,6 +257,7 @@ def test_the_config_checks_its_keys_and_its_shards(tmp_path) -> None:
         data.build(63, 1, (4, 0, 0), 4100, None)
 
 
+@pytest.mark.launched
 def test_micro_batches_number_pairs_across_items(tmp_path) -> None:
     """Pair k of a micro batch owns sequences 2k (chosen) and 2k + 1 (rejected), padded or packed."""
     records = _write(tmp_path / "pairs.jsonl", string_records())

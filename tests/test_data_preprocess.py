@@ -58,6 +58,7 @@ def test_jsonl_with_eod(tmp_path, records, tok):
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx"]
 
 
+@pytest.mark.launched
 def test_two_workers_write_identical_bytes(tmp_path, records):
     src = write_jsonl(tmp_path / "in.jsonl", records * 3)
     for workers in ("1", "2"):
@@ -218,6 +219,7 @@ def test_invalid_utf8_in_text_names_line(tmp_path, capsys):
     assert f"{tmp_path / 't.txt'}:2: invalid UTF-8" in capsys.readouterr().err
 
 
+@pytest.mark.launched
 def test_bad_line_in_a_later_chunk_with_workers(tmp_path, records, capsys):
     rows = records * 2 + ["{oops"] + records[:3]
     src = write_jsonl(tmp_path / "big.jsonl", rows)
@@ -302,6 +304,7 @@ def _noop_init(*_):
     pass
 
 
+@pytest.mark.launched
 def test_ordered_map_keeps_order_and_bounds_read_ahead():
     pulled = []
 

@@ -167,6 +167,7 @@ def test_the_four_shipped_files_make_the_same_samples(tmp_path) -> None:
         assert np.array_equal(other.sizes, ref.sizes), fmt
 
 
+@pytest.mark.launched
 def test_build_chat_script_reproduces_the_shipped_files(tmp_path) -> None:
     subprocess.run([sys.executable, str(CHAT / "build_chat.py"), str(tmp_path)], check=True, capture_output=True)
     for fmt in (*FORMATS, "preference"):
@@ -175,6 +176,7 @@ def test_build_chat_script_reproduces_the_shipped_files(tmp_path) -> None:
     assert "build_chat.py" in provenance and "public domain" in provenance.lower()
 
 
+@pytest.mark.launched
 def test_workers_write_identical_shards(tmp_path) -> None:
     src = [str(CHAT / "chat_sharegpt.jsonl")]
     for workers in (1, 2):  # 4 KiB chunks: many chunks, so the order of results matters
@@ -339,6 +341,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, capsys)
     assert not out.exists() or not list(out.iterdir())
 
 
+@pytest.mark.launched
 def test_bad_record_stops_train_before_launch(tmp_path) -> None:
     """`train` on a JSONL with a malformed record: one error line naming file:line, exit 2, no cache entry."""
     args, message = _bad_input_case(tmp_path, "malformed")
@@ -367,6 +370,7 @@ def test_skip_bad_lines_counts_them(tmp_path, capsys) -> None:
         preprocess_sft([args[1]], TOKENIZER, str(tmp_path / "out" / "sft"), skip_bad=True, quiet=True)
 
 
+@pytest.mark.launched
 def test_preprocess_sft_verb_makes_what_data_path_caches(tmp_path, capsys) -> None:
     """`preprocess-sft` shards named by data.prefix give the same rows as data.path's cache."""
     src = write_jsonl(tmp_path / "chat.jsonl", read_jsonl(CHAT / "chat_sharegpt.jsonl", 40))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_utils import run_distributed
 from model_utils import tiny_config
@@ -65,5 +66,6 @@ def _pipeline_worker(rank: int, world_size: int, tp: int, pp: int, tied: bool) -
         assert torch.equal(param.detach(), expected), f"rank {rank} {name}"
 
 
+@pytest.mark.launched
 def test_tp4_pp2_init_is_sliced_tp1_init() -> None:
     run_distributed(_pipeline_worker, 8, 4, 2, True)

@@ -59,6 +59,7 @@ def _forward_backward(fn, inputs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.launched
 def test_compiled_elementwise_kernels_match_reference(dtype) -> None:
     """On the machine the tests run on (its vector ISA decides the generated code). Hidden 44 and head_dim 20 (RoPE
     halves of 10) leave a tail after 8-, 16- and 32-wide vectors as well as whole vectors: compiled CPU code handles
@@ -242,11 +243,13 @@ def _tensor_parallel_loss_worker(rank: int, world_size: int) -> None:
     torch.testing.assert_close(local_weight.grad, weight.grad[rank * rows:(rank + 1) * rows], **TOL[torch.float32])
 
 
+@pytest.mark.launched
 def test_chunked_linear_cross_entropy_tensor_parallel() -> None:
     run_distributed(_tensor_parallel_loss_worker, 2)
 
 
 @pytest.mark.parametrize("name", ["gqa-untied-bias", "mistral-window-5"])  # tied + odd vocabulary: the TP2 test
+@pytest.mark.launched
 def test_compiled_model_matches_hf_tp1(name) -> None:
     check_parity(CASES[name], ParallelContext.single(), kernels=COMPILED)
 
@@ -257,5 +260,6 @@ def _compiled_parity_worker(rank: int, world_size: int) -> None:
         check_parity(CASES["gqa-tied-llama3-oddvocab"], pctx, kernels=resolve_kernels("compiled", "cpu"))
 
 
+@pytest.mark.launched
 def test_compiled_model_matches_hf_tp2_sp() -> None:
     run_distributed(_compiled_parity_worker, 2)

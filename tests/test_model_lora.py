@@ -229,6 +229,7 @@ def _parity_worker(rank: int, world_size: int) -> None:
                 check_peft_parity(overrides, lora, pctx)
 
 
+@pytest.mark.launched
 def test_peft_parity_tensor_parallel() -> None:
     run_distributed(_parity_worker, 2)
 
@@ -361,6 +362,7 @@ def _engine_worker(rank: int, world_size: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, "engine.pt"))
 
 
+@pytest.mark.launched
 def test_engines_train_adapters_only_and_tp_does_not_change_them(tmp_path, monkeypatch) -> None:
     """ZeRO 0/1/2/3 and TP2 with SP, 3 AdamW steps, the vocab tables and norms trained in full beside the adapters:
     step 1's loss is the base model's, the frozen base is bit for bit the same after training, every run's adapters
@@ -799,6 +801,7 @@ def test_adapter_checkpoint_misuse_is_refused(lora_runs, bases, tmp_path, capsys
     assert cli_main(["export", "--input", swapped, "--output", out, "--merge", "--base", bases["tp2"]]) == 0
 
 
+@pytest.mark.launched
 def test_generate_decodes_an_adapter_checkpoint_as_peft(exported, lora_runs, tmp_path) -> None:
     """`generate` on a LoRA checkpoint (its base read from the recorded path, then the adapters) decodes greedily
     what PEFT's model of the exported base + adapter generates."""

@@ -114,6 +114,7 @@ def _four_process_worker(rank: int, world_size: int) -> None:
             check_moe_parity(CASES[name], pctx)
 
 
+@pytest.mark.launched
 def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
     """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2; the
     Qwen MoE families at TP2 with SP and CP2 x EP2."""

@@ -78,6 +78,7 @@ def test_parity_tp1(name: str) -> None:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.launched
 def test_parity_tensor_parallel(tp: int) -> None:
     run_distributed(_parity_worker, tp)
 

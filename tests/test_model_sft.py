@@ -201,6 +201,7 @@ def _distributed_worker(rank: int, world_size: int, cache_dir: str) -> None:
     assert checked >= 2 * 2 * len(micro_batches)
 
 
+@pytest.mark.launched
 def test_distributed_tp2_sp_and_tp2_pp2_sp_packed(tmp_path) -> None:
     cache = str(tmp_path)
     # tokenise and index once here rather than in four processes at once

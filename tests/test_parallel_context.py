@@ -121,6 +121,7 @@ def _worker(rank: int, world_size: int) -> None:
                          kernels=resolve_kernels("compiled", "cpu"))
 
 
+@pytest.mark.launched
 def test_context_parallel_model_matches_hf() -> None:
     """One 4-process launch: CP4, and CP2 x TP2 with SP off and on (reference kernels, then the fast ones)."""
     run_distributed(_worker, 4)

@@ -147,6 +147,7 @@ def _layers_worker(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.launched
 def test_parallel_layers_match_dense(tp: int) -> None:
     run_distributed(_layers_worker, tp)
 

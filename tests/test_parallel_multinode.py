@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from launch_utils import PRETRAIN_CONFIG, ROOT, record, train_args
+from launch_utils import PRETRAIN_CONFIG, ROOT, record, run_args
 
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.parallel.job_store import rendezvous_store
@@ -47,8 +47,8 @@ BASE_ENV.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 def _args(prefix: str, out, *extra: str) -> list[str]:
-    return train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={out}", f"train.steps={STEPS}", *TP2_PP2,
-                               f"checkpoint.save={out}/ckpt", "checkpoint.interval=2", *extra])
+    return run_args(prefix, out, f"train.steps={STEPS}", *TP2_PP2, f"checkpoint.save={out}/ckpt", "checkpoint.interval=2",
+                    *extra)
 
 
 def _curve(out) -> dict[int, tuple[float, float]]:
@@ -134,6 +134,7 @@ def _hostfile(work) -> str:
     return str(path)
 
 
+@pytest.mark.launched
 def test_deepspeed_launcher_per_node_without_ssh(shakespeare_prefix, work, reference) -> None:
     """scripts/train_node.sh on each node: the deepspeed launcher with the hostfile, --no_ssh --node_rank N."""
     out, port = work / "deepspeed-no-ssh", str(free_port())
@@ -144,6 +145,7 @@ def test_deepspeed_launcher_per_node_without_ssh(shakespeare_prefix, work, refer
     assert _curve(out) == reference
 
 
+@pytest.mark.launched
 def test_torchrun_two_nodes(shakespeare_prefix, work, reference) -> None:
     out, port = work / "torchrun", str(free_port())
     nodes = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
@@ -161,6 +163,7 @@ def _srun_job_id() -> int:
             return port - 20000
 
 
+@pytest.mark.launched
 def test_processes_started_by_srun(shakespeare_prefix, work, reference) -> None:
     """Every task started by srun itself: only SLURM's variables, no RANK, no MASTER_ADDR/PORT."""
     out, job = work / "srun", _srun_job_id()
@@ -195,6 +198,7 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 """
 
 
+@pytest.mark.launched
 def test_slurm_batch_script(shakespeare_prefix, work, reference) -> None:
     """scripts/slurm_train.sbatch as sbatch runs it, srun and scontrol standing in: the hostfile, the master and
     each node's rank come from SLURM's variables."""
@@ -268,6 +272,7 @@ def _wait_stopped(pid: int, timeout_s: float = 120.0) -> None:
     raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
 
 
+@pytest.mark.launched
 def test_a_stopped_store_does_not_hang_its_clients() -> None:
     """A TCPStore request to a server that is alive but stopped waits forever whatever its own timeout; through
     RendezvousStore it raises TimeoutError within the timeout, and every later request at once."""

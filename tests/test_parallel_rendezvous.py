@@ -36,6 +36,7 @@ def _deepspeed(processes: int, port: int, overrides: list[str]) -> list[str]:
             str(port), "--module", "llama_megatron.train", *train_args(CONFIG, overrides)]
 
 
+@pytest.mark.launched
 def test_a_bad_set_at_four_processes_is_one_error_line() -> None:
     result = record(subprocess.run(_deepspeed(4, placement.free_port(), ["train.stpes=3"]), cwd=ROOT, env=ENV,
                                    capture_output=True, text=True, timeout=600))
@@ -56,6 +57,7 @@ def _rank(rank: int, world: int) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.launched
 def test_report_once_with_a_late_rank() -> None:
     """Ranks of one parent (as a launcher's are) failing one after another: one line, printed by the first; the
     reporter waits for the last one's check-in and then every rank has ended, long before the hold runs out."""
@@ -74,6 +76,7 @@ def test_report_once_with_a_late_rank() -> None:
 
 
 
+@pytest.mark.launched
 def test_two_runs_started_at_once_on_one_port_both_finish(tmp_path) -> None:
     port = placement.free_port()  # the same for both, as the launcher's default would be
     runs = {name: tmp_path / name for name in ("a", "b")}

@@ -117,5 +117,6 @@ def _worker(rank: int, world_size: int) -> None:
     _check(ParallelContext.build(tensor=world_size, sequence_parallel=True), lora=lora)
 
 
+@pytest.mark.launched
 def test_split_backward_is_bit_exact_at_tp2() -> None:
     run_distributed(_worker, 2)

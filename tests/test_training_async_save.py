@@ -30,8 +30,8 @@ from launch_utils import (
     assert_losses_close,
     launch_many,
     losses,
+    run_args,
     run_command,
-    train_args,
 )
 
 from llama_megatron.checkpoint.manifest import verify_tag
@@ -52,7 +52,7 @@ LAYOUTS = {"zero0-dp2": [ZERO[0]], "zero1-dp2": [ZERO[1]], "zero2-dp2": [ZERO[2]
 
 
 def _args(prefix: str, out, *overrides: str) -> list[str]:
-    return train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={out}", f"train.steps={STEPS}", *overrides])
+    return run_args(prefix, out, f"train.steps={STEPS}", *overrides)
 
 
 @pytest.fixture(scope="module")

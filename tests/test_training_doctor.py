@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from launch_utils import PRETRAIN_CONFIG, ROOT, run_command, train_args
 
 from llama_megatron.parallel.placement import free_port
@@ -40,6 +41,7 @@ def _ranks(world: int, args_of, cwd_of=lambda rank: ROOT, started=None) -> list[
     return results
 
 
+@pytest.mark.launched
 def test_a_healthy_job_under_the_deepspeed_launcher(shakespeare_prefix, tmp_path) -> None:
     report = tmp_path / "doctor.json"
     args = train_args(CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={tmp_path}", "parallel.tensor=2",
@@ -62,6 +64,7 @@ def test_a_healthy_job_under_the_deepspeed_launcher(shakespeare_prefix, tmp_path
     assert not [n for n in os.listdir(tmp_path / "ckpt") if n.startswith(".doctor")]  # its probes removed
 
 
+@pytest.mark.launched
 def test_ranks_that_disagree_are_named(shakespeare_prefix, tmp_path) -> None:
     """Rank 1 runs another config (seed) and, behind the same relative data path, a copy of the data with one byte
     changed; behind the same relative checkpoint path rank 0 cannot create the directory (a file is there: the
@@ -95,6 +98,7 @@ def test_ranks_that_disagree_are_named(shakespeare_prefix, tmp_path) -> None:
     assert "ckpt: rank 0 (" in rows["checkpoint directory"] and "FileExistsError" in rows["checkpoint directory"]
 
 
+@pytest.mark.launched
 def test_a_rank_that_never_starts_is_named(shakespeare_prefix, tmp_path) -> None:
     """World size 3, 2 per node: rank 2 (node 1) never starts; both ranks present end within the timeout (30 s: the
     present ranks' own start-up, seconds apart beside CPU-bound neighbours, never reaches it)."""

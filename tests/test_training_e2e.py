@@ -74,6 +74,7 @@ def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
     assert_run_replays_hf(reference["dir"], config, REL)
 
 
+@pytest.mark.launched
 def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None:
     """metrics.jsonl has the documented fields, run.json the layout; TensorBoard got events; `evaluate`
     reproduces val_loss."""
@@ -99,6 +100,7 @@ def test_metrics_tensorboard_and_eval_only(reference, data_prefix, work) -> None
     assert abs(record["val_loss"] - evaluated[FULL]) <= 1e-6 * evaluated[FULL]
 
 
+@pytest.mark.launched
 def test_exact_resume(reference, data_prefix, work) -> None:
     """HALF steps + resume + HALF steps == FULL steps straight (fp32, 1e-6)."""
     out = str(work / "resume")
@@ -320,6 +322,7 @@ def _check_zero_to_fp32(ckpt: str, reference_ckpt: str) -> None:
         torch.testing.assert_close(recovered[key].float(), tensor, rtol=1e-3, atol=1e-4, msg=key)
 
 
+@pytest.mark.launched
 def test_per_document_attention_changes_the_loss(reference_per_document, short_documents_prefix, work) -> None:
     """The per-document references are not plain causal attention over the same packed tokens in disguise."""
     causal = str(work / "perdoc-off")
@@ -355,6 +358,7 @@ def test_resume_with_another_data_parallel_degree(name, two_rank_runs, universal
     assert os.path.isdir(os.path.join(two_rank_runs[name], "ckpt", f"global_step{HALF}_universal"))
 
 
+@pytest.mark.launched
 def test_restarted_job_resumes_after_a_rank_is_killed(two_rank_runs, data_prefix, work, monkeypatch) -> None:
     """Rank 1 of a 2-process job is SIGKILLed as it starts step 6; the same command again, with checkpoint.load
     "auto", continues from step 4 (the last complete checkpoint) exactly as the uninterrupted run."""
@@ -379,6 +383,7 @@ def test_restarted_job_resumes_after_a_rank_is_killed(two_rank_runs, data_prefix
     assert_losses_close(losses(out), losses(two_rank_runs["zero1-dp2"]), 1e-6, range(1, HALF + 1))
 
 
+@pytest.mark.launched
 def test_kill_during_save_keeps_previous_checkpoint(data_prefix, work, monkeypatch) -> None:
     out = str(work / "crash")
     ckpt_dir = os.path.join(out, "ckpt")

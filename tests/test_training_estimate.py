@@ -252,6 +252,7 @@ TP2_ACTIVATION_CASES = [  # 2 processes: TP2, or CP2
 ]
 
 
+@pytest.mark.launched
 def test_states_match_deepspeed_dp2_and_tp2_activations(tmp_path):
     measured = _run_states(tmp_path, 2, DP2_CASES, TP2_ACTIVATION_CASES)
     report = _check_states(DP2_CASES, measured, 2)
@@ -265,6 +266,7 @@ def test_states_match_deepspeed_dp2_and_tp2_activations(tmp_path):
     print("\n".join(report))
 
 
+@pytest.mark.launched
 def test_states_match_deepspeed_tp2_pp2(tmp_path):
     report = _check_states(TP2_PP2_CASES, _run_states(tmp_path, 4, TP2_PP2_CASES, []), 4)
     print("\n".join(report))
@@ -292,6 +294,7 @@ ACTIVATION_CASES = [
 
 
 @pytest.mark.parametrize("overrides,bf16", ACTIVATION_CASES)
+@pytest.mark.launched
 def test_activations_single_process(overrides, bf16):
     config = _config(overrides)
     got = _measure_activations(config, ParallelContext.single(), bf16)
@@ -318,6 +321,7 @@ def test_activations_single_process(overrides, bf16):
     ([*QWEN2_MOE, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "up_proj", "down_proj"]}'], False),
     ([*MOE, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "mlp.experts.gate_up_proj", '
       '"mlp.experts.down_proj"]}'], False)])
+@pytest.mark.launched
 def test_what_a_weight_pass_keeps(overrides, bf16):
     """ZB-H1's W passes keep each linear's input and output gradient from the B: the estimate's bytes per
     micro batch are those the store holds after one B."""

@@ -384,6 +384,7 @@ def test_estimate_refuses_a_negative_world_size(capsys) -> None:
     assert _errors(capsys.readouterr().err) == ["error: world size must be a positive integer, got -4"]
 
 
+@pytest.mark.launched
 def test_a_crashed_run_does_not_keep_the_save_dir(tmp_path) -> None:
     """The owner's lock is a flock: the kernel drops it when the process dies, however it dies."""
     code = ("import sys, time; from llama_megatron.training.save_dir import SaveDirLock; "

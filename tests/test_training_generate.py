@@ -100,6 +100,7 @@ def test_greedy_equals_hf_generate_for_each_family(family, tmp_path) -> None:
     assert [r["tokens"] for r in _ours(converted[1], str(tmp_path / "out.jsonl"))] == want
 
 
+@pytest.mark.launched
 def test_greedy_equals_hf_generate_tp2_under_the_launcher(converted, tmp_path) -> None:
     want = [_hf_greedy(converted["hf"], p) for p in PROMPTS]
     for extra in ([], ["--no-kv-cache"]):

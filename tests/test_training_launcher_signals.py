@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 import pytest
-from launch_utils import PRETRAIN_CONFIG, ROOT, launch_many, losses, record, train_args
+from launch_utils import PRETRAIN_CONFIG, ROOT, launch_many, losses, record, run_args
 
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.parallel.placement import free_port, launcher_command
@@ -44,9 +44,8 @@ CASES = [
 def _args(prefix: str, out, *extra: str) -> list[str]:
     # the LR schedule ends at decay_steps (18): a run's LR at a step does not depend on train.steps; the only save
     # is the one the stop makes
-    return train_args(CONFIG, [f"data.prefix={prefix}", f"output_dir={out}", "parallel.pipeline=2",
-                               f"checkpoint.save={out}/ckpt", "checkpoint.load=auto", "checkpoint.interval=100000",
-                               *extra])
+    return run_args(prefix, out, "parallel.pipeline=2", f"checkpoint.save={out}/ckpt", "checkpoint.load=auto",
+                    "checkpoint.interval=100000", *extra)
 
 
 def _command(case: str, args: list[str], work) -> tuple[list[str], dict]:

@@ -449,6 +449,7 @@ def test_a_resume_that_moves_layers_between_ranks_goes_through_a_universal_check
             check_resume_placement(meta(0, saved), now, "ckpt")
 
 
+@pytest.mark.launched
 def test_a_zero0_checkpoint_is_refused_under_another_placement_and_resumes_under_its_own(
         runs, shakespeare_prefix) -> None:
     """ZeRO-0's optimizer state is per rank, so a resume that moves layers between ranks (ZB-V's V -> 1F1B's
@@ -493,5 +494,6 @@ def _send_to_a_stopped_rank(rank: int, world_size: int) -> None:
     sends.wait_all()  # the failure is raised once, at the step end that follows it
 
 
+@pytest.mark.launched
 def test_a_send_that_fails_in_the_sending_thread_is_raised_at_the_step_end() -> None:
     run_distributed(_send_to_a_stopped_rank, 2)

@@ -337,6 +337,7 @@ def test_tensorboard_receives_the_pair_metrics(whole_runs) -> None:
         assert scalars == pytest.approx(want, rel=1e-6, abs=1e-7), metric  # TensorBoard keeps float32
 
 
+@pytest.mark.launched
 def test_a_resume_whose_reference_table_is_gone_is_refused(whole_runs, tmp_path) -> None:
     """The table a checkpoint names cannot be made again from moved weights: a resume without it is one line, exit
     2, and nothing is written."""
@@ -358,6 +359,7 @@ def test_a_resume_whose_reference_table_is_gone_is_refused(whole_runs, tmp_path)
     assert not (out / "metrics.jsonl").exists() or "loss" not in (out / "metrics.jsonl").read_text()
 
 
+@pytest.mark.launched
 def test_a_bad_pair_stops_train_before_launch(tmp_path) -> None:
     """`train` on preference pairs with a bad record (a rejected completion missing): one line naming FILE:LINE,
     exit 2, no shards in the cache."""

@@ -112,6 +112,7 @@ def test_finetune_with_other_vocab_padding(tmp_path) -> None:
         preflight(_config(f"checkpoint.load={ckpt}", "checkpoint.finetune=true"), None, 1)
 
 
+@pytest.mark.launched
 def test_a_zero0_fp32_run_cannot_take_a_universal_checkpoint(tmp_path) -> None:
     """A ZeRO-1 checkpoint of 2 data-parallel ranks resumed by one rank goes through a universal checkpoint, which
     only DeepSpeed's ZeRO and bf16 optimizers read: a ZeRO-0 fp32 run is refused before any process group; under
@@ -200,6 +201,7 @@ def test_auto_load_resumes_from_the_save_dir_or_starts_fresh(tmp_path) -> None:
             _config(f"checkpoint.save={save}", "checkpoint.load=auto", extra)
 
 
+@pytest.mark.launched
 def test_command_line_error_is_one_line_and_nonzero() -> None:
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE"):
@@ -220,6 +222,7 @@ def test_command_line_error_is_one_line_and_nonzero() -> None:
     (["parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "seq_length=34"],
      "context parallelism with sequence_parallel needs seq_length 34 divisible by context x tensor = 2 x 2"),
 ])
+@pytest.mark.launched
 def test_bad_context_parallel_layout_is_one_line_before_any_process_group(overrides, message) -> None:
     """Launched as 4 ranks would be (WORLD_SIZE 4, no launcher): the config is refused before torch.distributed."""
     env = dict(os.environ, WORLD_SIZE="4", RANK="0")

@@ -335,6 +335,11 @@ LAYOUTS = [*RUNS, *FOUR_RANK_RUNS, "lora"]
 # 1e-7), and a tied embedding on one rank under ZB-V, whose gradient sums the head's and the lookup's per micro batch
 # (1F1B all-reduces the two ranks' sums)
 EXACT = {"zb-h1"}
+# bf16 weights: the master weights of a run whose clip factor differs in its last bits (the norm above) can round to
+# another bf16 value here and there, which moves the loss by about 1e-5 from step 3 and the gradient norm, a sum of
+# bf16 gradients, by about 1e-3 (observed 1.2e-5 and 1.5e-3 rel on an Intel Xeon for bf16 under interleaved 1F1B;
+# bit for bit on an AMD EPYC): within bf16's own precision (2^-8 = 3.9e-3)
+LOSS_REL, NORM_REL = {"bf16": 1e-4}, {"bf16": 1e-2}
 
 
 @pytest.mark.parametrize("schedule", OURS)
@@ -345,8 +350,10 @@ def test_our_schedules_train_like_1f1b(runs, name, schedule) -> None:
     if schedule in EXACT:
         assert ours == one
     else:
-        assert [loss for loss, _ in ours.values()] == pytest.approx([loss for loss, _ in one.values()], rel=1e-6)
-        assert [norm for _, norm in ours.values()] == pytest.approx([norm for _, norm in one.values()], rel=1e-5)
+        assert [loss for loss, _ in ours.values()] == pytest.approx([loss for loss, _ in one.values()],
+                                                                     rel=LOSS_REL.get(name, 1e-6))
+        assert [norm for _, norm in ours.values()] == pytest.approx([norm for _, norm in one.values()],
+                                                                     rel=NORM_REL.get(name, 1e-5))
     with open(runs / f"{name}-{schedule}" / "run.json", encoding="utf-8") as fh:
         info = json.load(fh)
     assert (info["pipeline_schedule"], info["pipeline_virtual_stages"]) == (schedule, 1 if "zb-h1" in schedule else 2)

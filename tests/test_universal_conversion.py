@@ -76,7 +76,8 @@ def test_a_failed_conversion_ends_every_rank_with_rank0s_line(runs) -> None:
     work, two, _ = runs
     assert two.returncode == 0, two.stderr[-3000:]  # each run exited as expected: 4, then 0
     failed = [e for e in _errors(two.stderr) if "to a universal checkpoint failed" in e]
-    assert len(failed) == 2 and failed[0] == failed[1], two.stderr[-3000:]  # rank 0's line, on both ranks
+    # every rank exits 4 with rank 0's reason, printed once for the launch (llama_megatron/errors.py, report_once)
+    assert len(failed) == 1, two.stderr[-3000:]
     assert f"disk/ckpt/global_step{SAVED_AT} to a universal checkpoint failed (1. Extracting ZeRO fragments): " \
            "RuntimeError: " in failed[0] and "GiB free there; the checkpoint itself is unchanged" in failed[0]
 

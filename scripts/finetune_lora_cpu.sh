@@ -9,8 +9,8 @@
 # What it shows (2026-11-27): 149,504 adapter parameters and 1,049,728 of the tables and norms on the frozen
 # 1,787,008-parameter base take the training loss from 8.34 at step 1 (the base: B = 0) to 0.19 at step 280 and the
 # validation loss to 1.62, 1.23, 1.24, 1.36 (steps 70-280; full fine-tuning: 1.0-1.4), and 4 of the 6 sample prompts
-# are answered word for word. 4 min 13 s on 2 cores with the base made (3 min 17 s training; the same day the SFT
-# recipe took 5 min 43 s, 3 min 20 s when first measured). Fewer steps answer fewer prompts (240: 1 of 6, though the
+# are answered word for word. 1 min 55 s on 2 cores with the base made (4 min 13 s the same day while the machine
+# lost some 40% to steal). Fewer steps answer fewer prompts (240: 1 of 6, though the
 # validation loss is 1.14). Adapters alone do not reach the output layer, which this weak base cannot answer with:
 # docs/fine-tuning.md, "LoRA".
 set -euo pipefail
@@ -46,6 +46,8 @@ lora = sum(n for k, n in adapter.items() if ".lora_" in k)
 saved = sum(n for k, n in adapter.items() if ".lora_" not in k)
 base = sum(sizes("runs/finetune-base/hf/model.safetensors").values())
 records = [json.loads(line) for line in open(f"{out}/metrics.jsonl", encoding="utf-8")]
+# the last run's records: a run trained again (checkpoint.overwrite) appends its own from step 1
+records = records[max([i for i, r in enumerate(records) if r.get("step") == 1 and "loss" in r] or [0]):]
 first, last = [r for r in records if "loss" in r][0], [r for r in records if "loss" in r][-1]
 val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
 # each sample prompt is a conversation of the chat set: its answer there is the right one

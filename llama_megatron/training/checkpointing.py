@@ -320,8 +320,7 @@ def take_save_dir(cfg: CheckpointConfig, load_dir: str | None, pctx, log) -> Sav
         reclaimed = reclaim_temps(cfg.save, _SAVE_TEMPS, only_dead=False)
         if reclaimed:
             log.info(f"removed what killed saves left in {cfg.save}: {', '.join(sorted(reclaimed))}")
-    continuing = load_dir is not None and os.path.isdir(load_dir) and os.path.samefile(load_dir, cfg.save)
-    if cfg.overwrite and not continuing:
+    if cfg.overwrite and not resumes_save_dir(cfg, load_dir):
         removed = _remove_checkpoints(cfg.save) if pctx.rank == 0 else 0
         barrier()
         if removed:

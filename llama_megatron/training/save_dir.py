@@ -20,6 +20,7 @@ from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.process_groups import barrier
 from llama_megatron.training.checkpointing import all_gather_objects
 from llama_megatron.training.config import CheckpointConfig
+from llama_megatron.training.resume import resumes_save_dir
 
 
 class SaveDirLock:
@@ -161,8 +162,7 @@ def take_save_dir(cfg: CheckpointConfig, load_dir: str | None, pctx, log) -> Sav
         reclaimed = reclaim_temps(cfg.save, _SAVE_TEMPS, only_dead=False)
         if reclaimed:
             log.info(f"removed what killed saves left in {cfg.save}: {', '.join(sorted(reclaimed))}")
-    continuing = load_dir is not None and os.path.isdir(load_dir) and os.path.samefile(load_dir, cfg.save)
-    if cfg.overwrite and not continuing:
+    if cfg.overwrite and not resumes_save_dir(cfg, load_dir):
         removed = _remove_checkpoints(cfg.save) if pctx.rank == 0 else 0
         barrier()
         if removed:

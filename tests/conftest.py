@@ -58,8 +58,8 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     # files added since (2026-11-26's CI: 120 s and 70 s in their slowest fixtures alone), which otherwise ran last
     "test_training_preference.py": 200, "test_training_async_save.py": 150, "test_data_preference.py": 30,
     "test_training_watchdog.py": 20,
-    # README's tour, twice (2026-11-27: the recipes themselves, about 15 minutes on 2 cores), and the launch tests
-    "test_readme_tour.py": 1000, "test_parallel_rendezvous.py": 60,
+    # README's tour, twice, its recipes a few steps each (2026-11-27: 530 s alone), the recipes' outcomes, the launch
+    "test_readme_tour.py": 530, "test_training_recipes.py": 110, "test_parallel_rendezvous.py": 60,
 }
 
 

@@ -77,11 +77,11 @@ def test_report_once_with_a_late_rank() -> None:
 
 
 @pytest.mark.launched
-def test_two_runs_started_at_once_on_one_port_both_finish(tmp_path) -> None:
+def test_two_runs_started_at_once_on_one_port_both_finish(shakespeare_prefix, tmp_path) -> None:
     port = placement.free_port()  # the same for both, as the launcher's default would be
     runs = {name: tmp_path / name for name in ("a", "b")}
-    overrides = ["parallel.pipeline=1", "train.steps=3", "eval.interval=0", "checkpoint.save=null",
-                 "checkpoint.load=null", "checkpoint.interval=0", "logging.tensorboard_dir=null"]
+    overrides = [f"data.prefix={shakespeare_prefix}", "parallel.pipeline=1", "train.steps=3", "eval.interval=0",
+                 "checkpoint.save=null", "checkpoint.load=null", "checkpoint.interval=0", "logging.tensorboard_dir=null"]
     started = {name: subprocess.Popen(_deepspeed(2, port, [*overrides, f"output_dir={out}"]), cwd=ROOT, env=ENV,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for name, out in runs.items()}

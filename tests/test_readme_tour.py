@@ -1,18 +1,19 @@
 """README's tour as a newcomer runs it: from a fresh copy of the repository (the files git tracks or would track, not
 this checkout's runs/ or data/processed/), in a new shell whose environment holds nothing of ours (no virtualenv on
 PATH, no OMP_NUM_THREADS), every command of the tour's block in README order, and then the whole tour again in
-another new shell. Every command exits 0 both times.
+another new shell. Every command exits 0 both times; the second pass trains nothing: each training command finds its
+run finished and says so, and the checkpoints are the first pass's.
 
-The first pass trains every recipe as shipped, so the recipes' own outcomes are checked here too: the SFT model
-answers its sample prompts, the LoRA adapters (with ``lm_head`` trained beside them) bring the validation loss under
-2.5. The second pass trains nothing: each training command finds its run finished and says so, and the
-checkpoints are the first pass's.
+What is checked here is the tour's commands, not what the recipes learn: in the copy, every CPU recipe's config
+(``configs/**/*-cpu.json``) trains a few steps instead of its hundreds (the whole tour as shipped is some 25 minutes
+on 2 cores). The recipes' outcomes are tests/test_training_recipes.py's, in one process each.
 
 The virtualenv is this checkout's (the one ``scripts/test.sh`` made), linked into the copy: the setup a user ran once.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOUR_HEADING = "## A tour on this CPU"
 EXIT_MARK = "tour-command-exit"
+STEPS = 4  # each recipe's run in the copy: enough for an evaluation and a checkpoint
 
 
 def tour_commands(readme: str) -> list[str]:
@@ -50,6 +52,23 @@ def _fresh_copy(dest: str) -> None:
     os.symlink(os.path.join(ROOT, ".venv"), os.path.join(dest, ".venv"))
 
 
+def _shorten_recipes(clone: str) -> list[str]:
+    """Every CPU recipe's config in the copy trains STEPS steps, evaluates and saves at the last one; the names."""
+    shortened = []
+    for path in sorted(glob.glob(os.path.join(clone, "configs", "**", "*-cpu.json"), recursive=True)):
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+        config["train"]["steps"] = STEPS
+        config["optimizer"]["warmup_steps"] = 1
+        config["eval"].update(interval=STEPS, iters=1)
+        config["checkpoint"]["interval"] = STEPS
+        config["logging"]["interval"] = 1
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(config, fh, indent=2)
+        shortened.append(os.path.relpath(path, clone))
+    return shortened
+
+
 def _run_tour(clone: str, commands: list[str], log: str) -> tuple[list[int], str]:
     """Every command in one new shell (``bash --norc`` with an empty environment but HOME and a system PATH), each
     followed by a line with its exit code; the codes and the whole output."""
@@ -71,6 +90,7 @@ def _checkpoint_files(run: str) -> dict[str, float]:
 def tour(tmp_path_factory) -> dict:  # the first test that asks for it runs both tours: see its timeout
     clone = str(tmp_path_factory.mktemp("tour") / "llama_megatron")
     _fresh_copy(clone)
+    assert len(_shorten_recipes(clone)) >= 6, "the tour's recipes: pretrain, MoE, long context, SFT, DPO, LoRA"
     commands = tour_commands(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read())
     first = _run_tour(clone, commands, os.path.join(clone, "..", "first.log"))
     runs = os.path.join(clone, "runs")
@@ -85,7 +105,7 @@ def _failed(commands: list[str], codes: list[int], text: str) -> str:
     return "\n".join(failed) + "\n---\n" + text[-6000:]
 
 
-@pytest.mark.timeout(3600)  # both tours (the fixture's time counts here): about 15 minutes on 2 busy cores
+@pytest.mark.timeout(3600)  # both tours (the fixture's time counts here): some 10 minutes on 2 busy cores
 def test_every_command_of_the_tour_runs_twice_in_a_new_shell(tour) -> None:
     commands = tour["commands"]
     assert commands[:2] == ["bash scripts/bootstrap.sh", "source .venv/bin/activate"]
@@ -104,28 +124,3 @@ def test_the_second_tour_trains_nothing(tour) -> None:
     for name, files in tour["trained"].items():
         assert _checkpoint_files(os.path.join(runs, name, "checkpoints")) == files, name
     assert "made already" in text
-
-
-def test_the_recipes_outcomes(tour) -> None:
-    runs = os.path.join(tour["clone"], "runs")
-
-    def records(name: str) -> list[dict]:
-        return [json.loads(line) for line in open(os.path.join(runs, name, "metrics.jsonl"), encoding="utf-8")]
-
-    quickstart = [r for r in records("tiny-cpu") if "loss" in r]
-    assert quickstart[0]["step"] == 1 and quickstart[0]["loss"] > 8.0 and quickstart[-1]["loss"] < 6.2, quickstart
-    # SFT (and DPO after it) overfits the chat set: the greedy answers to the sample prompts are the set's, word for
-    # word (the sample prompts are questions of the set)
-    chat = os.path.join(tour["clone"], "data", "chat")
-    chats = [json.loads(line)["messages"] for line in open(os.path.join(chat, "chat_messages.jsonl"), encoding="utf-8")]
-    prompts = [json.loads(line)["messages"] for line in open(os.path.join(chat, "sample_prompts.jsonl"),
-                                                             encoding="utf-8")]
-    expected = [next(c[-1]["content"] for c in chats if c[:-1] == p) for p in prompts]
-    for recipe in ("sft-tiny-cpu", "dpo-tiny-cpu"):
-        answers = [json.loads(line)["completion"] for line in open(os.path.join(runs, recipe, "answers.jsonl"),
-                                                                   encoding="utf-8")]
-        assert answers == expected, (recipe, answers)
-    dpo = [r for r in records("dpo-tiny-cpu") if "loss" in r]
-    assert dpo[-1]["rewards/accuracies"] > 0.8 and dpo[-1]["rewards/margins"] > 1.0, dpo[-1]
-    lora_val = [r["val_loss"] for r in records("lora-tiny-cpu") if "val_loss" in r]
-    assert lora_val[-1] <= 2.5, lora_val

@@ -1,0 +1,82 @@
+"""The CPU fine-tuning recipes end to end, in one process each, from a Hugging Face LLaMA (random weights, the
+shipped tokenizer and chat template) converted to our format (one module fixture):
+
+- SFT: fully fine-tuned on the shipped chat set with the recipe's config (`configs/finetune/sft-tiny-cpu.json`, here
+  at TP1-PP1; the recipe's TP2-PP2 is checked against TP1-PP1 per step in tests/test_sft_e2e.py), then asked
+  training prompts through `generate`: it overfits the set and answers them with the assistant's words.
+- LoRA: adapters trained on the frozen base with the recipe's config (`configs/finetune/lora-tiny-cpu.json`: the
+  embedding, LM head and norms trained in full beside them; here in one process, the recipe's DP2 has the same
+  global batch; TP2 with SP vs TP1 is tests/test_lora.py's), to its first evaluation (70 of its 280 steps): no step
+  is above step 1 (the base's own loss, B = 0), and the validation loss is under the 2.5 the recipe promises.
+
+README's tour runs these recipes' scripts (tests/test_readme_tour.py), at a few steps each: what they learn is
+checked here, at the steps that matter, in one process each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from launch_utils import ROOT, launch, losses
+
+from llama_megatron.cli import main as cli_main
+from llama_megatron.config import ModelConfig
+
+RECIPE = os.path.join(ROOT, "configs", "finetune", "sft-tiny-cpu.json")
+LORA_RECIPE = os.path.join(ROOT, "configs", "finetune", "lora-tiny-cpu.json")
+CHATS = os.path.join(ROOT, "data", "chat", "chat_messages.jsonl")
+ASKED = 8
+pytestmark = pytest.mark.launched
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    """The tiny LLaMA with seeded random weights as a Hugging Face directory, converted to TP1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_file(os.path.join(ROOT, "configs", "models", "tiny.json"))
+    root = tmp_path_factory.mktemp("finetune-base")
+    hf_dir = root / "hf"
+    LlamaForCausalLM(LlamaConfig(**config.to_hf_dict())).save_pretrained(hf_dir)
+    for name in os.listdir(os.path.join(ROOT, "data", "tokenizer")):
+        shutil.copy(os.path.join(ROOT, "data", "tokenizer", name), hf_dir / name)
+    out = str(root / "tp1")
+    assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", out, "--tp", "1"]) == 0
+    return out
+
+
+def test_recipe_overfits_the_chat_set_and_answers_its_prompts(tmp_path, base) -> None:
+    run = tmp_path / "run"
+    # 200 of the recipe's 400 steps: from random weights the loss is below 0.2 by then
+    launch(1, RECIPE, ["parallel.tensor=1", "parallel.pipeline=1", "parallel.sequence_parallel=false",
+                       f"checkpoint.load={base}", f"checkpoint.save={run}/ckpt", "checkpoint.interval=200",
+                       "train.steps=200", f"output_dir={run}", "logging.tensorboard_dir=null"], timeout=900)
+    records = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    assert records[-1]["loss"] < 0.5 < records[0]["loss"], "the recipe should overfit the chat set"
+
+    chats = [json.loads(line)["messages"] for line in open(CHATS, encoding="utf-8")][:ASKED]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": c[:-1]}) + "\n" for c in chats), encoding="utf-8")
+    answers = tmp_path / "answers.jsonl"
+    assert cli_main(["generate", "--checkpoint", f"{run}/ckpt", "--tokenizer", os.path.join(ROOT, "data", "tokenizer"),
+                     "--prompts", str(prompts), "--max-new-tokens", "48", "--output", str(answers)]) == 0
+    got = [json.loads(line)["completion"] for line in open(answers, encoding="utf-8")]
+    exact = sum(answer == chat[-1]["content"] for answer, chat in zip(got, chats))
+    assert exact >= ASKED * 3 // 4, list(zip(got, [c[-1]["content"] for c in chats]))
+
+
+def test_lora_recipe_brings_the_validation_loss_under_its_promise(tmp_path, base) -> None:
+    run = tmp_path / "run"
+    launch(1, LORA_RECIPE, [f"checkpoint.load={base}", "checkpoint.save=null", "checkpoint.interval=0",
+                            "train.steps=70", "logging.interval=1", f"output_dir={run}",
+                            "logging.tensorboard_dir=null"], timeout=900)
+    train, val = losses(str(run)), losses(str(run), "val_loss")
+    assert sorted(train) == list(range(1, 71)) and list(val) == [70]
+    start = train[1]  # B = 0: the base's own loss on the first batch (about ln 4096 for random weights)
+    assert max(train[step] for step in range(2, 71)) < start, train
+    assert val[70] <= 2.5, (train, val)

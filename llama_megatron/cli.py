@@ -21,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("llama_megatron.commands.generate", "text from a checkpoint: chat template, greedy or sampled, KV cache"),
     "doctor": ("llama_megatron.commands.doctor", "check a multi-node setup under its launcher: ranks, files, bandwidth"),
     "estimate": ("llama_megatron.commands.estimate", "per-rank memory estimate and the largest micro batch that fits"),
+    "plan": ("llama_megatron.commands.plan", "rank every parallel layout of a model on a cluster: memory, step time"),
     "plot": ("llama_megatron.commands.plot", "PNG of loss, validation loss, lr and tokens/s of one or more runs"),
     "preprocess": ("llama_megatron.commands.preprocess", "tokenize JSONL/text/parquet/HF datasets into .bin/.idx"),
     "preprocess-sft": ("llama_megatron.commands.preprocess_sft", "chat/instruction JSONL -> token + mask shards (SFT)"),

@@ -83,9 +83,9 @@ class TaskProgress(_ProgressLine):
     """``done`` of ``total`` items (parameters of a conversion), bytes written, rate and ETA."""
 
     def __init__(self, label: str, total: int, interval: float = 2.0, stream: TextIO | None = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, unit: str = "tensors") -> None:
         super().__init__(label, interval, stream, enabled)
-        self.total = total
+        self.total, self.unit = total, unit
         self.done = 0
         self.bytes = 0
 
@@ -98,5 +98,7 @@ class TaskProgress(_ProgressLine):
         elapsed = max(self.elapsed, 1e-9)
         rate = self.bytes / elapsed
         eta = elapsed * (self.total - self.done) / self.done if self.done else 0.0
-        return (f"{self.label}: {self.done}/{self.total} tensors, {_human(self.bytes)}B in {elapsed:.1f}s | "
-                f"{_human(rate)}B/s, ETA {eta:.0f}s")
+        written = f", {_human(self.bytes)}B" if self.bytes else ""
+        speed = f"{_human(rate)}B/s, " if self.bytes else ""
+        return (f"{self.label}: {self.done}/{self.total} {self.unit}{written} in {elapsed:.1f}s | "
+                f"{speed}ETA {eta:.0f}s")

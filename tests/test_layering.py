@@ -22,6 +22,7 @@ FLOORS = {  # top-level module or folder -> floor
 TRAINING_ROOMS = {  # module or folder inside training/ -> floor; nothing below run/ imports the run loop
     "__init__": 0, "config": 0, "config_sections": 0, "faults": 0, "pipeline": 0,
     "background_save": 0, "checkpointing": 1, "checkpointer": 1, "resume": 1, "save_dir": 1, "engine": 1, "diagnostics": 2, "run": 3,
+    "planner": 3,
 }
 
 

@@ -91,8 +91,25 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
                 if trains(f"layers.0.{norm}.weight"))
     if m.qk_norm:
         norms += sum(e * m.head_dim for norm in ("q_norm", "k_norm") if trains(f"layers.0.self_attn.{norm}.weight"))
-    widths = max(_deferred_widths(config, layer) for layer in range(m.num_hidden_layers))
+    widths = _widest_deferred(config)
     return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
+
+
+_WIDEST: dict[tuple, tuple] = {}
+
+
+def _widest_deferred(config: TrainingConfig) -> int:
+    """The largest :func:`_deferred_widths` over the decoder layers, kept for the model last asked about (a
+    function of the model, TP, the expert split and LoRA only; the planner asks for it once per layout)."""
+    par = config.parallel
+    key = (id(config.model), id(config.lora), par.tensor, par.expert, par.context)
+    seen = _WIDEST.get(key)
+    if seen is None or seen[0] is not config.model or seen[1] is not config.lora:
+        if len(_WIDEST) > 64:
+            _WIDEST.clear()
+        widest = max(_deferred_widths(config, layer) for layer in range(config.model.num_hidden_layers))
+        seen = _WIDEST[key] = (config.model, config.lora, widest)
+    return seen[2]
 
 
 def _trained_rows(config: TrainingConfig) -> Callable[[str], bool]:

@@ -28,6 +28,7 @@ fp32 probabilities, the experts' inputs (what the all-to-all delivers), their Sw
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -44,8 +45,8 @@ from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.pipeline_stages import StagePlacement, split_layers
 from llama_megatron.training.config import BatchConfig, TrainingConfig
 from llama_megatron.training.diagnostics.activation_bytes import activations, deferred_weight_grad_bytes
+from llama_megatron.training.diagnostics.pipeline_held import held_peak
 from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
-from llama_megatron.training.pipeline.schedules import rank_actions
 
 GiB = 1024**3
 _ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -141,8 +142,23 @@ class _Layer:
                 + [(n, d, True, True) for n, d in self.expert_adapters])
 
 
+_LAYERS_SEEN: dict[tuple, tuple[ModelConfig, LoraConfig | None, list[_Layer]]] = {}
+
+
 def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | None = None,
             ep: int = 1) -> list[_Layer]:
+    """:func:`_layer_list`, kept for the last model asked about (the planner asks for it once per layout)."""
+    key = (id(model), padded_vocab, tp, id(lora), ep)
+    seen = _LAYERS_SEEN.get(key)
+    if seen is None or seen[0] is not model or seen[1] is not lora:
+        if len(_LAYERS_SEEN) > 64:
+            _LAYERS_SEEN.clear()
+        seen = _LAYERS_SEEN[key] = (model, lora, _layer_list(model, padded_vocab, tp, lora, ep))
+    return seen[2]
+
+
+def _layer_list(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | None = None,
+                ep: int = 1) -> list[_Layer]:
     """The pipeline layer list with each layer's per-TP-rank parameters (an MoE model's per EP rank: every EP rank
     holds as many experts), from the parameter layout table (and the adapter table of a LoRA run)."""
     n = model.num_hidden_layers
@@ -167,17 +183,62 @@ def _layers(model: ModelConfig, padded_vocab: int, tp: int, lora: LoraConfig | N
 
 def _stage_bounds(layers: list[_Layer], pp: int, method: str) -> list[int]:
     """DeepSpeed PipelineModule's own partitioning of the layer list over ``pp`` stages."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
     method = method.lower()
     if method == "uniform":
-        return partition_uniform(num_items=len(layers), num_parts=pp)
+        return _partition(("uniform", len(layers)), pp)
     if method == "parameters":
-        return partition_balanced(weights=[sum(layer.model_numels) for layer in layers], num_parts=pp)
+        return _partition(tuple(sum(layer.model_numels) for layer in layers), pp)
     if method.startswith("type:"):
         pattern = re.compile(method[5:], re.IGNORECASE)
-        return partition_balanced(weights=[1 if pattern.search(layer.kind) else 0 for layer in layers], num_parts=pp)
+        return _partition(tuple(1 if pattern.search(layer.kind) else 0 for layer in layers), pp)
     raise ConfigError(f"pipeline.partition_method {method!r}: estimate knows uniform, parameters and type:REGEX")
+
+
+@functools.lru_cache(maxsize=1024)
+def _partition(weights: tuple, parts: int) -> list[int]:
+    """DeepSpeed's partition_uniform (``("uniform", items)``) or partition_balanced (the layers' weights), kept: the
+    planner asks for the same split of one model many times."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    if weights and weights[0] == "uniform":
+        return partition_uniform(num_items=weights[1], num_parts=parts)
+    return partition_balanced(weights=list(weights), num_parts=parts)
+
+
+def _virtual_stage_bounds(config: TrainingConfig, layers: list[_Layer], placement: StagePlacement) -> list[int]:
+    """Where each virtual stage's layers start and end in the layer list (one stage: all of them)."""
+    pipe = config.pipeline
+    if config.parallel.pipeline == 1:
+        return [0, len(layers)]
+    if pipe.stage_layers is None:
+        return _stage_bounds(layers, placement.stages, pipe.partition_method)
+    return split_layers([layer.kind == "DecoderLayerPipe" for layer in layers], placement.stages, pipe.stage_layers)
+
+
+def _virtual_stages(config: TrainingConfig) -> tuple[list[list[_Layer]], StagePlacement]:
+    pp = config.parallel.pipeline
+    layers = _layers(config.model, config.local_shapes.padded_vocab_size, config.parallel.tensor,
+                     ep=config.parallel.expert)
+    placement = config.pipeline.placement(pp) or StagePlacement(pp)
+    bounds = _virtual_stage_bounds(config, layers, placement)
+    return [layers[bounds[s]:bounds[s + 1]] for s in range(placement.stages)], placement
+
+
+def stage_layer_kinds(config: TrainingConfig) -> list[list[str]]:
+    """The layer kinds of each virtual stage, in stage order (what the planner costs pass by pass)."""
+    return [[layer.kind for layer in stage] for stage in _virtual_stages(config)[0]]
+
+
+def rank_parameter_counts(config: TrainingConfig) -> list[int]:
+    """Elements of the model each pipeline rank holds per TP rank (its EP rank's experts), before ZeRO."""
+    stages, placement = _virtual_stages(config)
+    counts = []
+    for rank in range(config.parallel.pipeline):
+        chunks = [stages[placement.stage(rank, c)] for c in range(placement.chunks)]
+        if config.parallel.pipeline == 1 and config.model.tie_word_embeddings:
+            chunks[0] = chunks[0][:-1]
+        counts.append(sum(sum(layer.model_numels) for layer in _distinct_tables(chunks)))
+    return counts
 
 
 def optimizer_wrapper(ds: dict, pp: int) -> str:
@@ -253,21 +314,6 @@ def _states(params: list[tuple[int, bool, bool, bool]], ds: dict, wrapper: str, 
     return out
 
 
-def _held_peak(schedule: str, ranks: int, rank: int, micro_batches: int, saved: list[int],
-               deferred: list[int]) -> tuple[int, int, int]:
-    """(bytes, chunk passes in flight, chunk passes with W pending) at the rank's peak under ``schedule``: its list
-    of actions replayed, each chunk's micro batch holding ``saved[chunk]`` from its F to its backward (B or BW),
-    and ``deferred[chunk]`` from its B to its W."""
-    in_flight, pending = [0] * len(saved), [0] * len(saved)
-    peak = (0, 0, 0)
-    for op, chunk, _ in rank_actions(schedule, ranks, rank, micro_batches, len(saved)):
-        in_flight[chunk] += {"F": 1, "B": -1, "BW": -1, "W": 0}[op]
-        pending[chunk] += {"F": 0, "B": 1, "BW": 0, "W": -1}[op]
-        held = sum(n * b for n, b in zip(in_flight, saved)) + sum(n * b for n, b in zip(pending, deferred))
-        peak = max(peak, (held, sum(in_flight), sum(pending)))
-    return peak
-
-
 def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size: int | None = None) -> Estimate:
     """Per-stage bytes of one rank; ``ds`` is the built DeepSpeed config (build_deepspeed_config)."""
     par = config.parallel
@@ -289,12 +335,11 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
     fast = kernels != "reference"
     pipe = config.pipeline
     placement = pipe.placement(pp) or StagePlacement(pp)  # 1f1b: DeepSpeed's blocks, one per rank
-    bounds = ([0, len(layers)] if pp == 1 else _stage_bounds(layers, placement.stages, pipe.partition_method)
-              if pipe.stage_layers is None
-              else split_layers([layer.kind == "DecoderLayerPipe" for layer in layers], placement.stages,
-                                pipe.stage_layers))
+    bounds = _virtual_stage_bounds(config, layers, placement)
     result = Estimate(world_size, dp, par.context, zero_stage(ds), prec, wrapper, b, micro_batches, kernels,
                       pipe.schedule, placement.chunks)
+    known: dict[tuple[str, ...], tuple] = {}
+    rows = b * config.rows_per_sample  # a padded preference pair is two sequences
     for rank in range(pp):
         chunks = [layers[bounds[s]:bounds[s + 1]] for s in (placement.stage(rank, c) for c in range(placement.chunks))]
         if pp == 1 and config.model.tie_word_embeddings:
@@ -302,11 +347,15 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
         # a tied table held twice by one rank (the V's first and last stages) is one parameter
         params = [p for layer in _distinct_tables(chunks) for p in layer.states_params()]
         kinds = [[layer.kind for layer in chunk] for chunk in chunks]
-        rows = b * config.rows_per_sample  # a padded preference pair is two sequences
-        per_chunk = [activations(config, chunk_kinds, rows, e, pp > 1, fast) for chunk_kinds in kinds]
+        # ranks whose chunks hold the same layers hold the same activations: counted once per kind of chunk
+        for k in map(tuple, kinds):
+            if k not in known:
+                known[k] = (activations(config, list(k), rows, e, pp > 1, fast),
+                            deferred_weight_grad_bytes(config, list(k), rows, e, fast))
+        per_chunk = [known[tuple(k)][0] for k in kinds]
         saved = [a for a, _, _ in per_chunk]
-        deferred = [deferred_weight_grad_bytes(config, chunk_kinds, rows, e, fast) for chunk_kinds in kinds]
-        held, in_flight, pending = _held_peak(pipe.schedule, pp, rank, micro_batches, saved, deferred)
+        deferred = [known[tuple(k)][1] for k in kinds]
+        held, in_flight, pending = held_peak(pipe.schedule, pp, rank, micro_batches, saved, deferred)
         states = _states(params, ds, wrapper, partitions, e, par.expert)
         result.stages.append(StageEstimate(
             stage=rank, decoder_layers=sum(k.count("DecoderLayerPipe") for k in kinds),

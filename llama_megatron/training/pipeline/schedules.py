@@ -26,6 +26,7 @@ an error: no deadlock reaches a run), which gives each schedule's bubble and the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -88,6 +89,7 @@ def _dependency(placement: StagePlacement, op: str, stage: int, micro_batch: int
 _ZB_V_TICKS = {"F": 10, "B": 10, "W": 9}
 
 
+@functools.lru_cache(maxsize=64)
 def _zb_v(ranks: int, micro_batches: int) -> list[list[Action]]:
     """List scheduling (module docstring), all ranks at once, on a clock of :data:`_ZB_V_TICKS`."""
     placement = StagePlacement(ranks, 2, "v")
@@ -123,13 +125,20 @@ def _zb_v(ranks: int, micro_batches: int) -> list[list[Action]]:
             done[(op, placement.stage(rank, chunk), k)] = free_at[rank] = now + _ZB_V_TICKS[op]
             held[rank] += {"F": 1, "B": 0, "W": -1}[op]
             orders[rank].append(Action(op, chunk, k))
-        now += 1
+        # nothing changes before a rank is next free (every pass ends when its rank is): go there
+        now = min((t for t in free_at if t > now), default=now + 1)
     return orders
 
 
 def rank_actions(schedule: str, ranks: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
     """``rank``'s list of actions for one training step."""
-    return schedule_record(schedule).actions(ranks, rank, micro_batches, chunks)
+    return list(_rank_actions(schedule, ranks, rank, micro_batches, chunks))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_actions(schedule: str, ranks: int, rank: int, micro_batches: int, chunks: int) -> tuple[Action, ...]:
+    # kept: the memory estimate and the planner replay the same lists for many layouts (ZB-V's builds all ranks')
+    return tuple(schedule_record(schedule).actions(ranks, rank, micro_batches, chunks))
 
 
 def forward_actions(placement: StagePlacement, rank: int, micro_batches: int) -> list[Action]:
@@ -145,35 +154,70 @@ def simulate(schedule: str, ranks: int, micro_batches: int, chunks: int = 1, for
     B + W and its gradient leaves after both), communication free and sends not blocking. Returns the time to the
     optimizer step, the idle share over all ranks, and each rank's peak of micro batches held (chunk passes whose
     forward ran and whose W did not, in whole stages: chunk passes / v)."""
-    placement = placement_of(schedule, ranks, chunks)
-    orders = [rank_actions(schedule, ranks, r, micro_batches, chunks) for r in range(ranks)]
     share = 1.0 / chunks
-    cost = {"F": forward * share, "B": backward_input * share, "W": weight * share,
-            "BW": (backward_input + weight) * share}
+    cost = {"F": forward * share, "B": backward_input * share, "W": weight * share}
+    replayed = replay(schedule, ranks, micro_batches, chunks, [cost] * (ranks * chunks))
+    busy = micro_batches * (forward + backward_input + weight)
+    return {"time": replayed["time"], "busy": busy, "idle_share": (replayed["time"] - busy) / replayed["time"],
+            "peak_held": [h / chunks for h in replayed["peak_held"]]}
+
+
+def replay(schedule: str, ranks: int, micro_batches: int, chunks: int, costs: list[dict[str, float]],
+           transfer: float = 0.0) -> dict:
+    """Every rank's list replayed with each virtual stage's own pass costs (``costs[stage]``: seconds of its F, B
+    and W for one micro batch; a BW costs B + W) and ``transfer`` seconds for an activation or gradient to reach
+    another rank (sends do not block the sender). Returns the time to the optimizer step, each rank's busy seconds
+    and its peak of chunk passes held (forward run, W not yet)."""
+    steps, peak = _replay_steps(schedule, ranks, micro_batches, chunks)
+    took = {(stage, op): (c["B"] + c["W"] if op == "BW" else c[op]) for stage, c in enumerate(costs)
+            for op in ("F", "B", "W", "BW")}
     done: dict[tuple[str, int, int], float] = {}
-    clock, position, held, peak = [0.0] * ranks, [0] * ranks, [0] * ranks, [0] * ranks
-    while any(position[r] < len(orders[r]) for r in range(ranks)):
+    clock, position, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
+    remaining = sum(map(len, steps))
+    while remaining:
         progressed = False
         for r in range(ranks):
-            while position[r] < len(orders[r]):
-                op, chunk, k = orders[r][position[r]]
-                stage = placement.stage(r, chunk)
-                need = _dependency(placement, op, stage, k)
+            rank_steps, at = steps[r], position[r]
+            while at < len(rank_steps):
+                key, need, crosses, cost_key = rank_steps[at]
                 if need is not None and need not in done:
                     break
-                clock[r] = max(clock[r], done.get(need, 0.0)) + cost[op]
-                done[("B" if op == "BW" else op, stage, k)] = clock[r]
-                held[r] += {"F": 1, "B": 0, "W": -1, "BW": -1}[op]
-                peak[r] = max(peak[r], held[r])
-                position[r] += 1
+                ready = 0.0 if need is None else done[need] + (transfer if crosses else 0.0)
+                cost = took[cost_key]
+                clock[r] = max(clock[r], ready) + cost
+                busy[r] += cost
+                done[key] = clock[r]
+                at += 1
+            if at != position[r]:
+                remaining -= at - position[r]
+                position[r] = at
                 progressed = True
         if not progressed:
-            stuck = {r: orders[r][position[r]] for r in range(ranks) if position[r] < len(orders[r])}
+            stuck = {r: steps[r][position[r]][0] for r in range(ranks) if position[r] < len(steps[r])}
             raise RuntimeError(f"{schedule} cannot proceed at {ranks} ranks x {chunks} chunks x {micro_batches} "
                                f"micro batches: waiting {stuck}")
-    end = max(clock)
-    busy = micro_batches * (forward + backward_input + weight)
-    return {"time": end, "busy": busy, "idle_share": (end - busy) / end, "peak_held": [h / chunks for h in peak]}
+    return {"time": max(clock), "busy": busy, "peak_held": list(peak)}
+
+
+@functools.lru_cache(maxsize=1024)
+def _replay_steps(schedule: str, ranks: int, micro_batches: int, chunks: int) -> tuple[tuple, tuple[int, ...]]:
+    """Per rank, each action as (what it completes, what it waits for, whether that comes from another rank, its
+    cost's key), and each rank's peak of chunk passes held: what a replay needs of the lists, worked out once."""
+    placement = placement_of(schedule, ranks, chunks)
+    owner = {placement.stage(r, c): r for r in range(ranks) for c in range(chunks)}
+    steps, peaks = [], []
+    for r in range(ranks):
+        rank_steps, held, peak = [], 0, 0
+        for op, chunk, k in rank_actions(schedule, ranks, r, micro_batches, chunks):
+            stage = placement.stage(r, chunk)
+            need = _dependency(placement, op, stage, k)
+            rank_steps.append((("B" if op == "BW" else op, stage, k), need,
+                               need is not None and owner[need[1]] != r, (stage, op)))
+            held += {"F": 1, "B": 0, "W": -1, "BW": -1}[op]
+            peak = max(peak, held)
+        steps.append(tuple(rank_steps))
+        peaks.append(peak)
+    return tuple(steps), tuple(peaks)
 
 
 def analytic_bubble(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> float:

@@ -1,0 +1,245 @@
+"""The step time of one layout on one device: compute, the communication the engine does not overlap, and the
+pipeline's idle time from replaying the schedule's action lists with these pass times (docs/planner.md).
+
+Every figure is for one micro batch on one rank of a virtual stage (a TP x CP group runs it together):
+
+- compute: each GEMM's FLOPs at the device's GEMM efficiency for that GEMM's size; fused attention at its own
+  efficiency, counting the half of the square a causal mask computes; norms, RoPE, SwiGLU, residuals and the loss's
+  softmax as bytes read and written at the HBM bandwidth. The backward is split as the engine splits it: B (input
+  gradients: a GEMM per forward GEMM, attention's backward, twice the elementwise bytes) and W (weight gradients: a
+  GEMM per forward GEMM). Recomputation adds the decoder layers' forward to B.
+- communication inside a pass, never overlapped by this engine: TP's all-reduces (under SP an all-gather and a
+  reduce-scatter, the same bytes) twice per layer each way; Ulysses CP's all-to-alls of Q, K, V and the attention
+  output; EP's dispatch and combine all-to-alls; each on the link its group crosses (rank order TP, CP, DP, PP).
+- pipeline: send/recv of a micro batch's activations (or their gradient) between stages, a delay on every
+  dependency that crosses ranks; the replay (training/pipeline/schedules.replay) gives the span.
+- after the pipeline: gradient reduction over DP x CP (an all-reduce; ZeRO-1/2 a reduce-scatter and the
+  parameters' all-gather, the same bytes), overlapped with the backward only where DeepSpeed's engine does
+  (ZeRO-2/3 without a pipeline); ZeRO-3's per-micro-batch gathers of the parameters (forward and backward) and
+  reduce-scatter of gradients, prefetched under the micro batch's compute; the optimizer's update as HBM traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.flops import training_flops_per_token
+from llama_megatron.training.diagnostics.memory_estimate import rank_parameter_counts, stage_layer_kinds
+from llama_megatron.training.engine.deepspeed_config import zero_stage
+from llama_megatron.training.pipeline.schedules import replay, schedule_record
+from llama_megatron.training.planner.devices import DeviceProfile, Link
+
+ATTENTION_BACKWARD = 2.5  # fused attention's backward over its forward (FlashAttention-2's recomputes the scores)
+
+
+@dataclass
+class Pass:
+    """Seconds of one pass: compute and communication inside it."""
+
+    compute: float = 0.0
+    comm: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm
+
+    def add(self, other: Pass, times: float = 1.0) -> None:
+        self.compute += other.compute * times
+        self.comm += other.comm * times
+
+
+@dataclass
+class StepTime:
+    step: float  # seconds per optimizer step
+    compute: float  # the busiest rank's compute seconds in the step
+    exposed_comm: float  # its communication seconds nobody overlaps
+    idle: float  # its pipeline idle seconds (waiting for a neighbour)
+    tokens_per_s_per_gpu: float
+    mfu: float  # model FLOPs (training_flops_per_token) over the precision's peak
+
+    @property
+    def idle_share(self) -> float:
+        return self.idle / self.step
+
+    @property
+    def comm_share(self) -> float:
+        return self.exposed_comm / self.step
+
+
+def ring(kind: str, group: int, nbytes: float, link: Link) -> float:
+    """Seconds of a ring collective over ``group`` ranks of ``nbytes`` per rank (the whole tensor for an
+    all-reduce, one rank's full buffer for all-gather / reduce-scatter / all-to-all)."""
+    if group == 1 or nbytes == 0:
+        return 0.0
+    steps = group - 1
+    share = steps / group * nbytes / link.bandwidth
+    if kind == "all_reduce":
+        return 2 * share + 2 * steps * link.latency
+    return share + steps * link.latency
+
+
+class CostModel:
+    """Step times of the layouts of one model, sequence and batch on one device."""
+
+    def __init__(self, device: DeviceProfile, precision: str = "bf16") -> None:
+        self.device, self.precision = device, precision
+
+    # --- links --------------------------------------------------------------------------------------------------
+    def _link(self, stride: int, size: int) -> Link:
+        """The link a group of ``size`` ranks ``stride`` apart crosses (nodes hold consecutive ranks)."""
+        return self.device.link(stride * size > self.device.gpus_per_node)
+
+    # --- passes -------------------------------------------------------------------------------------------------
+    def _gemm(self, flops: float, rows: float, width: float, depth: float) -> float:
+        return self.device.gemm_seconds(flops, 2 * rows * width * depth, self.precision)
+
+    def decoder_layer(self, config: TrainingConfig, layer: int, rows: int,
+                      window: int | None = None) -> tuple[Pass, Pass, Pass]:
+        """F, B, W of decoder layer ``layer`` (its sliding ``window``) for ``rows`` samples on one rank."""
+        m, par, dev = config.model, config.parallel, self.device
+        tp, cp, ep = par.tensor, par.context, par.expert
+        a = 2  # activations are bf16 (under FP8 too: only the GEMMs' operands are cast)
+        n = rows * config.seq_length / cp  # tokens on this rank (the GEMMs see all of them: SP gathers first)
+        h, hd = m.hidden_size, m.head_dim
+        q, kv = m.num_attention_heads * hd // tp, m.num_key_value_heads * hd // tp
+        gemm = self._gemm(2 * n * h * (q + 2 * kv), n, h, q + 2 * kv) + self._gemm(2 * n * q * h, n, q, h)
+        if m.is_moe_layer(layer):
+            k, experts = m.num_experts_per_tok, m.num_local_experts
+            width = m.expert_intermediate_size // tp
+            local = n * k  # balanced routing: each EP rank's experts get k x its tokens' share
+            per_expert = local * ep / experts  # rows each of this rank's experts multiplies
+            gemm += self._gemm(2 * n * h * experts, n, h, experts)  # the router (not split over TP)
+            gemm += self._gemm(2 * local * 3 * h * width, per_expert, h, width)
+            if m.family.moe.shared_expert:
+                shared = m.shared_expert_intermediate_size // tp
+                gemm += self._gemm(2 * n * 3 * h * shared, n, h, shared)
+            mlp_width = width * k
+        else:
+            width = m.intermediate_size // tp
+            gemm += self._gemm(2 * n * 3 * h * width, n, h, width)
+            mlp_width = width
+        keys = config.seq_length if window is None else min(config.seq_length, window)
+        causal = 0.5 if window is None else min(1.0, window / config.seq_length)
+        heads = m.num_attention_heads // (tp * cp)  # Ulysses: all tokens, 1/CP of the TP rank's heads
+        attention = dev.attention_seconds(4 * rows * config.seq_length * keys * heads * hd * causal)
+        sp_tokens = n / tp if par.sequence_parallel else n
+        # norms (read, write), residual adds (two reads, a write), RoPE on q and k, SwiGLU (two reads, a write)
+        elementwise = a * (sp_tokens * h * (2 * 2 + 2 * 3) + n * (2 * (q + kv) + 3 * mlp_width))
+        forward = Pass(gemm + attention + dev.memory_seconds(elementwise))
+        backward_input = Pass(gemm + ATTENTION_BACKWARD * attention + dev.memory_seconds(2 * elementwise))
+        weight = Pass(gemm)
+        comm = Pass()
+        comm.comm += 2 * ring("all_reduce", tp, n * h * a, self._link(1, tp))
+        comm.comm += (2 * ring("all_to_all", cp, n * (q + 2 * kv) * a, self._link(tp, cp))
+                      if cp > 1 else 0.0)
+        if m.is_moe_layer(layer) and ep > 1:
+            comm.comm += 2 * ring("all_to_all", ep, n * m.num_experts_per_tok * h * a, self._link(tp, ep))
+        forward.add(comm)
+        backward_input.add(comm)
+        return forward, backward_input, weight
+
+    def end_layer(self, config: TrainingConfig, kind: str, rows: int) -> tuple[Pass, Pass, Pass]:
+        """F, B, W of the embedding, the final norm or the LM head (with the loss) for ``rows`` samples."""
+        m, par = config.model, config.parallel
+        n = rows * config.seq_length / par.context
+        h, tp = m.hidden_size, par.tensor
+        vocab = config.local_shapes.vocab_rows
+        if kind == "LMHeadPipe":
+            gemm = self._gemm(2 * n * h * vocab, n, h, vocab)
+            softmax = self.device.memory_seconds(n * vocab * 4 * 3)  # fp32 logits: written, read, gradient
+            gather = ring("all_gather", tp, n * h * 2, self._link(1, tp)) if par.sequence_parallel else 0.0
+            return (Pass(gemm + softmax, gather), Pass(gemm + softmax, gather), Pass(gemm))
+        if kind == "EmbeddingPipe":
+            look = self.device.memory_seconds(n * h * 2 * 2)
+            return Pass(look, ring("all_reduce", tp, n * h * 2, self._link(1, tp))), Pass(look), Pass()
+        norm = self.device.memory_seconds(n / (tp if par.sequence_parallel else 1) * h * 2 * 2)
+        return Pass(norm), Pass(2 * norm), Pass()
+
+    def stage_passes(self, config: TrainingConfig) -> list[dict[str, Pass]]:
+        """F, B, W per virtual stage, in stage order, for one micro batch."""
+        rows = config.batch.micro_batch_size * config.rows_per_sample
+        recompute = config.activation_checkpointing.interval > 0
+        windows, model = config.model.layer_windows(), config.model
+        alike: dict[tuple, tuple[Pass, Pass, Pass]] = {}  # layers of one kind and window cost the same
+        stages, layer = [], 0
+        for kinds in stage_layer_kinds(config):
+            passes = {"F": Pass(), "B": Pass(), "W": Pass()}
+            for kind in kinds:
+                if kind == "DecoderLayerPipe":
+                    key = (model.is_moe_layer(layer), windows[layer])
+                    if key not in alike:
+                        f, b, w = self.decoder_layer(config, layer, rows, windows[layer])
+                        if recompute:
+                            b.add(f)
+                        alike[key] = (f, b, w)
+                    f, b, w = alike[key]
+                    layer += 1
+                else:  # a tied table after the decoder layers is the head
+                    f, b, w = self.end_layer(config, "LMHeadPipe" if kind == "EmbeddingPipe" and layer else kind,
+                                             rows)
+                for name, part in zip("FBW", (f, b, w)):
+                    passes[name].add(part)
+            stages.append(passes)
+        return stages
+
+    # --- the step -----------------------------------------------------------------------------------------------
+    def step_time(self, config: TrainingConfig, world_size: int, ds: dict) -> StepTime:
+        par, pipe = config.parallel, config.pipeline
+        tp, pp, cp = par.tensor, par.pipeline, par.context
+        dp = config.data_parallel_size(world_size)
+        micro_batches = config.gradient_accumulation_steps(world_size)
+        stages = self.stage_passes(config)
+        chunks = len(stages) // pp
+        record = schedule_record(pipe.schedule)
+        costs = [{name: p.total for name, p in stage.items()} for stage in stages]
+        comm = [sum(p.comm for p in stage.values()) for stage in stages]
+        compute = [sum(p.compute for p in stage.values()) for stage in stages]
+        n = config.batch.micro_batch_size * config.rows_per_sample * config.seq_length / cp
+        boundary = (n / tp if par.sequence_parallel else n) * config.model.hidden_size * 2
+        transfer = 0.0
+        if pp > 1:
+            link = self._link(tp * cp * dp, pp)
+            transfer = boundary / link.bandwidth + link.latency
+        if pp > 1:
+            if not record.split_backward:
+                costs = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in costs]
+            replayed = replay(pipe.schedule, pp, micro_batches, chunks, costs, transfer)
+            span = replayed["time"]
+        else:
+            span = micro_batches * sum(costs[0].values())
+        owner = [[s for s in range(len(stages)) if s % pp == r or (record.placement == "v" and
+                                                                   len(stages) - 1 - s == r)] for r in range(pp)]
+        if record.placement != "v":
+            owner = [[r + c * pp for c in range(chunks)] for r in range(pp)]
+        rank_compute = [micro_batches * sum(compute[s] for s in owner[r]) for r in range(pp)]
+        rank_comm = [micro_batches * sum(comm[s] for s in owner[r]) for r in range(pp)]
+        busiest = max(range(pp), key=lambda r: rank_compute[r] + rank_comm[r])
+        zero = zero_stage(ds)
+        params = max(rank_parameter_counts(config))
+        group = dp * cp
+        link = self._link(tp, group)
+        grad_bytes = 4 if ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32") else 2
+        after = 0.0
+        per_micro_batch = 0.0
+        if zero == 3:  # gathers in the forward and the backward, gradients reduce-scattered, per micro batch
+            gathers = 2 * ring("all_gather", group, params * 2, link) + ring("reduce_scatter", group, params * 2,
+                                                                             link)
+            hidden = sum(compute[s] for s in owner[busiest])
+            per_micro_batch = max(0.0, gathers - hidden)
+        else:
+            reduction = ring("all_reduce", group, params * grad_bytes, link)
+            if zero == 2 and pp == 1:  # overlap_comm: reduced in buckets while the last backward runs
+                last_backward = costs[0]["B"] + costs[0]["W"]
+                reduction = max(0.0, reduction - last_backward)
+            after += reduction
+        owned = params / (group if zero >= 1 else 1)
+        after += self.device.memory_seconds(owned * 16 + params * 2)  # Adam: master, moments, grads; bf16 copy
+        step = span + micro_batches * per_micro_batch + after
+        exposed = rank_comm[busiest] + micro_batches * per_micro_batch + (after if zero != 3 else 0.0)
+        idle = max(0.0, span - rank_compute[busiest] - rank_comm[busiest])
+        tokens = config.batch.global_batch_size * config.seq_length
+        flops = training_flops_per_token(config.model, config.seq_length) * tokens
+        return StepTime(step=step, compute=rank_compute[busiest], exposed_comm=exposed, idle=idle,
+                        tokens_per_s_per_gpu=tokens / step / world_size,
+                        mfu=flops / (step * world_size * self.device.peak(self.precision)))

@@ -1,0 +1,182 @@
+"""`llama-megatron plan` (training/planner/): the layouts it lists are the engine's, its memory is the estimate's,
+its replay is the schedules', its errors are one line; the layouts it lists build and train a step; what it
+writes trains as written.
+
+What is not here yet (issue 54, docs/planner.md "What is checked"): the step times against measured runs (the
+calibrated CPU profile) and against published GPU layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from launch_utils import ROOT, launch_many, losses, record, run_command
+
+from llama_megatron.cli import main as cli_main
+from llama_megatron.errors import ConfigError
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.memory_estimate import estimate
+from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+from llama_megatron.training.pipeline import schedules
+from llama_megatron.training.planner.devices import device_names, load_device
+from llama_megatron.training.planner.search import Layout, Planned, Planner, layout_dict
+
+TINY = os.path.join(ROOT, "configs", "models", "tiny.json")
+REQUIRED_DEVICES = {"h100-sxm", "h100-pcie", "h200", "a100-80gb", "b200", "l40s", "mi300x"}
+
+
+def _base(**overrides) -> dict:
+    return {"model": TINY, "data": {"type": "synthetic"}, "seq_length": 64,
+            "batch": {"micro_batch_size": 1, "global_batch_size": 8}, **overrides}
+
+
+def test_every_shipped_device_profile_loads_with_its_sources() -> None:
+    assert REQUIRED_DEVICES <= set(device_names())
+    for name in device_names():
+        device = load_device(name)
+        assert device.peak("bf16") > 1e13 and device.memory_bytes > 16 * 2**30, name
+        for figure in ("peak_tflops", "memory_bytes", "hbm_bandwidth_gb_s", "intra_node", "inter_node", "gemm",
+                       "attention"):
+            assert len(device.sources.get(figure, "")) > 20, (name, figure)
+    with pytest.raises(ConfigError, match="no fp8 peak"):
+        load_device("a100-80gb").peak("fp8")
+
+
+def test_layout_parse() -> None:
+    layout = Layout.parse("tp=4,pp=8,vp=5,mbs=1,zero=1,recompute=1")
+    assert layout == Layout(tp=4, pp=8, vp=5, mbs=1, schedule="interleaved-1f1b", zero=1, recompute=True)
+    assert layout.label(64) == "tp4 pp8 vp5 dp2 mbs1 interleaved-1f1b zero1 recompute"
+    for bad in ("tp=x", "tq=2", "tp"):
+        with pytest.raises(ConfigError, match="--layout"):
+            Layout.parse(bad)
+
+
+def test_replay_with_stage_costs_and_transfers_is_the_hand_computed_span() -> None:
+    # 1F1B, 2 stages, 1 micro batch: F0, send, F1, B1 (+W1), send back, B0 (+W0)
+    costs = [{"F": 1.0, "B": 2.0, "W": 0.5}, {"F": 3.0, "B": 4.0, "W": 1.0}]
+    out = schedules.replay("1f1b", 2, 1, 1, costs, transfer=0.25)
+    assert out["time"] == pytest.approx(1.0 + 0.25 + 3.0 + 5.0 + 0.25 + 2.5)
+    assert out["busy"] == [pytest.approx(3.5), pytest.approx(8.0)]
+    # equal costs and no transfer: simulate's (the closed forms its tests check)
+    for name, chunks in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-v", 2)):
+        equal = [{"F": 1 / chunks, "B": 1 / chunks, "W": 1 / chunks}] * (4 * chunks)
+        assert schedules.replay(name, 4, 8, chunks, equal)["time"] == pytest.approx(
+            schedules.simulate(name, 4, 8, chunks)["time"])
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_every_listed_layout_is_a_valid_config_with_the_estimates_memory(gpus: int) -> None:
+    device = load_device("h100-sxm")
+    planned, refused = Planner(_base(), gpus, device, max_micro_batch=2).search()
+    assert planned and all(isinstance(p, Planned) for p in planned)
+    seen = set()
+    for p in planned:
+        # the training JSON it would write, read as train reads it, sized by estimate: the planner's figures
+        config = TrainingConfig.from_dict(layout_dict(_base(), p.layout))
+        config.check_world_size(gpus)
+        ds = build_deepspeed_config(config, config.deepspeed_config, gpus, "cuda")
+        assert [s.gpu_total for s in estimate(config, ds, gpus).stages] == [s.gpu_total for s in p.memory.stages]
+        assert p.time.step > 0 and 0 < p.time.mfu < 1 and 0 <= p.time.idle_share < 1
+        seen.add((p.layout.tp, p.layout.pp, p.layout.cp, p.layout.schedule))
+    # every degree the tiny model allows at this size is tried (TP up to the GPUs, CP over the heads, PP, schedules)
+    assert {(tp, pp) for tp, pp, _, _ in seen} == {(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 4)
+                                                   if tp * pp <= gpus}
+    assert {s for *_, s in seen} == set(schedules.SCHEDULES)
+    # ranked by predicted throughput
+    rates = [p.time.tokens_per_s_per_gpu for p in planned]
+    assert rates == sorted(rates, reverse=True)
+    # what it refuses is refused by the engine's own rules, in their words
+    assert all(r.reason for r in refused)
+
+
+def test_a_memory_refusal_is_the_estimates_figure_and_nothing_refused_would_fit() -> None:
+    device = load_device("l40s")
+    base = _base(model=os.path.join(ROOT, "configs", "models", "llama3-8b.json"), seq_length=4096,
+                 batch={"micro_batch_size": 1, "global_batch_size": 16})
+    planner = Planner(base, 8, device, schedules=["1f1b"], max_micro_batch=2)
+    planned, refused = planner.search()
+    memory = [r for r in refused if r.over > 0]
+    assert memory and planned
+    for r in memory:
+        config = TrainingConfig.from_dict(layout_dict(base, r.layout))
+        ds = build_deepspeed_config(config, config.deepspeed_config, 8, "cuda")
+        assert estimate(config, ds, 8).peak_gpu > planner.budget, r.layout
+    assert all(p.memory.peak_gpu <= planner.budget for p in planned)
+
+
+def _plan(*args: str) -> tuple[int, str, str]:
+    return _cli(["plan", *args])
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    result = record(subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "llama-megatron"), *argv],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=600))
+    return result.returncode, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--model", "llama3-8b", "--gpus", "6", "--gpus-per-node", "4", "--layout", "tp=4"],
+     "error: --gpus 6 is not a whole number of nodes of --gpus-per-node 4"),
+    (["--model", "llama3-8b", "--gpus", "8", "--device", "h300"],
+     "error: unknown device 'h300': one of " + ", ".join(device_names()) + ", or --device-file PATH"),
+    (["--model", "llama-9b", "--gpus", "8"], "error: --model 'llama-9b': neither a path nor a preset"),
+    (["--model", "llama3-8b", "--gpus", "8", "--layout", "tp=3"],
+     None),  # a layout the engine refuses: the engine's reason, exit 1 (nothing fits)
+])
+def test_one_line_per_bad_argument(args: list[str], line: str | None, capsys) -> None:
+    code = cli_main(["plan", *args])
+    out, err = capsys.readouterr()
+    if line is None:
+        assert code == 1 and "tensor parallel degree 3 does not divide num_attention_heads 32" in out, out
+        return
+    assert code == 2, (out, err)
+    lines = [text for text in err.splitlines() if text.strip()]
+    assert len(lines) == 1 and lines[0].startswith(line), err
+
+
+def test_a_405b_plan_lists_layouts_that_fit_80_gib(capsys) -> None:
+    code = cli_main(["plan", "--model", "llama3.1-405b", "--gpus", "512", "--device", "h100-sxm", "--seq-length",
+                     "8192", "--global-batch-size", "512", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["layouts"]
+    budget = 0.95 * load_device("h100-sxm").memory_bytes
+    assert all(max(p["peak_bytes_per_stage"]) <= budget for p in data["layouts"])
+    assert any(r["reason"].startswith("TP 16 > 8 GPUs per node") for r in data["refused"])
+
+
+@pytest.mark.launched
+def test_every_layout_listed_for_two_and_four_processes_trains_a_step(tmp_path) -> None:
+    """Each layout `plan` lists for the tiny model (micro batch 1), written as `--write` writes it and trained one
+    step in one launch per process count; at 4 processes without recomputation (the 2-process runs have it)."""
+    for gpus in (2, 4):
+        base = _base(train={"steps": 1}, logging={"interval": 1, "tensorboard_dir": None}, kernels="reference",
+                     checkpoint={"save": None, "load": None, "interval": 0})
+        planned, _ = Planner(base, gpus, load_device("h100-sxm"), max_micro_batch=1).search()
+        layouts = [p.layout for p in planned if gpus == 2 or not p.layout.recompute]
+        runs = []
+        for i, layout in enumerate(layouts):
+            out = tmp_path / f"{gpus}-{i}"
+            path = tmp_path / f"{gpus}-{i}.json"
+            path.write_text(json.dumps({**layout_dict(base, layout), "output_dir": str(out)}))
+            runs.append(["--config", str(path)])
+        launch_many(gpus, runs, str(tmp_path / f"runs{gpus}.json"), timeout=1800)
+        for i, layout in enumerate(layouts):
+            assert list(losses(str(tmp_path / f"{gpus}-{i}"))) == [1], layout
+
+
+@pytest.mark.launched
+def test_the_written_layout_trains_as_written(tmp_path) -> None:
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(_base(train={"steps": 2}, output_dir=str(tmp_path / "run"), kernels="reference",
+                                       logging={"interval": 1, "tensorboard_dir": None})))
+    best = tmp_path / "best.json"
+    code, out, err = _plan("--config", str(config), "--gpus", "2", "--device", "h100-sxm", "--write", str(best))
+    assert code == 0, err
+    assert f"wrote {best} (and {tmp_path / 'best.deepspeed.json'})" in out
+    written = json.loads(best.read_text())
+    assert written["deepspeed_config"] == str(tmp_path / "best.deepspeed.json")
+    run_command(2, ["-m", "llama_megatron.train"], ["--config", str(best)], launcher=True)
+    assert sorted(losses(str(tmp_path / "run"))) == [1, 2]

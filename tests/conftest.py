@@ -60,7 +60,7 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     "test_training_watchdog.py": 20,
     # README's tour, twice, its recipes a few steps each (2026-11-27: 530 s alone), the recipes' outcomes, the launch
     "test_readme_tour.py": 530, "test_training_recipes.py": 110, "test_parallel_rendezvous.py": 60,
-    "test_training_planner.py": 230,  # 108 layouts a step each (2026-11-27: 205 s alone)
+    "test_training_planner.py": 230,  # the listed layouts a step each, a calibration (2026-11-27)
 }
 
 

@@ -179,3 +179,16 @@ def test_pipeline_schedules_smoke(tmp_path) -> None:
     assert zero["activation_peak_mib"][1] > one["activation_peak_mib"][1]
     assert line["interleaved-1f1b_over_1f1b"]["sent_bytes"] == pytest.approx(3, rel=0.02)
     assert line["zb-v_over_1f1b"]["sent_bytes"] == pytest.approx(2, rel=0.02)
+
+
+@pytest.mark.launched
+def test_planner_accuracy_smoke() -> None:
+    """The tiny model's 2-process layouts, 3 steps: every layout predicted and measured, the summary computed."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "planner_accuracy.py"), "--model",
+         os.path.join(ROOT, "configs", "models", "tiny.json"), "--seq", "64", "--steps", "3", "--only", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(line["layouts"]) == 5 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in line["layouts"])
+    assert -1 <= line["by_processes"]["2"]["spearman"] <= 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 from launch_utils import ROOT, launch_many, losses, record, run_command
@@ -112,7 +113,7 @@ def _plan(*args: str) -> tuple[int, str, str]:
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
-    result = record(subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "llama-megatron"), *argv],
+    result = record(subprocess.run([os.path.join(os.path.dirname(sys.executable), "llama-megatron"), *argv],
                                    cwd=ROOT, capture_output=True, text=True, timeout=600))
     return result.returncode, result.stdout, result.stderr
 
@@ -150,12 +151,13 @@ def test_a_405b_plan_lists_layouts_that_fit_80_gib(capsys) -> None:
 @pytest.mark.launched
 def test_every_layout_listed_for_two_and_four_processes_trains_a_step(tmp_path) -> None:
     """Each layout `plan` lists for the tiny model (micro batch 1), written as `--write` writes it and trained one
-    step in one launch per process count; at 4 processes without recomputation (the 2-process runs have it)."""
+    step in one launch per process count; at 4 processes those at ZeRO-1 without recomputation (the 2-process runs
+    have every ZeRO stage and recomputation; the 4-process ones add the degrees and schedules 2 cannot hold)."""
     for gpus in (2, 4):
         base = _base(train={"steps": 1}, logging={"interval": 1, "tensorboard_dir": None}, kernels="reference",
                      checkpoint={"save": None, "load": None, "interval": 0})
         planned, _ = Planner(base, gpus, load_device("h100-sxm"), max_micro_batch=1).search()
-        layouts = [p.layout for p in planned if gpus == 2 or not p.layout.recompute]
+        layouts = [p.layout for p in planned if gpus == 2 or (not p.layout.recompute and p.layout.zero == 1)]
         runs = []
         for i, layout in enumerate(layouts):
             out = tmp_path / f"{gpus}-{i}"
@@ -180,3 +182,18 @@ def test_the_written_layout_trains_as_written(tmp_path) -> None:
     assert written["deepspeed_config"] == str(tmp_path / "best.deepspeed.json")
     run_command(2, ["-m", "llama_megatron.train"], ["--config", str(best)], launcher=True)
     assert sorted(losses(str(tmp_path / "run"))) == [1, 2]
+
+
+@pytest.mark.launched
+def test_calibrate_writes_a_profile_plan_reads(tmp_path) -> None:
+    profile = tmp_path / "cpu.json"
+    code, out, err = _cli(["plan", "--calibrate", "--nproc", "2", "--output", str(profile)])
+    assert code == 0, err
+    assert f"wrote {profile}" in out
+    device = load_device(path=str(profile))
+    assert device.name == "cpu" and device.gpus_per_node == 2 and device.peak("bf16") > 1e8
+    assert device.intra_node.bandwidth > 0 and 0 < device.attention_efficiency <= 1
+    assert all("plan --calibrate --nproc 2" in source for source in device.sources.values())
+    code, out, err = _plan("--model", TINY, "--gpus", "2", "--device-file", str(profile), "--seq-length", "64",
+                           "--global-batch-size", "8", "--top", "3")
+    assert code == 0 and "2 x cpu (2 per node)" in out, err

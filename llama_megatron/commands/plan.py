@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's, else 4096)")
     what.add_argument("--global-batch-size", type=int, help="samples per step (default: the config's, else 512)")
     where = parser.add_argument_group("the cluster")
-    where.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    where.add_argument("--gpus", type=int, help="GPUs in all")
     where.add_argument("--gpus-per-node", type=int, help="default: the device profile's")
     where.add_argument("--device", default="h100-sxm", help=f"a profile of configs/devices: {', '.join(device_names())}")
     where.add_argument("--device-file", help="a device profile JSON of your own (plan --calibrate writes one)")
@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the device memory kept free (allocator, CUDA context; default 0.05)")
     search.add_argument("--layout", help="evaluate one layout: tp=4,pp=8,vp=5,cp=1,ep=1,mbs=1,"
                                          "schedule=interleaved-1f1b,zero=1,recompute=1")
+    measure = parser.add_argument_group("measuring this machine")
+    measure.add_argument("--calibrate", action="store_true",
+                         help="measure GEMMs, attention, memory and all-reduce between --nproc local processes and "
+                              "write a device profile (--output); plan with it through --device-file")
+    measure.add_argument("--nproc", type=int, default=2, help="processes (ranks) the calibration measures (default 2)")
+    measure.add_argument("--output", default="runs/devices/cpu.json", help="where --calibrate writes the profile")
     out = parser.add_argument_group("the output")
     out.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     out.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
@@ -77,6 +83,8 @@ def base_config(args: argparse.Namespace) -> dict:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.gpus is None:
+        raise ConfigError("plan needs --gpus N (or --calibrate)")
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     if args.gpus_per_node is not None and (args.gpus_per_node < 1 or args.gpus % min(args.gpus, args.gpus_per_node)):
@@ -104,7 +112,29 @@ def _record(planned: Planned, gpus: int) -> dict:
             "idle_s": t.idle}
 
 
+def calibrate(args: argparse.Namespace) -> int:
+    from llama_megatron.training.planner.calibrate import calibrate as measure
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    profile = measure(args.nproc)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    temp = f"{args.output}.tmp-{os.getpid()}"
+    with open(temp, "w", encoding="utf-8") as fh:
+        json.dump(profile.to_dict(), fh, indent=2)
+        fh.write("\n")
+    os.replace(temp, args.output)
+    link = profile.intra_node
+    print(f"{profile.description}: GEMM peak {profile.peak('bf16') / 1e9:.1f} GFLOP/s (half at "
+          f"{profile.gemm_half_flops / 1e6:.1f} MFLOP), attention {profile.attention_efficiency:.2f} of it, memory "
+          f"{profile.hbm_bandwidth / 1e9:.1f} GB/s, all-reduce {link.bandwidth / 1e9:.2f} GB/s + "
+          f"{link.latency * 1e6:.0f} us per step; wrote {args.output} (plan --device-file {args.output})")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return calibrate(args)
     _check(args)
     device = load_device(args.device, args.device_file)
     base = base_config(args)

@@ -1,0 +1,140 @@
+"""``plan --calibrate``: a device profile of this machine, measured (the ``cpu`` profile is never a constant).
+
+One process per rank to be (``--nproc``), each with one thread as the training launches run them:
+
+- GEMMs: square bf16 matmuls of several sizes; ``1 / rate = 1 / E + h / (E g)`` (``g`` a GEMM's FLOPs) fitted
+  by least squares gives the peak ``E`` (efficiency 1 by definition) and the size ``h`` at which half of it is
+  reached: the profile's ``gemm`` roll-off;
+- attention: causal scaled-dot-product attention, forward and backward, at the model-sized head dimension, its
+  FLOPs (half the square) over ``E``: ``attention.efficiency``;
+- memory: a large copy's bytes read and written per second;
+- links: all-reduce between the ``nproc`` local processes (gloo) of several sizes, ``t = 2 (n-1)/n S / B + 2
+  (n-1) L`` fitted for the bandwidth ``B`` and latency ``L``, used for both the intra- and the inter-node link
+  (one host).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llama_megatron.parallel.placement import free_port
+from llama_megatron.training.planner.devices import DeviceProfile, Link
+
+GEMM_SIZES = (64, 128, 256, 384, 512, 768)
+ALL_REDUCE_BYTES = (2**12, 2**15, 2**18, 2**20, 2**22)
+
+
+def _timed(run, repeats: int = 5) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
+
+
+def measure_gemm(dtype: torch.dtype = torch.bfloat16) -> tuple[float, float, list[tuple[float, float]]]:
+    """(peak FLOP/s, FLOPs of a GEMM at half of it, the measured (FLOPs, FLOP/s) points)."""
+    points = []
+    for n in GEMM_SIZES:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        flops = 2.0 * n**3
+        points.append((flops, flops / _timed(lambda a=a, b=b: a @ b)))
+    intercept, slope = _fit_line([1 / g for g, _ in points], [1 / r for _, r in points])
+    best = max(r for _, r in points)
+    peak = 1 / intercept if intercept > 0 else best  # the fit's asymptote (the largest rate when it has none)
+    half = max(slope * peak, 0.0)
+    return peak, half, points
+
+
+def measure_attention(peak: float, seq: int = 512, heads: int = 4, head_dim: int = 64) -> float:
+    """Causal attention's FLOP/s (forward and backward, half the square) over the GEMM peak."""
+    q, k, v = (torch.randn(1, heads, seq, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    flops = 3.5 * 4 * seq * seq * heads * head_dim * 0.5  # forward 1, backward 2.5 (the cost model's rule)
+    return min(1.0, flops / _timed(step) / peak)
+
+
+def measure_memory(nbytes: int = 2**27) -> float:
+    source = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    target = torch.empty_like(source)
+    return 2 * nbytes / _timed(lambda: target.copy_(source))
+
+
+def _all_reduce_worker(rank: int, world: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for size in ALL_REDUCE_BYTES:
+            tensor = torch.ones(size // 4)
+            dist.barrier()
+            took = _timed(lambda tensor=tensor: dist.all_reduce(tensor), repeats=7)
+            if rank == 0:
+                results[size] = took
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(nproc: int) -> Link:
+    """All-reduce between ``nproc`` local processes, fitted to the ring formula."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_all_reduce_worker, args=(nproc, free_port(), results), nprocs=nproc, join=True)
+        times = dict(results)
+    steps = nproc - 1
+    intercept, slope = _fit_line([2 * steps / nproc * s for s in ALL_REDUCE_BYTES],
+                                 [times[s] for s in ALL_REDUCE_BYTES])
+    return Link(bandwidth=1 / slope if slope > 0 else float("inf"), latency=max(intercept, 0.0) / (2 * steps))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def calibrate(nproc: int) -> DeviceProfile:
+    """This machine as ``nproc`` one-thread ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak, half, _ = measure_gemm()
+        attention = measure_attention(peak)
+        hbm = measure_memory()
+    finally:
+        torch.set_num_threads(threads)
+    link = measure_link(nproc) if nproc > 1 else Link(float("inf"), 0.0)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(nproc, 1)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = f"measured by `llama-megatron plan --calibrate --nproc {nproc}` on this machine, {when}"
+    return DeviceProfile(
+        name="cpu", description=f"{_cpu_name()}, {nproc} one-thread ranks (gloo)", memory_bytes=int(memory),
+        peak_flops={"bf16": peak, "fp8": None}, hbm_bandwidth=hbm, gpus_per_node=nproc, intra_node=link,
+        inter_node=link, gemm_efficiency=1.0, gemm_half_flops=half, attention_efficiency=attention,
+        sources={key: source for key in ("peak_tflops", "memory_bytes", "hbm_bandwidth_gb_s", "intra_node",
+                                         "inter_node", "gemm", "attention")})

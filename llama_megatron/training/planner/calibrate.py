@@ -1,6 +1,7 @@
 """``plan --calibrate``: a device profile of this machine, measured (the ``cpu`` profile is never a constant).
 
-One process per rank to be (``--nproc``), each with one thread as the training launches run them:
+One process per rank to be (``--nproc``), each with one thread as the training launches run them, all measuring
+at once (ranks that share cores get their share, as they do in training; the median over the ranks is kept):
 
 - GEMMs: square bf16 matmuls of several sizes; ``1 / rate = 1 / E + h / (E g)`` (``g`` a GEMM's FLOPs) fitted
   by least squares gives the peak ``E`` (efficiency 1 by definition) and the size ``h`` at which half of it is
@@ -8,7 +9,7 @@ One process per rank to be (``--nproc``), each with one thread as the training l
 - attention: causal scaled-dot-product attention, forward and backward, at the model-sized head dimension, its
   FLOPs (half the square) over ``E``: ``attention.efficiency``;
 - memory: a large copy's bytes read and written per second;
-- links: all-reduce between the ``nproc`` local processes (gloo) of several sizes, ``t = 2 (n-1)/n S / B + 2
+- links: all-reduce between the ``nproc`` processes (gloo) of several sizes, ``t = 2 (n-1)/n S / B + 2
   (n-1) L`` fitted for the bandwidth ``B`` and latency ``L``, used for both the intra- and the inter-node link
   (one host).
 """
@@ -81,30 +82,38 @@ def measure_memory(nbytes: int = 2**27) -> float:
     return 2 * nbytes / _timed(lambda: target.copy_(source))
 
 
-def _all_reduce_worker(rank: int, world: int, port: int, results) -> None:
+def _worker(rank: int, world: int, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        dist.barrier()
+        peak, half, _ = measure_gemm()
+        attention = measure_attention(peak)
+        memory = measure_memory()
+        timings = {}
         for size in ALL_REDUCE_BYTES:
             tensor = torch.ones(size // 4)
             dist.barrier()
-            took = _timed(lambda tensor=tensor: dist.all_reduce(tensor), repeats=7)
-            if rank == 0:
-                results[size] = took
+            timings[size] = _timed(lambda tensor=tensor: dist.all_reduce(tensor), repeats=7)
+        results[rank] = {"peak": peak, "half": half, "attention": attention, "memory": memory, "timings": timings}
     finally:
         dist.destroy_process_group()
 
 
-def measure_link(nproc: int) -> Link:
-    """All-reduce between ``nproc`` local processes, fitted to the ring formula."""
+def measure_ranks(nproc: int) -> dict:
+    """Every measurement in ``nproc`` concurrent one-thread processes: the median over them of each figure, and
+    the all-reduce fitted to the ring formula for the link."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_all_reduce_worker, args=(nproc, free_port(), results), nprocs=nproc, join=True)
-        times = dict(results)
+        mp.spawn(_worker, args=(nproc, free_port(), results), nprocs=nproc, join=True)
+        ranks = [dict(results[r]) for r in range(nproc)]
+    merged = {key: statistics.median(r[key] for r in ranks) for key in ("peak", "half", "attention", "memory")}
     steps = nproc - 1
-    intercept, slope = _fit_line([2 * steps / nproc * s for s in ALL_REDUCE_BYTES],
-                                 [times[s] for s in ALL_REDUCE_BYTES])
-    return Link(bandwidth=1 / slope if slope > 0 else float("inf"), latency=max(intercept, 0.0) / (2 * steps))
+    times = [statistics.median(r["timings"][s] for r in ranks) for s in ALL_REDUCE_BYTES]
+    intercept, slope = _fit_line([2 * steps / nproc * s for s in ALL_REDUCE_BYTES], times)
+    merged["link"] = Link(bandwidth=1 / slope if slope > 0 else float("inf"),
+                          latency=max(intercept, 0.0) / (2 * steps))
+    return merged
 
 
 def _cpu_name() -> str:
@@ -120,21 +129,24 @@ def _cpu_name() -> str:
 
 def calibrate(nproc: int) -> DeviceProfile:
     """This machine as ``nproc`` one-thread ranks."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        peak, half, _ = measure_gemm()
-        attention = measure_attention(peak)
-        hbm = measure_memory()
-    finally:
-        torch.set_num_threads(threads)
-    link = measure_link(nproc) if nproc > 1 else Link(float("inf"), 0.0)
+    if nproc > 1:
+        measured = measure_ranks(nproc)
+    else:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            peak, half, _ = measure_gemm()
+            measured = {"peak": peak, "half": half, "attention": measure_attention(peak),
+                        "memory": measure_memory(), "link": Link(float("inf"), 0.0)}
+        finally:
+            torch.set_num_threads(threads)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(nproc, 1)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     source = f"measured by `llama-megatron plan --calibrate --nproc {nproc}` on this machine, {when}"
     return DeviceProfile(
         name="cpu", description=f"{_cpu_name()}, {nproc} one-thread ranks (gloo)", memory_bytes=int(memory),
-        peak_flops={"bf16": peak, "fp8": None}, hbm_bandwidth=hbm, gpus_per_node=nproc, intra_node=link,
-        inter_node=link, gemm_efficiency=1.0, gemm_half_flops=half, attention_efficiency=attention,
+        peak_flops={"bf16": measured["peak"], "fp8": None}, hbm_bandwidth=measured["memory"], gpus_per_node=nproc,
+        intra_node=measured["link"], inter_node=measured["link"], gemm_efficiency=1.0,
+        gemm_half_flops=measured["half"], attention_efficiency=measured["attention"],
         sources={key: source for key in ("peak_tflops", "memory_bytes", "hbm_bandwidth_gb_s", "intra_node",
                                          "inter_node", "gemm", "attention")})

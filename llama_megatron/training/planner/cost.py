@@ -27,7 +27,7 @@ from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.diagnostics.flops import training_flops_per_token
 from llama_megatron.training.diagnostics.memory_estimate import rank_parameter_counts, stage_layer_kinds
 from llama_megatron.training.engine.deepspeed_config import zero_stage
-from llama_megatron.training.pipeline.schedules import replay, schedule_record
+from llama_megatron.training.pipeline.schedules import placement_of, replay, schedule_record
 from llama_megatron.training.planner.devices import DeviceProfile, Link
 
 ATTENTION_BACKWARD = 2.5  # fused attention's backward over its forward (FlashAttention-2's recomputes the scores)
@@ -197,21 +197,17 @@ class CostModel:
         compute = [sum(p.compute for p in stage.values()) for stage in stages]
         n = config.batch.micro_batch_size * config.rows_per_sample * config.seq_length / cp
         boundary = (n / tp if par.sequence_parallel else n) * config.model.hidden_size * 2
-        transfer = 0.0
         if pp > 1:
             link = self._link(tp * cp * dp, pp)
             transfer = boundary / link.bandwidth + link.latency
-        if pp > 1:
             if not record.split_backward:
                 costs = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in costs]
             replayed = replay(pipe.schedule, pp, micro_batches, chunks, costs, transfer)
             span = replayed["time"]
         else:
             span = micro_batches * sum(costs[0].values())
-        owner = [[s for s in range(len(stages)) if s % pp == r or (record.placement == "v" and
-                                                                   len(stages) - 1 - s == r)] for r in range(pp)]
-        if record.placement != "v":
-            owner = [[r + c * pp for c in range(chunks)] for r in range(pp)]
+        placement = placement_of(pipe.schedule, pp, chunks)
+        owner = [[placement.stage(r, c) for c in range(chunks)] for r in range(pp)]  # each rank's virtual stages
         rank_compute = [micro_batches * sum(compute[s] for s in owner[r]) for r in range(pp)]
         rank_comm = [micro_batches * sum(comm[s] for s in owner[r]) for r in range(pp)]
         busiest = max(range(pp), key=lambda r: rank_compute[r] + rank_comm[r])

@@ -20,7 +20,7 @@ from llama_megatron.training.diagnostics.memory_estimate import (
     rank_parameter_counts,
 )
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
-from llama_megatron.training.pipeline.schedules import SCHEDULES, schedule_record
+from llama_megatron.training.pipeline.schedules import SCHEDULES, micro_batch_rule, schedule_record
 from llama_megatron.training.planner.cost import CostModel, StepTime
 from llama_megatron.training.planner.devices import DeviceProfile
 
@@ -213,6 +213,13 @@ class Planner:
                 out += [(name, v) for v in record.chunks]
         return out
 
+    def _micro_batches_refused(self, layout: Layout) -> bool:
+        """Whether the schedule cannot run this layout's micro batches per step: the one refusal a larger micro
+        batch (fewer of them) may lift."""
+        global_batch = self.base_config.batch.global_batch_size
+        micro_batches = global_batch // (layout.dp(self.gpus) * layout.mbs)
+        return layout.pp > 1 and micro_batch_rule(layout.schedule, layout.pp, layout.vp, micro_batches) is not None
+
     def search(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[Planned], list[Refused]]:
         groups = list(self.candidates())
         planned, refused = [], []
@@ -221,8 +228,8 @@ class Planner:
                 result = self.check(layout)
                 if isinstance(result, Refused):
                     refused.append(result)
-                    if result.over > 0 or "micro batch" not in result.reason:
-                        break  # a larger micro batch needs more memory (or fails the same rule)
+                    if not self._micro_batches_refused(layout):
+                        break  # a larger micro batch needs more memory, or fails the same rule
                 else:
                     planned.append(result)
             if progress is not None:

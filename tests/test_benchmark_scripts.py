@@ -190,5 +190,5 @@ def test_planner_accuracy_smoke() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(line["layouts"]) == 5 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in line["layouts"])
+    assert len(line["layouts"]) == 6 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in line["layouts"])
     assert -1 <= line["by_processes"]["2"]["spearman"] <= 1

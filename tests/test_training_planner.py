@@ -2,27 +2,29 @@
 its replay is the schedules', its errors are one line; the layouts it lists build and train a step; what it
 writes trains as written.
 
-What is not here yet (issue 54, docs/planner.md "What is checked"): the step times against measured runs (the
-calibrated CPU profile) and against published GPU layouts.
+The step times against measured runs are benchmarks/planner_accuracy.py's (a benchmark, not a timed test; its
+smoke run is in test_benchmark_scripts.py), against published GPU layouts docs/planner.md's table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from launch_utils import ROOT, launch_many, losses, record, run_command
 
 from llama_megatron.cli import main as cli_main
 from llama_megatron.errors import ConfigError
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.diagnostics.memory_estimate import estimate
+from llama_megatron.training.diagnostics.memory_estimate import estimate, rank_parameter_counts
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 from llama_megatron.training.pipeline import schedules
-from llama_megatron.training.planner.devices import device_names, load_device
+from llama_megatron.training.planner.devices import UNIT_PROFILE, DeviceProfile, device_names, load_device
 from llama_megatron.training.planner.search import Layout, Planned, Planner, layout_dict
 
 TINY = os.path.join(ROOT, "configs", "models", "tiny.json")
@@ -50,6 +52,10 @@ def test_layout_parse() -> None:
     layout = Layout.parse("tp=4,pp=8,vp=5,mbs=1,zero=1,recompute=1")
     assert layout == Layout(tp=4, pp=8, vp=5, mbs=1, schedule="interleaved-1f1b", zero=1, recompute=True)
     assert layout.label(64) == "tp4 pp8 vp5 dp2 mbs1 interleaved-1f1b zero1 recompute"
+    no_sp = Layout.parse("tp=2,sp=0")
+    assert not no_sp.sequence_parallel and no_sp.label(2) == "tp2 pp1 dp1 mbs1 zero1 no-sp"
+    assert layout_dict(_base(), no_sp)["parallel"]["sequence_parallel"] is False
+    assert Layout.parse("tp=2").sequence_parallel and not Layout.parse("sp=1").sequence_parallel  # TP 1: no SP
     for bad in ("tp=x", "tq=2", "tp"):
         with pytest.raises(ConfigError, match="--layout"):
             Layout.parse(bad)
@@ -66,6 +72,82 @@ def test_replay_with_stage_costs_and_transfers_is_the_hand_computed_span() -> No
         equal = [{"F": 1 / chunks, "B": 1 / chunks, "W": 1 / chunks}] * (4 * chunks)
         assert schedules.replay(name, 4, 8, chunks, equal)["time"] == pytest.approx(
             schedules.simulate(name, 4, 8, chunks)["time"])
+
+
+def test_gemms_are_timed_at_their_measured_shapes() -> None:
+    planner = Planner(_base(), 2, UNIT_PROFILE)
+    shapes = planner.gemm_shapes([Layout(tp=2)])
+    # tiny: hidden 128, TP2 rank: fused QKV 64 + 2 x 32 wide, output 64 -> 128, gate and up 2 x 176, head 2048 rows
+    forward = {(64, 128, 128), (64, 64, 128), (64, 128, 352), (64, 176, 128), (64, 128, 2048)}
+    backward = {(m, n, k) for m, k, n in forward} | {(k, m, n) for m, k, n in forward}
+    assert shapes == forward | backward
+    assert len(planner.gemm_shapes()) > len(shapes)  # every candidate's
+    device = load_device("h100-sxm")
+    plain = Planner(_base(), 2, device).check(Layout(tp=2)).time.step
+    # measured shapes at what the roll-off gives: the same step; measured slower: a slower step
+    same = {shape: device.gemm_seconds(*shape, "bf16") for shape in shapes}
+    timed = dataclasses.replace(device, gemm_measured=same)
+    assert Planner(_base(), 2, timed).check(Layout(tp=2)).time.step == pytest.approx(plain)
+    slower = dataclasses.replace(device, gemm_measured={shape: 10 * t for shape, t in same.items()})
+    assert Planner(_base(), 2, slower).check(Layout(tp=2)).time.step > 2 * plain
+    assert DeviceProfile.from_dict(slower.to_dict(), "here").gemm_measured == pytest.approx(slower.gemm_measured)
+
+
+def test_eager_bytes_are_counted_from_the_engines_operators() -> None:
+    from llama_megatron.model.kernels import reference
+    from llama_megatron.training.planner import traffic
+
+    h = 256
+    weight = torch.ones(h, dtype=torch.bfloat16, device="meta")
+
+    def norm(counter) -> None:
+        x = torch.randn(1, traffic.TOKENS, h, dtype=torch.bfloat16, requires_grad=True)
+        with counter:
+            out = reference.rms_norm(x, weight, 1e-5)
+            counter.forward_done()
+            out.sum().backward()
+
+    counted = traffic._count(h, norm)
+    # bytes per element, forward: cast to fp32 (2 + 4), square (4 + 4), mean (4), scale (4 + 4), cast back
+    # (4 + 2), weight (2 + 2) = 36; per token besides: the mean, eps and rsqrt on one fp32 value each, the weight
+    assert counted.forward_hidden == pytest.approx(36 * h, rel=0.03)
+    assert counted.backward_hidden > counted.forward_hidden  # autograd's backward moves more
+    model = TrainingConfig.from_dict(_base(model=os.path.join(ROOT, "configs", "models", "llama-50m.json"))).model
+    one, two = traffic.decoder_layer_bytes(model, 1, False), traffic.decoder_layer_bytes(model, 2, False)
+    assert two.forward_hidden == one.forward_hidden  # norms and residuals: hidden-wide on every TP rank
+    # RoPE, SwiGLU: 1/TP the width (RoPE's cos and sin per position do not shrink)
+    assert one.forward_other / 2 < two.forward_other < 0.6 * one.forward_other
+    # the cost model charges them for the reference kernels only
+    device = dataclasses.replace(load_device("h100-sxm"), cores_per_node=8)  # auto: reference on a CPU host
+    eager = Planner(_base(kernels="reference"), 2, device).check(Layout()).time.step
+    fused = Planner(_base(kernels="compiled"), 2, device).check(Layout()).time.step
+    assert eager > fused
+
+
+def test_offload_is_planned_where_the_optimizer_states_do_not_fit() -> None:
+    base = _base(model=os.path.join(ROOT, "configs", "models", "llama3-8b.json"), seq_length=1024)
+    device = load_device("h100-sxm")
+    planned, refused = Planner(base, 1, device).search()  # 8B's weights and Adam states: 105 GiB on one GPU
+    assert planned and all(p.layout.offload for p in planned)
+    assert any("weights and Adam states alone" in r.reason for r in refused if not r.layout.offload)
+    best = planned[0]
+    zero = best.ds["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and best.memory.stages[0].cpu_total > 0
+    # host link and memory: gradients down, parameters up, Adam over the states; more than the GPU compute
+    params = max(rank_parameter_counts(best.config))
+    host = params * 4 / device.host_link + params * 30 / device.host_memory_bandwidth
+    assert best.time.step >= best.time.compute + host
+    assert Planner(base, 1, dataclasses.replace(device, host_link=None)).search()[0] == []
+
+
+def test_ranks_sharing_cores_are_no_faster_than_their_compute_over_the_cores() -> None:
+    device, base = load_device("h100-sxm"), _base(kernels="reference")  # a host's cores: auto would be reference
+    own = Planner(base, 2, device).check(Layout()).time  # DP2: both ranks busy all the step
+    two = Planner(base, 2, dataclasses.replace(device, cores_per_node=2)).check(Layout()).time
+    one = Planner(base, 2, dataclasses.replace(device, cores_per_node=1)).check(Layout()).time
+    assert two.step == own.step  # a core each
+    assert one.step > own.step and one.step >= 2 * own.compute
+    assert DeviceProfile.from_dict(dataclasses.replace(device, cores_per_node=1).to_dict(), "here").cores_per_node == 1
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
@@ -187,11 +269,15 @@ def test_the_written_layout_trains_as_written(tmp_path) -> None:
 @pytest.mark.launched
 def test_calibrate_writes_a_profile_plan_reads(tmp_path) -> None:
     profile = tmp_path / "cpu.json"
-    code, out, err = _cli(["plan", "--calibrate", "--nproc", "2", "--output", str(profile)])
+    code, out, err = _cli(["plan", "--calibrate", "--nproc", "2", "--output", str(profile), "--model", TINY,
+                           "--seq-length", "64", "--global-batch-size", "8", "--max-micro-batch", "2"])
     assert code == 0, err
     assert f"wrote {profile}" in out
     device = load_device(path=str(profile))
     assert device.name == "cpu" and device.gpus_per_node == 2 and device.peak("bf16") > 1e8
+    assert device.cores_per_node == len(os.sched_getaffinity(0))
+    shapes = Planner(_base(), 2, UNIT_PROFILE, max_micro_batch=2).gemm_shapes()
+    assert set(device.gemm_measured) == shapes and min(device.gemm_measured.values()) > 0
     assert device.intra_node.bandwidth > 0 and 0 < device.attention_efficiency <= 1
     assert all("plan --calibrate --nproc 2" in source for source in device.sources.values())
     code, out, err = _plan("--model", TINY, "--gpus", "2", "--device-file", str(profile), "--seq-length", "64",

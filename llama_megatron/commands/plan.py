@@ -14,8 +14,9 @@ import sys
 
 from llama_megatron.config import read_json
 from llama_megatron.errors import ConfigError
+from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.progress import TaskProgress
-from llama_megatron.training.planner.devices import device_names, load_device
+from llama_megatron.training.planner.devices import UNIT_PROFILE, device_names, load_device
 from llama_megatron.training.planner.search import GiB, Layout, Planned, Planner, Refused, write_layout
 
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--config", help="a training JSON: model, sequence, batch (and the rest of what --write writes)")
     what.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's, else 4096)")
     what.add_argument("--global-batch-size", type=int, help="samples per step (default: the config's, else 512)")
+    what.add_argument("--kernels", choices=KERNEL_CHOICES,
+                      help="the training config's kernels (default: the config's, else auto: compiled on GPUs); "
+                           "reference costs the eager operators' memory traffic")
     where = parser.add_argument_group("the cluster")
     where.add_argument("--gpus", type=int, help="GPUs in all")
     where.add_argument("--gpus-per-node", type=int, help="default: the device profile's")
@@ -42,11 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--memory-margin", type=float, default=0.05,
                         help="share of the device memory kept free (allocator, CUDA context; default 0.05)")
     search.add_argument("--layout", help="evaluate one layout: tp=4,pp=8,vp=5,cp=1,ep=1,mbs=1,"
-                                         "schedule=interleaved-1f1b,zero=1,recompute=1")
+                                         "schedule=interleaved-1f1b,zero=1,recompute=1,sp=0,offload=1")
     measure = parser.add_argument_group("measuring this machine")
     measure.add_argument("--calibrate", action="store_true",
                          help="measure GEMMs, attention, memory and all-reduce between --nproc local processes and "
-                              "write a device profile (--output); plan with it through --device-file")
+                              "write a device profile (--output); plan with it through --device-file. With --model "
+                              "or --config it also times every GEMM of that model's layouts on --nproc ranks")
     measure.add_argument("--nproc", type=int, default=2, help="processes (ranks) the calibration measures (default 2)")
     measure.add_argument("--output", default="runs/devices/cpu.json", help="where --calibrate writes the profile")
     out = parser.add_argument_group("the output")
@@ -79,6 +84,8 @@ def base_config(args: argparse.Namespace) -> dict:
         base["seq_length"] = args.seq_length
     if args.global_batch_size is not None:
         base["batch"] = {**base.get("batch", {}), "global_batch_size": args.global_batch_size}
+    if args.kernels is not None:
+        base["kernels"] = args.kernels
     return base
 
 
@@ -117,7 +124,11 @@ def calibrate(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    profile = measure(args.nproc)
+    shapes: set = set()
+    if args.model is not None or args.config is not None:  # the GEMMs of every layout of it on --nproc ranks
+        shapes = Planner(base_config(args), args.nproc, UNIT_PROFILE, max_micro_batch=args.max_micro_batch
+                         ).gemm_shapes()
+    profile = measure(args.nproc, shapes)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     temp = f"{args.output}.tmp-{os.getpid()}"
     with open(temp, "w", encoding="utf-8") as fh:
@@ -125,7 +136,8 @@ def calibrate(args: argparse.Namespace) -> int:
         fh.write("\n")
     os.replace(temp, args.output)
     link = profile.intra_node
-    print(f"{profile.description}: GEMM peak {profile.peak('bf16') / 1e9:.1f} GFLOP/s (half at "
+    print(f"{profile.description} ({profile.cores_per_node} cores; {len(profile.gemm_measured)} GEMM shapes timed): "
+          f"GEMM peak {profile.peak('bf16') / 1e9:.1f} GFLOP/s (half at "
           f"{profile.gemm_half_flops / 1e6:.1f} MFLOP), attention {profile.attention_efficiency:.2f} of it, memory "
           f"{profile.hbm_bandwidth / 1e9:.1f} GB/s, all-reduce {link.bandwidth / 1e9:.2f} GB/s + "
           f"{link.latency * 1e6:.0f} us per step; wrote {args.output} (plan --device-file {args.output})")

@@ -246,7 +246,7 @@ def optimizer_wrapper(ds: dict, pp: int) -> str:
     prec, stage = precision(ds), zero_stage(ds)
     accum = ds.get("data_types", {}).get("grad_accum_dtype")
     accum_fp32 = accum in ("fp32", "float32", "float")
-    offload = _offload(ds, "offload_optimizer")
+    offload = offloaded(ds, "offload_optimizer")
     if stage >= 1:
         return "bf16" if prec == "bf16" and accum_fp32 and stage == 1 and not offload else f"zero{stage}"
     if prec == "fp32":
@@ -257,7 +257,7 @@ def optimizer_wrapper(ds: dict, pp: int) -> str:
     return "bf16" if prec == "bf16" and pp > 1 else "fp16_wrapper"
 
 
-def _offload(ds: dict, key: str) -> bool:
+def offloaded(ds: dict, key: str) -> bool:
     return ds.get("zero_optimization", {}).get(key, {}).get("device") in ("cpu", "nvme")
 
 
@@ -279,7 +279,7 @@ def _states(params: list[tuple[int, bool, bool, bool]], ds: dict, wrapper: str, 
     zero = ds.get("zero_optimization", {})
     out = dict.fromkeys(("parameters", "gradients", "optimizer", "cpu_parameters", "cpu_gradients",
                          "cpu_optimizer"), 0)
-    opt = "cpu_optimizer" if _offload(ds, "offload_optimizer") else "optimizer"
+    opt = "cpu_optimizer" if offloaded(ds, "offload_optimizer") else "optimizer"
     if wrapper == "basic":  # torch AdamW on the fp32 parameters: exp_avg + exp_avg_sq
         out.update(parameters=4 * (total + frozen), gradients=4 * total, optimizer=8 * total)
     elif wrapper == "fp16_wrapper":  # whole fp32 master copy and its gradients, Adam on top
@@ -306,7 +306,7 @@ def _states(params: list[tuple[int, bool, bool, bool]], ds: dict, wrapper: str, 
             if n <= threshold and counted + n <= budget:
                 counted += n
                 persistent += math.ceil(n / dp) * dp  # gathered into a DP-padded buffer
-        out["cpu_parameters" if _offload(ds, "offload_param") else "parameters"] = e * part
+        out["cpu_parameters" if offloaded(ds, "offload_param") else "parameters"] = e * part
         out["parameters"] += e * persistent
         out[opt] = 12 * trained
         out["gradients"] = e * trained

@@ -17,6 +17,12 @@ def held_peak(schedule: str, ranks: int, rank: int, micro_batches: int, saved: l
     """(bytes, chunk passes in flight, chunk passes with W pending) at the rank's peak under ``schedule``: its list
     of actions replayed, each chunk's micro batch holding ``saved[chunk]`` from its F to its backward (B or BW),
     and ``deferred[chunk]`` from its B to its W."""
+    return _held_peak(schedule, ranks, rank, micro_batches, tuple(saved), tuple(deferred))
+
+
+@functools.lru_cache(maxsize=16384)  # the planner sizes layouts that differ only in their states (ZeRO, offload)
+def _held_peak(schedule: str, ranks: int, rank: int, micro_batches: int, saved: tuple[int, ...],
+               deferred: tuple[int, ...]) -> tuple[int, int, int]:
     peak = (0, 0, 0)
     for in_flight, pending in _held_states(schedule, ranks, rank, micro_batches, len(saved)):
         held = sum(n * b for n, b in zip(in_flight, saved)) + sum(n * b for n, b in zip(pending, deferred))

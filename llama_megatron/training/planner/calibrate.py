@@ -1,11 +1,15 @@
 """``plan --calibrate``: a device profile of this machine, measured (the ``cpu`` profile is never a constant).
 
-One process per rank to be (``--nproc``), each with one thread as the training launches run them, all measuring
-at once (ranks that share cores get their share, as they do in training; the median over the ranks is kept):
+One process per rank to be (``--nproc``), each with one thread as the training launches run them. The compute
+figures are measured by as many of them at once as there are cores (one rank a core; the median over them is
+kept) and the profile records the cores, so the cost model can share them among more ranks than cores (each
+rank's pass at one core's speed, the node no faster than its ranks' compute over its cores):
 
 - GEMMs: square bf16 matmuls of several sizes; ``1 / rate = 1 / E + h / (E g)`` (``g`` a GEMM's FLOPs) fitted
   by least squares gives the peak ``E`` (efficiency 1 by definition) and the size ``h`` at which half of it is
-  reached: the profile's ``gemm`` roll-off;
+  reached: the profile's ``gemm`` roll-off; and each (m, k, n) GEMM of ``shapes`` (the model's: forward, input
+  and weight gradient of every linear of the layouts to be planned), timed as it is, since a GEMM's FLOPs alone
+  do not say how fast it runs on a CPU (a weight gradient over few tokens is a skinny one);
 - attention: causal scaled-dot-product attention, forward and backward, at the model-sized head dimension, its
   FLOPs (half the square) over ``E``: ``attention.efficiency``;
 - memory: a large copy's bytes read and written per second;
@@ -21,6 +25,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -82,34 +87,64 @@ def measure_memory(nbytes: int = 2**27) -> float:
     return 2 * nbytes / _timed(lambda: target.copy_(source))
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
+def measure_shapes(shapes: list[tuple[int, int, int]], dtype: torch.dtype = torch.bfloat16) -> list[float]:
+    """Seconds of one [m, k] x [k, n] GEMM for each shape."""
+    out = []
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        out.append(_timed(lambda a=a, b=b: a @ b))
+    return out
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _compute_figures(shapes: list[tuple[int, int, int]]) -> dict:
+    peak, half, _ = measure_gemm()
+    return {"peak": peak, "half": half, "attention": measure_attention(peak), "memory": measure_memory(),
+            "shapes": measure_shapes(shapes)}
+
+
+def _worker(rank: int, world: int, port: int, shapes: list, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         dist.barrier()
-        peak, half, _ = measure_gemm()
-        attention = measure_attention(peak)
-        memory = measure_memory()
+        if rank < cores():  # one rank a core measures the compute; the rest wait
+            results[rank] = _compute_figures(shapes)
+        dist.barrier()
         timings = {}
         for size in ALL_REDUCE_BYTES:
             tensor = torch.ones(size // 4)
             dist.barrier()
             timings[size] = _timed(lambda tensor=tensor: dist.all_reduce(tensor), repeats=7)
-        results[rank] = {"peak": peak, "half": half, "attention": attention, "memory": memory, "timings": timings}
+        results[f"timings{rank}"] = timings
     finally:
         dist.destroy_process_group()
 
 
-def measure_ranks(nproc: int) -> dict:
-    """Every measurement in ``nproc`` concurrent one-thread processes: the median over them of each figure, and
-    the all-reduce fitted to the ring formula for the link."""
+def _median_figures(ranks: list[dict]) -> dict:
+    merged = {key: statistics.median(r[key] for r in ranks) for key in ("peak", "half", "attention", "memory")}
+    merged["shapes"] = [statistics.median(times) for times in zip(*(r["shapes"] for r in ranks))]
+    return merged
+
+
+def measure_ranks(nproc: int, shapes: list[tuple[int, int, int]]) -> dict:
+    """Every measurement in ``nproc`` one-thread processes (the compute in one per core, at once): the median over
+    them of each figure, and the all-reduce fitted to the ring formula for the link."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(nproc, free_port(), results), nprocs=nproc, join=True)
-        ranks = [dict(results[r]) for r in range(nproc)]
-    merged = {key: statistics.median(r[key] for r in ranks) for key in ("peak", "half", "attention", "memory")}
+        mp.spawn(_worker, args=(nproc, free_port(), shapes, results), nprocs=nproc, join=True)
+        computed = [dict(results[r]) for r in range(min(nproc, cores()))]
+        timings = [dict(results[f"timings{r}"]) for r in range(nproc)]
+    merged = _median_figures(computed)
     steps = nproc - 1
-    times = [statistics.median(r["timings"][s] for r in ranks) for s in ALL_REDUCE_BYTES]
+    times = [statistics.median(t[s] for t in timings) for s in ALL_REDUCE_BYTES]
     intercept, slope = _fit_line([2 * steps / nproc * s for s in ALL_REDUCE_BYTES], times)
     merged["link"] = Link(bandwidth=1 / slope if slope > 0 else float("inf"),
                           latency=max(intercept, 0.0) / (2 * steps))
@@ -127,17 +162,16 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def calibrate(nproc: int) -> DeviceProfile:
-    """This machine as ``nproc`` one-thread ranks."""
+def calibrate(nproc: int, shapes: Iterable[tuple[int, int, int]] = ()) -> DeviceProfile:
+    """This machine as ``nproc`` one-thread ranks; ``shapes``: the (m, k, n) GEMMs to time as they are."""
+    shapes = sorted(set(shapes))
     if nproc > 1:
-        measured = measure_ranks(nproc)
+        measured = measure_ranks(nproc, shapes)
     else:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            peak, half, _ = measure_gemm()
-            measured = {"peak": peak, "half": half, "attention": measure_attention(peak),
-                        "memory": measure_memory(), "link": Link(float("inf"), 0.0)}
+            measured = {**_compute_figures(shapes), "link": Link(float("inf"), 0.0)}
         finally:
             torch.set_num_threads(threads)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(nproc, 1)
@@ -148,5 +182,6 @@ def calibrate(nproc: int) -> DeviceProfile:
         peak_flops={"bf16": measured["peak"], "fp8": None}, hbm_bandwidth=measured["memory"], gpus_per_node=nproc,
         intra_node=measured["link"], inter_node=measured["link"], gemm_efficiency=1.0,
         gemm_half_flops=measured["half"], attention_efficiency=measured["attention"],
+        gemm_measured=dict(zip(shapes, measured["shapes"])), cores_per_node=cores(),
         sources={key: source for key in ("peak_tflops", "memory_bytes", "hbm_bandwidth_gb_s", "intra_node",
-                                         "inter_node", "gemm", "attention")})
+                                         "inter_node", "gemm", "attention", "cores_per_node")})

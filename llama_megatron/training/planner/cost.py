@@ -3,9 +3,10 @@ pipeline's idle time from replaying the schedule's action lists with these pass 
 
 Every figure is for one micro batch on one rank of a virtual stage (a TP x CP group runs it together):
 
-- compute: each GEMM's FLOPs at the device's GEMM efficiency for that GEMM's size; fused attention at its own
-  efficiency, counting the half of the square a causal mask computes; norms, RoPE, SwiGLU, residuals and the loss's
-  softmax as bytes read and written at the HBM bandwidth. The backward is split as the engine splits it: B (input
+- compute: each GEMM's FLOPs at the device's GEMM efficiency for that GEMM's size (or its measured time); fused
+  attention at its own efficiency, counting the half of the square a causal mask computes; norms, RoPE, SwiGLU,
+  residuals and the loss's softmax as bytes read and written at the HBM bandwidth (a fused kernel's bytes, or what
+  the eager reference kernels' operators move, counted by planner/traffic.py). The backward is split as the engine splits it: B (input
   gradients: a GEMM per forward GEMM, attention's backward, twice the elementwise bytes) and W (weight gradients: a
   GEMM per forward GEMM). Recomputation adds the decoder layers' forward to B.
 - communication inside a pass, never overlapped by this engine: TP's all-reduces (under SP an all-gather and a
@@ -16,19 +17,26 @@ Every figure is for one micro batch on one rank of a virtual stage (a TP x CP gr
 - after the pipeline: gradient reduction over DP x CP (an all-reduce; ZeRO-1/2 a reduce-scatter and the
   parameters' all-gather, the same bytes), overlapped with the backward only where DeepSpeed's engine does
   (ZeRO-2/3 without a pipeline); ZeRO-3's per-micro-batch gathers of the parameters (forward and backward) and
-  reduce-scatter of gradients, prefetched under the micro batch's compute; the optimizer's update as HBM traffic.
+  reduce-scatter of gradients, prefetched under the micro batch's compute; the optimizer's update as HBM traffic
+  (offloaded: the gradients and parameters over the host link and Adam at the host's memory bandwidth).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llama_megatron.model.kernels import kernel_choice
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.diagnostics.flops import training_flops_per_token
-from llama_megatron.training.diagnostics.memory_estimate import rank_parameter_counts, stage_layer_kinds
+from llama_megatron.training.diagnostics.memory_estimate import (
+    offloaded,
+    rank_parameter_counts,
+    stage_layer_kinds,
+)
 from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.pipeline.schedules import placement_of, replay, schedule_record
-from llama_megatron.training.planner.devices import DeviceProfile, Link
+from llama_megatron.training.planner.devices import UNIT_PROFILE, DeviceProfile, Link
+from llama_megatron.training.planner.traffic import decoder_layer_bytes, loss_bytes
 
 ATTENTION_BACKWARD = 2.5  # fused attention's backward over its forward (FlashAttention-2's recomputes the scores)
 
@@ -82,8 +90,12 @@ def ring(kind: str, group: int, nbytes: float, link: Link) -> float:
 class CostModel:
     """Step times of the layouts of one model, sequence and batch on one device."""
 
-    def __init__(self, device: DeviceProfile, precision: str = "bf16") -> None:
+    def __init__(self, device: DeviceProfile, precision: str = "bf16", gpus: int = 1) -> None:
         self.device, self.precision = device, precision
+        self.ranks_per_node = min(gpus, device.gpus_per_node)
+        cores = device.cores_per_node
+        self.oversubscribed = bool(cores) and self.ranks_per_node > cores  # ranks share the node's cores
+        self.recorded: set[tuple[int, int, int]] | None = None  # GEMM shapes seen, while gemm_shapes runs
 
     # --- links --------------------------------------------------------------------------------------------------
     def _link(self, stride: int, size: int) -> Link:
@@ -91,8 +103,33 @@ class CostModel:
         return self.device.link(stride * size > self.device.gpus_per_node)
 
     # --- passes -------------------------------------------------------------------------------------------------
-    def _gemm(self, flops: float, rows: float, width: float, depth: float) -> float:
-        return self.device.gemm_seconds(flops, 2 * rows * width * depth, self.precision)
+    def _gemms(self, shapes: list[tuple[float, int, int, float]]) -> tuple[float, float, float]:
+        """F, B, W seconds of the linears ``(rows, in, out, count)``: the forward [m, k] x [k, n], the input
+        gradient [m, n] x [n, k] and the weight gradient [k, m] x [m, n] of each (one shape on a profile's
+        roll-off; measured shapes differ, a skinny weight gradient most)."""
+        f = b = w = 0.0
+        for rows, k, n, count in shapes:
+            m = max(1, round(rows))
+            if self.recorded is not None:
+                self.recorded.update({(m, k, n), (m, n, k), (k, m, n)})
+            f += self.device.gemm_seconds(m, k, n, self.precision, count)
+            b += self.device.gemm_seconds(m, n, k, self.precision, count)
+            w += self.device.gemm_seconds(k, m, n, self.precision, count)
+        return f, b, w
+
+    def eager(self, config: TrainingConfig) -> bool:
+        """Whether ``config``'s kernels on this device are the eager reference ones (``auto`` is on a CPU)."""
+        return kernel_choice(config.kernels, self.device.torch_device) == "reference"
+
+    @classmethod
+    def gemm_shapes(cls, configs: list[TrainingConfig]) -> set[tuple[int, int, int]]:
+        """Every (m, k, n) GEMM the passes of ``configs`` multiply (what ``plan --calibrate`` times); the shapes
+        do not depend on the device, so any profile's figures do for walking the passes."""
+        walker = cls(UNIT_PROFILE)
+        walker.recorded = set()
+        for config in configs:
+            walker.stage_passes(config)
+        return walker.recorded
 
     def decoder_layer(self, config: TrainingConfig, layer: int, rows: int,
                       window: int | None = None) -> tuple[Pass, Pass, Pass]:
@@ -100,35 +137,41 @@ class CostModel:
         m, par, dev = config.model, config.parallel, self.device
         tp, cp, ep = par.tensor, par.context, par.expert
         a = 2  # activations are bf16 (under FP8 too: only the GEMMs' operands are cast)
-        n = rows * config.seq_length / cp  # tokens on this rank (the GEMMs see all of them: SP gathers first)
+        n = rows * config.seq_length // cp  # tokens on this rank (the GEMMs see all of them: SP gathers first)
         h, hd = m.hidden_size, m.head_dim
         q, kv = m.num_attention_heads * hd // tp, m.num_key_value_heads * hd // tp
-        gemm = self._gemm(2 * n * h * (q + 2 * kv), n, h, q + 2 * kv) + self._gemm(2 * n * q * h, n, q, h)
+        linears = [(n, h, q + 2 * kv, 1), (n, q, h, 1)]  # fused QKV, output projection
         if m.is_moe_layer(layer):
             k, experts = m.num_experts_per_tok, m.num_local_experts
             width = m.expert_intermediate_size // tp
-            local = n * k  # balanced routing: each EP rank's experts get k x its tokens' share
-            per_expert = local * ep / experts  # rows each of this rank's experts multiplies
-            gemm += self._gemm(2 * n * h * experts, n, h, experts)  # the router (not split over TP)
-            gemm += self._gemm(2 * local * 3 * h * width, per_expert, h, width)
+            per_expert = n * k * ep / experts  # balanced routing: the rows each of this rank's experts multiplies
+            local = experts // ep
+            linears += [(n, h, experts, 1),  # the router (not split over TP)
+                        (per_expert, h, 2 * width, local), (per_expert, width, h, local)]
             if m.family.moe.shared_expert:
                 shared = m.shared_expert_intermediate_size // tp
-                gemm += self._gemm(2 * n * 3 * h * shared, n, h, shared)
+                linears += [(n, h, 2 * shared, 1), (n, shared, h, 1)]
             mlp_width = width * k
         else:
             width = m.intermediate_size // tp
-            gemm += self._gemm(2 * n * 3 * h * width, n, h, width)
+            linears += [(n, h, 2 * width, 1), (n, width, h, 1)]  # fused gate and up, down
             mlp_width = width
+        gemm_f, gemm_b, gemm_w = self._gemms(linears)
         keys = config.seq_length if window is None else min(config.seq_length, window)
         causal = 0.5 if window is None else min(1.0, window / config.seq_length)
         heads = m.num_attention_heads // (tp * cp)  # Ulysses: all tokens, 1/CP of the TP rank's heads
         attention = dev.attention_seconds(4 * rows * config.seq_length * keys * heads * hd * causal)
         sp_tokens = n / tp if par.sequence_parallel else n
-        # norms (read, write), residual adds (two reads, a write), RoPE on q and k, SwiGLU (two reads, a write)
-        elementwise = a * (sp_tokens * h * (2 * 2 + 2 * 3) + n * (2 * (q + kv) + 3 * mlp_width))
-        forward = Pass(gemm + attention + dev.memory_seconds(elementwise))
-        backward_input = Pass(gemm + ATTENTION_BACKWARD * attention + dev.memory_seconds(2 * elementwise))
-        weight = Pass(gemm)
+        if self.eager(config):  # counted from the engine's own operators (planner/traffic.py)
+            traced = decoder_layer_bytes(m, tp, m.is_moe_layer(layer))
+            forward_bytes, backward_bytes = traced.forward(n, sp_tokens), traced.backward(n, sp_tokens)
+        else:  # fused: norms (read, write), residual adds (two reads, a write), RoPE on q and k, SwiGLU (two
+            # reads, a write), each once; the backward twice
+            forward_bytes = a * (sp_tokens * h * (2 * 2 + 2 * 3) + n * (2 * (q + kv) + 3 * mlp_width))
+            backward_bytes = 2 * forward_bytes
+        forward = Pass(gemm_f + attention + dev.memory_seconds(forward_bytes))
+        backward_input = Pass(gemm_b + ATTENTION_BACKWARD * attention + dev.memory_seconds(backward_bytes))
+        weight = Pass(gemm_w)
         comm = Pass()
         comm.comm += 2 * ring("all_reduce", tp, n * h * a, self._link(1, tp))
         comm.comm += (2 * ring("all_to_all", cp, n * (q + 2 * kv) * a, self._link(tp, cp))
@@ -142,14 +185,19 @@ class CostModel:
     def end_layer(self, config: TrainingConfig, kind: str, rows: int) -> tuple[Pass, Pass, Pass]:
         """F, B, W of the embedding, the final norm or the LM head (with the loss) for ``rows`` samples."""
         m, par = config.model, config.parallel
-        n = rows * config.seq_length / par.context
+        n = rows * config.seq_length // par.context
         h, tp = m.hidden_size, par.tensor
         vocab = config.local_shapes.vocab_rows
         if kind == "LMHeadPipe":
-            gemm = self._gemm(2 * n * h * vocab, n, h, vocab)
-            softmax = self.device.memory_seconds(n * vocab * 4 * 3)  # fp32 logits: written, read, gradient
+            f, b, w = self._gemms([(n, h, vocab, 1)])
+            if self.eager(config):  # the fp32 cross-entropy over full logits, counted
+                traced = loss_bytes(vocab, m.vocab_size)
+                loss_f, loss_b = (self.device.memory_seconds(traced.forward(n, 0)),
+                                  self.device.memory_seconds(traced.backward(n, 0)))
+            else:  # fp32 logits: written, read, gradient
+                loss_f = loss_b = self.device.memory_seconds(n * vocab * 4 * 3)
             gather = ring("all_gather", tp, n * h * 2, self._link(1, tp)) if par.sequence_parallel else 0.0
-            return (Pass(gemm + softmax, gather), Pass(gemm + softmax, gather), Pass(gemm))
+            return (Pass(f + loss_f, gather), Pass(b + loss_b, gather), Pass(w))
         if kind == "EmbeddingPipe":
             look = self.device.memory_seconds(n * h * 2 * 2)
             return Pass(look, ring("all_reduce", tp, n * h * 2, self._link(1, tp))), Pass(look), Pass()
@@ -230,9 +278,17 @@ class CostModel:
                 reduction = max(0.0, reduction - last_backward)
             after += reduction
         owned = params / (group if zero >= 1 else 1)
-        after += self.device.memory_seconds(owned * 16 + params * 2)  # Adam: master, moments, grads; bf16 copy
-        step = span + micro_batches * per_micro_batch + after
-        exposed = rank_comm[busiest] + micro_batches * per_micro_batch + (after if zero != 3 else 0.0)
+        if offloaded(ds, "offload_optimizer"):  # gradients down, bf16 parameters up; Adam in host memory
+            dev = self.device
+            update = (owned * (grad_bytes + 2) / dev.host_link
+                      + owned * 30 / dev.host_memory_bandwidth)  # reads master, moments, grad; writes 3 + bf16
+        else:
+            update = self.device.memory_seconds(owned * 16 + params * 2)  # Adam: master, moments, grads; bf16
+        exposed = rank_comm[busiest] + micro_batches * per_micro_batch + after
+        step = span + micro_batches * per_micro_batch + after + update
+        if self.oversubscribed:  # the node's ranks share its cores: no faster than all their compute over them
+            shared = self.ranks_per_node * sum(rank_compute) / pp / self.device.cores_per_node
+            step = max(step, shared + exposed + update)
         idle = max(0.0, span - rank_compute[busiest] - rank_comm[busiest])
         tokens = config.batch.global_batch_size * config.seq_length
         flops = training_flops_per_token(config.model, config.seq_length) * tokens

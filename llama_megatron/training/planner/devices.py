@@ -41,6 +41,20 @@ class DeviceProfile:
     gemm_half_flops: float  # the FLOPs of one GEMM at which half of that share is reached
     attention_efficiency: float  # the share of the bf16 peak fused attention (forward and backward) reaches
     sources: dict[str, str] = field(default_factory=dict)
+    # measured seconds of bf16 GEMMs by (m, k, n) (plan --calibrate --model): these shapes are not read off the
+    # roll-off, which sees only a GEMM's FLOPs and not how skinny it is
+    gemm_measured: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    # compute units a node's ranks share (a CPU's cores); None: each rank has its own device
+    cores_per_node: int | None = None
+    # one GPU's share of its host, for optimizer offload: the GPU-host link (bytes/s, one direction) and host
+    # memory bandwidth (bytes/s); None: offload is not planned on this device
+    host_link: float | None = None
+    host_memory_bandwidth: float | None = None
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device type its ranks train on (what ``kernels: auto`` resolves by): a CPU host's share cores."""
+        return "cpu" if self.cores_per_node else "cuda"
 
     def peak(self, precision: str) -> float:
         peak = self.peak_flops.get(precision)
@@ -49,10 +63,15 @@ class DeviceProfile:
                               f"{', '.join(k for k, v in self.peak_flops.items() if v)})")
         return peak
 
-    def gemm_seconds(self, flops: float, gemm_flops: float, precision: str) -> float:
-        """Seconds for ``flops`` of matrix multiplies made of GEMMs of ``gemm_flops`` each."""
-        share = self.gemm_efficiency * gemm_flops / (gemm_flops + self.gemm_half_flops)
-        return flops / (self.peak(precision) * share)
+    def gemm_seconds(self, m: int, k: int, n: int, precision: str, count: float = 1.0) -> float:
+        """Seconds of ``count`` GEMMs [m, k] x [k, n]: measured where the profile has that shape (bf16), else
+        the roll-off ``efficiency x g / (g + g_half)`` of the peak, ``g`` one GEMM's FLOPs."""
+        measured = self.gemm_measured.get((m, k, n)) if precision == "bf16" else None
+        if measured is not None:
+            return count * measured
+        flops = 2.0 * m * k * n
+        share = self.gemm_efficiency * flops / (flops + self.gemm_half_flops)
+        return count * flops / (self.peak(precision) * share)
 
     def attention_seconds(self, flops: float) -> float:
         """Seconds for ``flops`` of fused attention (the FLOPs it really does: half the square when causal)."""
@@ -72,8 +91,15 @@ class DeviceProfile:
                                "latency_us": self.intra_node.latency * 1e6},
                 "inter_node": {"bandwidth_gb_s": self.inter_node.bandwidth / 1e9,
                                "latency_us": self.inter_node.latency * 1e6},
-                "gemm": {"efficiency": self.gemm_efficiency, "half_efficiency_gflop": self.gemm_half_flops / 1e9},
-                "attention": {"efficiency": self.attention_efficiency}, "sources": self.sources}
+                "gemm": {"efficiency": self.gemm_efficiency, "half_efficiency_gflop": self.gemm_half_flops / 1e9,
+                         **({"measured_mkn_seconds": [[*shape, seconds] for shape, seconds in
+                                                      sorted(self.gemm_measured.items())]}
+                            if self.gemm_measured else {})},
+                "attention": {"efficiency": self.attention_efficiency}, "sources": self.sources,
+                **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
+                **({"host": {"link_gb_s": self.host_link / 1e9,
+                             "memory_bandwidth_gb_s": self.host_memory_bandwidth / 1e9}}
+                   if self.host_link and self.host_memory_bandwidth else {})}
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> DeviceProfile:
@@ -91,7 +117,12 @@ class DeviceProfile:
                 intra_node=link("intra_node"), inter_node=link("inter_node"),
                 gemm_efficiency=float(data["gemm"]["efficiency"]),
                 gemm_half_flops=float(data["gemm"]["half_efficiency_gflop"]) * 1e9,
-                attention_efficiency=float(data["attention"]["efficiency"]), sources=dict(data["sources"]))
+                attention_efficiency=float(data["attention"]["efficiency"]), sources=dict(data["sources"]),
+                gemm_measured={(int(m), int(k), int(n)): float(t)
+                               for m, k, n, t in data["gemm"].get("measured_mkn_seconds", [])},
+                cores_per_node=int(data["cores_per_node"]) if data.get("cores_per_node") else None,
+                host_link=float(data["host"]["link_gb_s"]) * 1e9 if "host" in data else None,
+                host_memory_bandwidth=float(data["host"]["memory_bandwidth_gb_s"]) * 1e9 if "host" in data else None)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ConfigError(f"device profile {where}: {type(error).__name__} {error}") from None
         positive = [profile.memory_bytes, profile.hbm_bandwidth, profile.gpus_per_node, profile.gemm_efficiency,
@@ -101,6 +132,11 @@ class DeviceProfile:
             raise ConfigError(f"device profile {where}: sizes, bandwidths and the bf16 peak must be > 0 and the "
                               "efficiencies in (0, 1]")
         return profile
+
+
+# figures of 1: for walking a model's passes where only their shapes matter (the GEMMs a calibration times)
+UNIT_PROFILE = DeviceProfile("unit", "figures of 1, for shapes only", 1, {"bf16": 1.0, "fp8": 1.0}, 1.0, 1,
+                             Link(1.0, 0.0), Link(1.0, 0.0), 1.0, 1.0, 1.0)
 
 
 def device_names() -> list[str]:

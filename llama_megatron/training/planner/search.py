@@ -25,7 +25,7 @@ from llama_megatron.training.planner.cost import CostModel, StepTime
 from llama_megatron.training.planner.devices import DeviceProfile
 
 GiB = 2**30
-LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "mbs", "schedule", "zero", "recompute")
+LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "mbs", "schedule", "zero", "recompute", "sp", "offload")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class Layout:
     schedule: str = "1f1b"
     zero: int = 1
     recompute: bool = False  # every decoder layer recomputed in the backward (activation_checkpointing 1)
+    sp: bool = True  # sequence parallelism where TP > 1 (the search never turns it off: it only saves memory)
+    offload: bool = False  # the optimizer's states and step on the host (ZeRO-Offload: offload_optimizer cpu)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.sp and self.tp > 1
 
     def dp(self, gpus: int) -> int:
         return gpus // (self.tp * self.pp * self.cp)
@@ -47,7 +53,8 @@ class Layout:
         parts = [f"tp{self.tp}", f"pp{self.pp}"] + ([f"vp{self.vp}"] if self.vp > 1 else []) + \
             ([f"cp{self.cp}"] if self.cp > 1 else []) + ([f"ep{self.ep}"] if self.ep > 1 else []) + \
             [f"dp{self.dp(gpus)}", f"mbs{self.mbs}"] + ([self.schedule] if self.pp > 1 else []) + \
-            [f"zero{self.zero}"] + (["recompute"] if self.recompute else [])
+            [f"zero{self.zero}"] + (["recompute"] if self.recompute else []) + \
+            (["no-sp"] if self.tp > 1 and not self.sp else []) + (["offload"] if self.offload else [])
         return " ".join(parts)
 
     @classmethod
@@ -61,7 +68,7 @@ class Layout:
                                   f"{', '.join(LAYOUT_KEYS)}, got {item!r}")
             if key == "schedule":
                 values[key] = value
-            elif key == "recompute":
+            elif key in ("recompute", "sp", "offload"):
                 values[key] = value.lower() in ("1", "true", "yes", "full")
             else:
                 try:
@@ -87,6 +94,7 @@ class Refused:
     layout: Layout
     reason: str
     over: float = 0.0  # bytes over the budget (memory refusals), for showing the nearest first
+    offloadable: float = 0.0  # the optimizer states' bytes that offload would take off the GPU
 
 
 def layout_dict(base: dict, layout: Layout) -> dict:
@@ -94,7 +102,7 @@ def layout_dict(base: dict, layout: Layout) -> dict:
     sections replaced."""
     data = copy.deepcopy(base)
     data["parallel"] = {**data.get("parallel", {}), "tensor": layout.tp, "pipeline": layout.pp, "context": layout.cp,
-                        "expert": layout.ep, "sequence_parallel": layout.tp > 1}
+                        "expert": layout.ep, "sequence_parallel": layout.sequence_parallel}
     data["pipeline"] = {**{k: v for k, v in data.get("pipeline", {}).items() if k != "stage_layers"},
                         "schedule": layout.schedule, "virtual_stages": layout.vp}
     data["batch"] = {**data.get("batch", {}), "micro_batch_size": layout.mbs}
@@ -104,8 +112,12 @@ def layout_dict(base: dict, layout: Layout) -> dict:
 
 
 def deepspeed_dict(layout: Layout) -> dict:
-    """bf16 with the layout's ZeRO stage (under FP8 too: it changes the GEMMs' rate, not the states' bytes)."""
-    return {"zero_optimization": {"stage": layout.zero}, "bf16": {"enabled": True}}
+    """bf16 with the layout's ZeRO stage (under FP8 too: it changes the GEMMs' rate, not the states' bytes) and,
+    offloaded, the optimizer on the host."""
+    zero: dict = {"stage": layout.zero}
+    if layout.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {"zero_optimization": zero, "bf16": {"enabled": True}}
 
 
 class Planner:
@@ -121,7 +133,7 @@ class Planner:
             schedule_record(name)
         self.tp_across_nodes, self.max_micro_batch = tp_across_nodes, max_micro_batch
         self.budget = device.memory_bytes * (1 - memory_margin)
-        self.cost = CostModel(device, precision)
+        self.cost = CostModel(device, precision, gpus)
         device.peak(precision)
 
     # --- one layout ---------------------------------------------------------------------------------------------
@@ -129,43 +141,52 @@ class Planner:
         """The layout sized and timed, or the one-line reason it cannot run or fit."""
         if layout.tp > self.gpus_per_node and not self.tp_across_nodes:
             return Refused(layout, f"TP {layout.tp} > {self.gpus_per_node} GPUs per node")
+        if layout.offload and not self.device.host_link:
+            return Refused(layout, f"device {self.device.name} has no host figures: offload is not planned on it")
         try:
             config = self._config(layout)
             config.check_world_size(self.gpus)
             ds = build_deepspeed_config(config, config.deepspeed_config, self.gpus, "cuda")
             optimizer_wrapper(ds, layout.pp)  # the optimizer DeepSpeed would refuse, before any sizing
-            floor = self._states_floor(config, layout)
+            params = max(rank_parameter_counts(config))
+            partitions = layout.dp(self.gpus) * layout.cp
+            # Adam's fp32 master copy and moments on the busiest rank: what offload takes off the GPU
+            states = 12 * params / (partitions if layout.zero >= 1 else 1)
+            # its bf16 weights (1/(DP x CP) under ZeRO-3) and the states: a floor of what the estimate counts
+            floor = 2 * params / (partitions if layout.zero == 3 else 1) + (0 if layout.offload else states)
             if floor > self.budget:  # no need to size the activations
-                return self._too_big(layout, "the weights and Adam states alone need", floor)
+                return self._too_big(layout, "the weights and Adam states alone need", floor, states)
             memory = estimate(config, ds, self.gpus)
         except (ConfigError, ValueError) as error:
             return Refused(layout, str(error))
         worst = max(memory.stages, key=lambda s: s.gpu_total)
         if worst.gpu_total > self.budget:
-            return self._too_big(layout, f"stage {worst.stage} needs", worst.gpu_total)
+            return self._too_big(layout, f"stage {worst.stage} needs", worst.gpu_total, states)
         planned = Planned(layout, config, ds, memory)
         planned.time = self.cost.step_time(config, self.gpus, ds)
         return planned
 
-    def _too_big(self, layout: Layout, what: str, nbytes: float) -> Refused:
+    def _too_big(self, layout: Layout, what: str, nbytes: float, states: float) -> Refused:
         return Refused(layout, f"{what} {nbytes / GiB:.2f} GiB > {self.budget / GiB:.2f} GiB usable of "
-                               f"{self.device.memory_bytes / GiB:.2f}", nbytes - self.budget)
+                               f"{self.device.memory_bytes / GiB:.2f}", nbytes - self.budget,
+                       0.0 if layout.offload else states)
 
-    def _states_floor(self, config: TrainingConfig, layout: Layout) -> float:
-        """Bytes the busiest pipeline rank holds at least, whatever the activations: its bf16 weights (their
-        1/(DP x CP) under ZeRO-3) and its share of Adam's fp32 master copy and moments (the estimate counts these
-        and more)."""
-        params = max(rank_parameter_counts(config))
-        partitions = layout.dp(self.gpus) * layout.cp
-        return 2 * params / (partitions if layout.zero == 3 else 1) + 12 * params / (
-            partitions if layout.zero >= 1 else 1)
+    def gemm_shapes(self, layouts: list[Layout] | None = None) -> set[tuple[int, int, int]]:
+        """The GEMMs of ``layouts`` (default: every candidate the engine accepts), for the calibration to time."""
+        configs = []
+        for layout in layouts if layouts is not None else (one for group in self.candidates() for one in group):
+            try:
+                configs.append(self._config(layout))
+            except (ConfigError, ValueError):
+                continue
+        return CostModel.gemm_shapes(configs)
 
     def _config(self, layout: Layout) -> TrainingConfig:
         base = self.base_config
         config = dataclasses.replace(
             base,
             parallel=dataclasses.replace(base.parallel, tensor=layout.tp, pipeline=layout.pp, context=layout.cp,
-                                         expert=layout.ep, sequence_parallel=layout.tp > 1),
+                                         expert=layout.ep, sequence_parallel=layout.sequence_parallel),
             pipeline=dataclasses.replace(base.pipeline, schedule=layout.schedule, virtual_stages=layout.vp,
                                          stage_layers=None),
             batch=dataclasses.replace(base.batch, micro_batch_size=layout.mbs),
@@ -221,22 +242,40 @@ class Planner:
         return layout.pp > 1 and micro_batch_rule(layout.schedule, layout.pp, layout.vp, micro_batches) is not None
 
     def search(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[Planned], list[Refused]]:
+        """Every candidate group, smallest micro batch first; a group that does not fit on the GPU by less than
+        its optimizer states is tried again with them on the host (offload, where the device has host figures:
+        never faster, so only where nothing else fits the group)."""
         groups = list(self.candidates())
         planned, refused = [], []
         for done, group in enumerate(groups, 1):
-            for layout in group:
-                result = self.check(layout)
-                if isinstance(result, Refused):
-                    refused.append(result)
-                    if not self._micro_batches_refused(layout):
-                        break  # a larger micro batch needs more memory, or fails the same rule
-                else:
-                    planned.append(result)
+            first = self._search_group(group, planned, refused)
+            if self._offload_may_fit(first):
+                self._search_group(tuple(dataclasses.replace(one, offload=True) for one in group), planned, refused)
             if progress is not None:
                 progress(done, len(groups))
         planned.sort(key=lambda p: -p.time.tokens_per_s_per_gpu)
         refused.sort(key=lambda r: (r.over == 0, r.over))
         return planned, refused
+
+    def _offload_may_fit(self, first: Planned | Refused) -> bool:
+        """Whether a group whose first layout did not fit might with its optimizer states on the host: they
+        would free at least what it is over by."""
+        return (isinstance(first, Refused) and 0 < first.over <= first.offloadable and first.layout.zero >= 1
+                and self.device.host_link is not None)
+
+    def _search_group(self, group: tuple[Layout, ...], planned: list[Planned],
+                      refused: list[Refused]) -> Planned | Refused:
+        """The group's layouts up to the first that does not fit; the first layout's result."""
+        results = []
+        for layout in group:
+            results.append(self.check(layout))
+            if isinstance(results[-1], Refused):
+                refused.append(results[-1])
+                if not self._micro_batches_refused(layout):
+                    break  # a larger micro batch needs more memory, or fails the same rule
+            else:
+                planned.append(results[-1])
+        return results[0]
 
 
 def _divisors(n: int) -> list[int]:

@@ -140,6 +140,13 @@ def test_offload_is_planned_where_the_optimizer_states_do_not_fit() -> None:
     assert Planner(base, 1, dataclasses.replace(device, host_link=None)).search()[0] == []
 
 
+def test_groups_crossing_nodes_take_the_inter_node_link() -> None:
+    device = load_device("h100-sxm")
+    one_node = Planner(_base(), 4, device).check(Layout(tp=2)).time  # TP2 x DP2 in one node
+    two_nodes = Planner(_base(), 4, device, gpus_per_node=2).check(Layout(tp=2)).time  # DP pairs across nodes
+    assert two_nodes.exposed_comm > one_node.exposed_comm and two_nodes.step > one_node.step
+
+
 def test_ranks_sharing_cores_are_no_faster_than_their_compute_over_the_cores() -> None:
     device, base = load_device("h100-sxm"), _base(kernels="reference")  # a host's cores: auto would be reference
     own = Planner(base, 2, device).check(Layout()).time  # DP2: both ranks busy all the step

@@ -6,9 +6,9 @@ Every figure is for one micro batch on one rank of a virtual stage (a TP x CP gr
 - compute: each GEMM's FLOPs at the device's GEMM efficiency for that GEMM's size (or its measured time); fused
   attention at its own efficiency, counting the half of the square a causal mask computes; norms, RoPE, SwiGLU,
   residuals and the loss's softmax as bytes read and written at the HBM bandwidth (a fused kernel's bytes, or what
-  the eager reference kernels' operators move, counted by planner/traffic.py). The backward is split as the engine splits it: B (input
-  gradients: a GEMM per forward GEMM, attention's backward, twice the elementwise bytes) and W (weight gradients: a
-  GEMM per forward GEMM). Recomputation adds the decoder layers' forward to B.
+  the eager reference kernels' operators move, counted by planner/traffic.py). The backward is split as the engine
+  splits it: B (input gradients: a GEMM per forward GEMM, attention's backward, the elementwise backward) and W
+  (weight gradients: a GEMM per forward GEMM). Recomputation adds the decoder layers' forward to B.
 - communication inside a pass, never overlapped by this engine: TP's all-reduces (under SP an all-gather and a
   reduce-scatter, the same bytes) twice per layer each way; Ulysses CP's all-to-alls of Q, K, V and the attention
   output; EP's dispatch and combine all-to-alls; each on the link its group crosses (rank order TP, CP, DP, PP).
@@ -90,9 +90,11 @@ def ring(kind: str, group: int, nbytes: float, link: Link) -> float:
 class CostModel:
     """Step times of the layouts of one model, sequence and batch on one device."""
 
-    def __init__(self, device: DeviceProfile, precision: str = "bf16", gpus: int = 1) -> None:
+    def __init__(self, device: DeviceProfile, precision: str = "bf16", gpus: int = 1,
+                 gpus_per_node: int | None = None) -> None:
         self.device, self.precision = device, precision
-        self.ranks_per_node = min(gpus, device.gpus_per_node)
+        self.gpus_per_node = gpus_per_node or device.gpus_per_node  # --gpus-per-node, else the profile's
+        self.ranks_per_node = min(gpus, self.gpus_per_node)
         cores = device.cores_per_node
         self.oversubscribed = bool(cores) and self.ranks_per_node > cores  # ranks share the node's cores
         self.recorded: set[tuple[int, int, int]] | None = None  # GEMM shapes seen, while gemm_shapes runs
@@ -100,7 +102,7 @@ class CostModel:
     # --- links --------------------------------------------------------------------------------------------------
     def _link(self, stride: int, size: int) -> Link:
         """The link a group of ``size`` ranks ``stride`` apart crosses (nodes hold consecutive ranks)."""
-        return self.device.link(stride * size > self.device.gpus_per_node)
+        return self.device.link(stride * size > self.gpus_per_node)
 
     # --- passes -------------------------------------------------------------------------------------------------
     def _gemms(self, shapes: list[tuple[float, int, int, float]]) -> tuple[float, float, float]:

@@ -133,7 +133,7 @@ class Planner:
             schedule_record(name)
         self.tp_across_nodes, self.max_micro_batch = tp_across_nodes, max_micro_batch
         self.budget = device.memory_bytes * (1 - memory_margin)
-        self.cost = CostModel(device, precision, gpus)
+        self.cost = CostModel(device, precision, gpus, self.gpus_per_node)
         device.peak(precision)
 
     # --- one layout ---------------------------------------------------------------------------------------------

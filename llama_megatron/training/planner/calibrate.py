@@ -57,11 +57,8 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def measure_gemm(dtype: torch.dtype = torch.bfloat16) -> tuple[float, float, list[tuple[float, float]]]:
     """(peak FLOP/s, FLOPs of a GEMM at half of it, the measured (FLOPs, FLOP/s) points)."""
-    points = []
-    for n in GEMM_SIZES:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        flops = 2.0 * n**3
-        points.append((flops, flops / _timed(lambda a=a, b=b: a @ b)))
+    seconds = measure_shapes([(n, n, n) for n in GEMM_SIZES], dtype)
+    points = [(2.0 * n**3, 2.0 * n**3 / t) for n, t in zip(GEMM_SIZES, seconds)]
     intercept, slope = _fit_line([1 / g for g, _ in points], [1 / r for _, r in points])
     best = max(r for _, r in points)
     peak = 1 / intercept if intercept > 0 else best  # the fit's asymptote (the largest rate when it has none)

@@ -94,18 +94,19 @@ class _CountBytes(TorchDispatchMode):
 
 
 def _rank_model(model: ModelConfig, tp: int, moe: bool) -> ModelConfig:
-    """A one-rank dense model of one TP rank's widths (the head dimension kept). For a mixture-of-experts layer its
-    MLP is as wide as the experts each token visits (and the shared expert): their SwiGLU's bytes per token; the
-    router's and the token dispatch's own operators are data-dependent, which meta tensors cannot run, and are left
-    out."""
-    width = model.intermediate_size
-    if moe:
-        width = model.num_experts_per_tok * model.expert_intermediate_size + (
-            model.shared_expert_intermediate_size if model.family.moe.shared_expert else 0)
+    """A one-rank model of one TP rank's widths (the head dimension kept), of the model's own family (its biases,
+    its q/k norms). A mixture-of-experts layer is a dense LLaMA one whose MLP is as wide as the experts each token
+    visits (and the shared expert): their SwiGLU's bytes per token; the router's and the token dispatch's own
+    operators are data-dependent, which meta tensors cannot run, and are left out."""
+    heads, kv = model.num_attention_heads // tp, max(1, model.num_key_value_heads // tp)
+    if not moe:
+        return dataclasses.replace(model, num_attention_heads=heads, num_key_value_heads=kv, head_dim=model.head_dim,
+                                   intermediate_size=model.intermediate_size // tp)
+    width = model.num_experts_per_tok * model.expert_intermediate_size + (
+        model.shared_expert_intermediate_size if model.family.moe.shared_expert else 0)
     return ModelConfig.from_dict({
         "vocab_size": model.vocab_size, "hidden_size": model.hidden_size, "intermediate_size": width // tp,
-        "num_hidden_layers": 1, "num_attention_heads": model.num_attention_heads // tp,
-        "num_key_value_heads": max(1, model.num_key_value_heads // tp), "head_dim": model.head_dim,
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": model.head_dim,
         "max_position_embeddings": model.max_position_embeddings, "rms_norm_eps": model.rms_norm_eps,
         "rope_theta": model.rope_theta, "rope_scaling": model.rope_scaling})
 

@@ -5,7 +5,8 @@ AdamW. Prints one JSON line per model shape (tokens/s, MFU, peak GiB of each var
 and HF + Liger) and one per per-document attention length (fwd+bwd time and peak memory of the reference dense
 mask, our fast path, causal SDPA and FlexAttention with a document block mask).
 
-    python benchmarks/gpu_throughput.py                      # TinyLlama-1.1B seq 2048 x 4, Llama-2-7B dims x 8 layers
+    python benchmarks/gpu_throughput.py                      # TinyLlama-1.1B seq 2048 x 4, Llama-2-7B dims x 8 layers,
+                                                             # Mixtral-8x7B dims x 2 layers (the MoE layer vs HF's)
     python benchmarks/gpu_throughput.py --only attention     # per-document attention at seq 2k / 8k / 32k
     python benchmarks/gpu_throughput.py --smoke              # tiny shapes, any device: checks the script runs
 """
@@ -28,6 +29,7 @@ from llama_megatron.config import ModelConfig  # noqa: E402
 from llama_megatron.model.build import build_model  # noqa: E402
 from llama_megatron.model.kernels import resolve_kernels  # noqa: E402
 from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention  # noqa: E402
+from llama_megatron.model.param_layout import as_checkpoint_tensors  # noqa: E402
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
 from llama_megatron.parallel.degrees import ParallelConfig  # noqa: E402
@@ -37,8 +39,11 @@ from llama_megatron.training.run.metrics import device_peak_tflops  # noqa: E402
 SHAPES = {  # name -> (model config file, overrides, seq, micro batch)
     "tinyllama-1.1b": ("configs/models/tinyllama-1.1b.json", {}, 2048, 4),
     "llama2-7b-8layers": ("configs/models/llama2-7b.json", {"num_hidden_layers": 8}, 4096, 1),
+    # two MoE layers of Mixtral's size: the step is mostly the experts (ours vs transformers' MixtralSparseMoeBlock)
+    "mixtral-8x7b-2layers": ("configs/models/mixtral-8x7b.json", {"num_hidden_layers": 2}, 4096, 1),
 }
-SMOKE_SHAPES = {"smoke": ("configs/models/tiny.json", {}, 64, 2)}
+SMOKE_SHAPES = {"smoke": ("configs/models/tiny.json", {}, 64, 2),
+                "smoke-moe": ("configs/models/tiny-moe.json", {"num_hidden_layers": 2}, 64, 2)}
 ATTENTION_LENGTHS = (2048, 8192, 32768)
 
 
@@ -66,8 +71,26 @@ def _peak_gib(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
 
 
-def time_train_steps(model, loss_of, batches, warmup: int, device: torch.device) -> tuple[float, float | None]:
-    """Seconds for the timed steps and the peak memory of the whole (warm-up included) run."""
+def top_kernels(step, ids, device: torch.device, count: int = 12) -> list:
+    """One more step under torch's profiler: its ``count`` longest kernels (device ms, calls) and their total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step(ids)
+        _sync(device)
+    rows = [(e.key, e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total, e.count)
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return [["total", round(total / 1e3, 2), sum(r[2] for r in rows)]] + [
+        [name[:90], round(us / 1e3, 2), calls] for name, us, calls in rows[:count]]
+
+
+def time_train_steps(model, loss_of, batches, warmup: int, device: torch.device,
+                     profile: bool = False) -> tuple[float, float | None] | tuple[float, float | None, list]:
+    """Seconds for the timed steps and the peak memory of the whole (warm-up included) run; with ``profile``, the
+    top kernels of one more step (after the timing)."""
     _reset_peak(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
@@ -84,19 +107,41 @@ def time_train_steps(model, loss_of, batches, warmup: int, device: torch.device)
         step(ids)
     _sync(device)
     elapsed = time.perf_counter() - start
+    if profile:
+        return elapsed, _peak_gib(device), top_kernels(step, batches[-1], device)
     return elapsed, _peak_gib(device)
 
 
+def apply_liger(model_type: str) -> bool:
+    """Liger-Kernel's patch of transformers' classes of this family (every model built afterwards), if it has one."""
+    import liger_kernel.transformers as liger
+
+    patch = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+    if patch is not None:
+        patch()
+    return patch is not None
+
+
 def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     path, overrides, seq, micro = spec
     config = ModelConfig.from_dict({**json.load(open(os.path.join(ROOT, path))), **overrides})
     torch.manual_seed(0)
-    hf_config = LlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa")
+    hf_config = transformers.CONFIG_MAPPING[config.model_type](**config.to_hf_dict(), attn_implementation="sdpa")
+    hf_class = getattr(transformers, config.family.architecture)
     parallel = ParallelConfig()
-    state = hf_to_rank_state_dict(LlamaForCausalLM(hf_config).state_dict(), config, 0, 1,
+    with torch.device(device):  # initialised where it runs (a 7B-wide model's init on the host takes minutes)
+        hf_state = {name: t.cpu() for name, t in hf_class(hf_config).state_dict().items()}  # kept off the device
+    state = hf_to_rank_state_dict(as_checkpoint_tensors(hf_state, config), config, 0, 1,
                                   parallel.padded_vocab_size(config.vocab_size))
+
+    def hf_model():
+        with torch.device(device):
+            model = hf_class(hf_config)
+        model.load_state_dict(hf_state)
+        return model.to(dtype=dtype)
+
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (micro, seq + 1), generator=gen).to(device)
                for _ in range(args.warmup + args.steps)]
@@ -105,12 +150,21 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
     peak = device_peak_tflops(None) if device.type == "cuda" else None
     result: dict = {"benchmark": "gpu_throughput", "shape": name, "device": torch.cuda.get_device_name()
                     if device.type == "cuda" else "cpu", "dtype": str(dtype).removeprefix("torch."),
-                    "seq": seq, "micro_batch": micro, "layers": config.num_hidden_layers}
+                    "model_type": config.model_type, "seq": seq, "micro_batch": micro,
+                    "layers": config.num_hidden_layers}
 
-    def record(label: str, seconds: float, peak_gib: float | None) -> None:
+    began = time.perf_counter()
+
+    def record(label: str, seconds: float, peak_gib: float | None, kernels: list | None = None) -> None:
+        """``wall_s``: the variant's whole time (building, loading, compiling, warm-up, timing, profiling)."""
+        nonlocal began
         tflops = flops / seconds / 1e12
         result[label] = {"tokens_per_s": round(tokens / seconds, 1), "tflops": round(tflops, 2),
-                         "mfu": round(tflops / peak, 3) if peak else None, "peak_gib": peak_gib}
+                         "mfu": round(tflops / peak, 3) if peak else None, "peak_gib": peak_gib,
+                         "wall_s": round(time.perf_counter() - began, 1)}
+        began = time.perf_counter()
+        if kernels:
+            result[label]["top_kernels_ms"] = kernels
 
     def ours_loss(m, ids):
         return m(ids[:, :-1], labels=ids[:, 1:])
@@ -125,17 +179,16 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
                             kernels=resolve_kernels(choice, device))
         model.load_state_dict(state)
         model.to(device=device, dtype=dtype)
-        record(f"ours_{choice}", *time_train_steps(model, ours_loss, batches, args.warmup, device))
+        record(f"ours_{choice}", *time_train_steps(model, ours_loss, batches, args.warmup, device, args.profile))
         del model
-    hf = LlamaForCausalLM(hf_config).to(device=device, dtype=dtype)
-    record("hf", *time_train_steps(hf, hf_loss, batches, args.warmup, device))
+    hf = hf_model()
+    record("hf", *time_train_steps(hf, hf_loss, batches, args.warmup, device, args.profile))
     del hf
-    if have_liger():  # patches transformers' Llama classes for every model built afterwards: last
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama()
-        hf = LlamaForCausalLM(hf_config).to(device=device, dtype=dtype)
-        record("hf_liger", *time_train_steps(hf, hf_loss, batches, args.warmup, device))
+    # patches transformers' classes of the family for every model built afterwards: last (a new process per shape
+    # would be cleaner; one process keeps the device's time short, and the unpatched runs come first)
+    if have_liger() and apply_liger(config.model_type):
+        hf = hf_model()
+        record("hf_liger", *time_train_steps(hf, hf_loss, batches, args.warmup, device, args.profile))
         del hf
     for key in [k for k in result if k.startswith("ours_")]:
         for base in ("hf", "hf_liger"):
@@ -209,6 +262,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--attention-repeats", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="each variant's top kernels in one profiled step")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on whatever device there is")
     args = parser.parse_args()
 

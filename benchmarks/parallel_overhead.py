@@ -46,7 +46,7 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llama_megatron.parallel.placement import launcher_command  # noqa: E402
+from llama_megatron.parallel.placement import available_cores, launcher_command  # noqa: E402
 from llama_megatron.training.pipeline.schedules import SCHEDULES  # noqa: E402
 
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
@@ -409,7 +409,7 @@ def _launch_runs(cfg: dict, args: argparse.Namespace, runs: list[dict], timeline
                 cmd.append(f"--{flag}")
         if args.model:
             cmd += ["--model", os.path.abspath(args.model)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // ranks)))
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, available_cores() // ranks)))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -112,3 +112,16 @@ def test_a_taken_port_the_ranks_cannot_be_told_is_one_line() -> None:
         f"the rendezvous port {port} at 127.0.0.1 (MASTER_ADDR:MASTER_PORT) is in use on this host, by another job "
         "or program: start this one with another port (deepspeed --master_port P, torchrun --master-port P, or "
         "MASTER_PORT=P under srun)")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_available_cores_are_the_affinity_not_the_host() -> None:
+    """A job bound to fewer cores than the host has (taskset, Slurm's binding, a cpuset) sizes its threads by the
+    cores it may use: the host's count oversubscribed 4 ranks bound to 4 of 16 cores with 4 threads each."""
+    allowed = os.sched_getaffinity(0)
+    assert placement.available_cores() == len(allowed)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert placement.available_cores() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)

@@ -19,6 +19,15 @@ from llama_megatron.errors import ConfigError
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what ``taskset``, Slurm's binding or a container's
+    cpuset leave it), not the host's count, which oversubscribes a bound job's cores."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:

@@ -8,7 +8,7 @@ import os
 import torch
 
 from llama_megatron.parallel.job_store import port_in_use, rendezvous_address, settle_job_store
-from llama_megatron.parallel.placement import placement
+from llama_megatron.parallel.placement import available_cores, placement
 from llama_megatron.quiet import quiet_library_warnings
 
 
@@ -39,7 +39,7 @@ def init_distributed(timeout_minutes: float = 30) -> None:
     quiet_library_warnings()
     where = placement()
     if skip_cpu_shared_memory_op() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(where.local_world_size, 1)))
+        torch.set_num_threads(max(1, available_cores() // max(where.local_world_size, 1)))
     address = rendezvous_address()
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
     server = None

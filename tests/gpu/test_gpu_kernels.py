@@ -1,8 +1,11 @@
 """Fast kernels on CUDA against the reference kernels (runs where CUDA is present, skips elsewhere).
 
-Tolerances: bf16 2e-2 relative / 2e-2 absolute for single operations (one bf16 rounding of a value near 1 is
-4e-3, and fused kernels round at different points); fp32 1e-4 (TF32 is off: torch's default for matmuls); whole
-models in bf16: loss within 1e-2 relative, logits 5e-2 absolute.
+Tolerances: a single operation in bf16 is held to the error of the reference itself: each output and gradient of
+the fast kernel is compared with the reference computed in fp32 on the same (bf16) inputs, and its largest error
+may be at most twice the bf16 reference's own, plus 1e-3 (a fused kernel rounds once, where the reference rounds
+every intermediate: a fixed tolerance fails on one bf16 step of a value of 8, 0.03, landing on an element near 0;
+seen on an H200, 2026-11-27). fp32: 1e-4 relative, 1e-5 absolute (TF32 is off: torch's default for matmuls).
+Whole models in bf16: loss within 1e-2 relative, logits 5e-2 absolute.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# launched: torch.compile's first compilation starts worker processes (the compiled kernels)
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.launched]
 
 TOL = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float32: dict(rtol=1e-4, atol=1e-5)}
 FAST = ["compiled", "liger"]
@@ -37,6 +41,31 @@ def _leaves(*shapes, dtype, seed=0):
     return [torch.randn(*s, generator=gen, device="cuda").to(dtype).requires_grad_() for s in shapes]
 
 
+def _rope_tables(b: int, s: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as RoPE makes them ([b, s, d], both halves equal: Liger's kernel reads the first half only),
+    at random positions."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    positions = torch.randint(0, 4096, (b, s), generator=gen, device="cuda").float()
+    inv_freq = 10000.0 ** -(torch.arange(0, d, 2, device="cuda").float() / d)
+    angles = positions[..., None] * inv_freq
+    return torch.cat([angles, angles], dim=-1).cos(), torch.cat([angles, angles], dim=-1).sin()
+
+
+def assert_like_reference(fast_fn, reference_fn, shapes, dtype, what: str) -> None:
+    """Outputs and input gradients of ``fast_fn`` against ``reference_fn`` (see the module's tolerances)."""
+    got = _run(fast_fn, _leaves(*shapes, dtype=dtype))
+    want = _run(reference_fn, _leaves(*shapes, dtype=dtype))
+    if dtype == torch.float32:
+        for a, w in zip(got, want):
+            torch.testing.assert_close(a, w, **TOL[dtype], msg=lambda m: f"{what}: {m}")
+        return
+    truth = _run(reference_fn, [t.detach().float().requires_grad_() for t in _leaves(*shapes, dtype=dtype)])
+    for i, (a, w, t) in enumerate(zip(got, want, truth)):
+        fast_err = (a.float() - t).abs().max().item()
+        reference_err = (w.float() - t).abs().max().item()
+        assert fast_err <= 2 * reference_err + 1e-3, (what, i, fast_err, reference_err)
+
+
 def _run(fn, inputs):
     outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -50,7 +79,7 @@ def _run(fn, inputs):
 def test_elementwise_kernels_match_reference(name, dtype) -> None:
     fast = _kernels(name)
     b, s, groups, g, d, h = 2, 64, 4, 4, 64, 256
-    cos, sin = torch.randn(b, s, d, device="cuda").cos(), torch.randn(b, s, d, device="cuda").sin()
+    cos, sin = _rope_tables(b, s, d)
     cases = {
         "rms_norm": (lambda k: (lambda x, w: k.rms_norm(x, w, 1e-5)), [(b, s, h), (h,)]),
         "add_rms_norm": (lambda k: (lambda r, x, w: k.add_rms_norm(r, x, w, 1e-5)), [(b, s, h), (b, s, h), (h,)]),
@@ -58,10 +87,7 @@ def test_elementwise_kernels_match_reference(name, dtype) -> None:
         "swiglu": (lambda k: k.swiglu, [(b, s, 2 * h)]),
     }
     for op, (make, shapes) in cases.items():
-        got = _run(make(fast), _leaves(*shapes, dtype=dtype))
-        want = _run(make(REFERENCE), _leaves(*shapes, dtype=dtype))
-        for a, w in zip(got, want):
-            torch.testing.assert_close(a, w, **TOL[dtype], msg=lambda m, o=op: f"{name} {o}: {m}")
+        assert_like_reference(make(fast), make(REFERENCE), shapes, dtype, f"{name} {op}")
 
 
 @pytest.mark.parametrize("window", [None, 24])

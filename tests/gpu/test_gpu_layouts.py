@@ -52,7 +52,7 @@ def _argv(prefix: str, out, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, shakespeare_prefix, short_documents_prefix):
+def gpu_runs(tmp_path_factory, shakespeare_prefix, short_documents_prefix):
     work = tmp_path_factory.mktemp("gpu-layouts")
     saved = work / "saved"
     save = ["deepspeed_config=ds_configs/zero1_bf16.json", f"checkpoint.save={saved}/ckpt",
@@ -83,28 +83,28 @@ def work(tmp_path_factory, shakespeare_prefix, short_documents_prefix):
 
 
 @pytest.mark.parametrize("name", [*RUNS, "saved"])
-def test_each_layout_trains(work, name) -> None:
-    curve = losses(str(work / name))
+def test_each_layout_trains(gpu_runs, name) -> None:
+    curve = losses(str(gpu_runs / name))
     assert sorted(curve) == list(range(1, STEPS + 1)), curve
     assert all(loss == loss and abs(loss) != float("inf") for loss in curve.values()), curve
     assert curve[STEPS] < curve[1], curve
-    kernels = json.load(open(work / name / "run.json", encoding="utf-8"))["kernels"]["kernels"]
+    kernels = json.load(open(gpu_runs / name / "run.json", encoding="utf-8"))["kernels"]["kernels"]
     default = "compiled" if torch.cuda.is_available() else "reference"
     assert kernels == (name if name in ("reference", "compiled", "liger") else default)
 
 
 @pytest.mark.parametrize("kernels", ["zero1", "compiled", *(("liger",) if LIGER else ())])
-def test_each_kernels_value_tracks_the_reference_kernels(work, kernels) -> None:
+def test_each_kernels_value_tracks_the_reference_kernels(gpu_runs, kernels) -> None:
     """bf16 with other kernels rounds otherwise, the model is the same: every step within 2e-2 of the reference
     kernels' run (liger only where Liger-Kernel is installed: scripts/fetch_gpu_wheels.sh carries it)."""
-    assert_losses_close(losses(str(work / kernels)), losses(str(work / "reference")), BF16_REL,
+    assert_losses_close(losses(str(gpu_runs / kernels)), losses(str(gpu_runs / "reference")), BF16_REL,
                         range(1, STEPS + 1))
 
 
-def test_lora_adapters_lower_the_loss_of_their_frozen_base(work) -> None:
+def test_lora_adapters_lower_the_loss_of_their_frozen_base(gpu_runs) -> None:
     """The batches differ from step to step by more than 8 steps of adapters change the loss: the run is compared
     with its twin at learning rate 0 (the base's own loss on each batch), equal at step 1 (B = 0), below it later."""
-    lora, frozen = losses(str(work / "lora")), losses(str(work / "lora-frozen"))
+    lora, frozen = losses(str(gpu_runs / "lora")), losses(str(gpu_runs / "lora-frozen"))
     assert sorted(lora) == sorted(frozen) == list(range(1, STEPS + 1)), (lora, frozen)
     assert_losses_close(lora, frozen, 1e-6, [1])
     last = range(STEPS - 2, STEPS + 1)  # observed on CPU (bf16): 0.009, 0.025 and 0.033 below
@@ -112,17 +112,17 @@ def test_lora_adapters_lower_the_loss_of_their_frozen_base(work) -> None:
 
 
 @pytest.mark.parametrize("name", ["resumed", "sigterm"])
-def test_a_resumed_run_takes_the_next_step_from_the_saved_state(work, name) -> None:
-    saved, resumed = losses(str(work / "saved")), losses(str(work / name))
+def test_a_resumed_run_takes_the_next_step_from_the_saved_state(gpu_runs, name) -> None:
+    saved, resumed = losses(str(gpu_runs / "saved")), losses(str(gpu_runs / name))
     assert sorted(resumed) == (list(range(SAVE_STEP + 1, STEPS + 1)) if name == "resumed"
                                else list(range(1, STEPS + 1))), resumed
     assert_losses_close(resumed, saved, 1e-6, [SAVE_STEP + 1])
     assert_losses_close(resumed, saved, BF16_REL, range(SAVE_STEP + 2, STEPS + 1))
 
 
-def test_sigterm_stops_after_the_step_and_saves(work) -> None:
-    out = work / "sigterm"
-    stdout = (work / "stdout.txt").read_text()
+def test_sigterm_stops_after_the_step_and_saves(gpu_runs) -> None:
+    out = gpu_runs / "sigterm"
+    stdout = (gpu_runs / "stdout.txt").read_text()
     assert (f"stopped at step {SAVE_STEP} on SIGTERM: saved checkpoint {out}/ckpt/global_step{SAVE_STEP}; the same "
             "command with checkpoint.load auto continues from there") in stdout, stdout[-3000:]
     assert f"resumed from checkpoint {out}/ckpt/global_step{SAVE_STEP}" in stdout

@@ -11,7 +11,7 @@ from launch_utils import ROOT, launch, losses
 
 from llama_megatron.cli import main as cli_main
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.launched]
 
 CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_pretrain.json")
 BF16_REL = 2e-2  # bf16 with different kernels: rounding differs, the model does not

@@ -36,6 +36,7 @@ from llama_megatron.checkpoint.directory import META_FILE, TMP_PREFIX, universal
 from llama_megatron.checkpoint.manifest import fsync_dir, fsync_tree
 from llama_megatron.errors import CheckpointError, SaveFailed, Stalled
 from llama_megatron.parallel.job_store import rendezvous_store
+from llama_megatron.parallel.placement import available_cores
 
 PROGRESS_SECONDS = 30.0  # how often rank 0 logs the conversion's progress
 PUBLISH_SECONDS = 2.0  # how often rank 0 refreshes its state in the store, and the others look
@@ -51,7 +52,7 @@ def conversion_workers(tag_dir: str, requested: int = 0) -> tuple[int, int]:
     for one optimizer file each (twice its size: the file and the fragments cut from it)."""
     if requested > 0:
         return requested, requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     merge = max(1, min(MAX_WORKERS, 2 * cores))
     sizes = [os.path.getsize(os.path.join(tag_dir, name)) for name in os.listdir(tag_dir)
              if name.endswith("optim_states.pt")]

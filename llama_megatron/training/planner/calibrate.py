@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llama_megatron.parallel.placement import free_port
+from llama_megatron.parallel.placement import available_cores, free_port
 from llama_megatron.training.planner.devices import DeviceProfile, Link
 
 GEMM_SIZES = (64, 128, 256, 384, 512, 768)
@@ -93,14 +93,6 @@ def measure_shapes(shapes: list[tuple[int, int, int]], dtype: torch.dtype = torc
     return out
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _compute_figures(shapes: list[tuple[int, int, int]]) -> dict:
     peak, half, _ = measure_gemm()
     return {"peak": peak, "half": half, "attention": measure_attention(peak), "memory": measure_memory(),
@@ -112,7 +104,7 @@ def _worker(rank: int, world: int, port: int, shapes: list, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         dist.barrier()
-        if rank < cores():  # one rank a core measures the compute; the rest wait
+        if rank < available_cores():  # one rank a core measures the compute; the rest wait
             results[rank] = _compute_figures(shapes)
         dist.barrier()
         timings = {}
@@ -137,7 +129,7 @@ def measure_ranks(nproc: int, shapes: list[tuple[int, int, int]]) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_worker, args=(nproc, free_port(), shapes, results), nprocs=nproc, join=True)
-        computed = [dict(results[r]) for r in range(min(nproc, cores()))]
+        computed = [dict(results[r]) for r in range(min(nproc, available_cores()))]
         timings = [dict(results[f"timings{r}"]) for r in range(nproc)]
     merged = _median_figures(computed)
     steps = nproc - 1
@@ -179,6 +171,6 @@ def calibrate(nproc: int, shapes: Iterable[tuple[int, int, int]] = ()) -> Device
         peak_flops={"bf16": measured["peak"], "fp8": None}, hbm_bandwidth=measured["memory"], gpus_per_node=nproc,
         intra_node=measured["link"], inter_node=measured["link"], gemm_efficiency=1.0,
         gemm_half_flops=measured["half"], attention_efficiency=measured["attention"],
-        gemm_measured=dict(zip(shapes, measured["shapes"])), cores_per_node=cores(),
+        gemm_measured=dict(zip(shapes, measured["shapes"])), cores_per_node=available_cores(),
         sources={key: source for key in ("peak_tflops", "memory_bytes", "hbm_bandwidth_gb_s", "intra_node",
                                          "inter_node", "gemm", "attention", "cores_per_node")})

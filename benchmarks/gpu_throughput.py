@@ -33,6 +33,7 @@ from llama_megatron.model.param_layout import as_checkpoint_tensors  # noqa: E40
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
 from llama_megatron.parallel.degrees import ParallelConfig  # noqa: E402
+from llama_megatron.parallel.float8 import Float8Config  # noqa: E402
 from llama_megatron.training.diagnostics.flops import training_flops_per_token  # noqa: E402
 from llama_megatron.training.run.metrics import device_peak_tflops  # noqa: E402
 
@@ -174,13 +175,24 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
 
     choices = args.kernels.split(",") if args.kernels else (
         ["reference", "compiled"] + (["liger"] if have_liger() else []))
+    fp8 = Float8Config(recipe=args.fp8) if args.fp8 else None
     for choice in choices:
-        model = build_model(config, parallel, ParallelContext.single(), initialize=False,
-                            kernels=resolve_kernels(choice, device))
-        model.load_state_dict(state)
-        model.to(device=device, dtype=dtype)
-        record(f"ours_{choice}", *time_train_steps(model, ours_loss, batches, args.warmup, device, args.profile))
-        del model
+        for precision in ("bf16", "fp8") if fp8 else ("bf16",):
+            model = build_model(config, parallel, ParallelContext.single(), initialize=False,
+                                kernels=resolve_kernels(choice, device), fp8=fp8 if precision == "fp8" else None)
+            model.load_state_dict(state)
+            model.to(device=device, dtype=dtype)
+            label = f"ours_{choice}" + ("_fp8" if precision == "fp8" else "")
+            record(label, *time_train_steps(model, ours_loss, batches, args.warmup, device, args.profile))
+            del model
+    if fp8:  # torchtitan's way: torchao's convert_to_float8_training on the HF model's linears (not the head)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        hf = hf_model()
+        convert_to_float8_training(hf, config=Float8LinearConfig.from_recipe_name(args.fp8),
+                                   module_filter_fn=lambda m, fqn: "lm_head" not in fqn and "gate" != fqn[-4:])
+        record("hf_torchao_fp8", *time_train_steps(hf, hf_loss, batches, args.warmup, device, args.profile))
+        del hf
     hf = hf_model()
     record("hf", *time_train_steps(hf, hf_loss, batches, args.warmup, device, args.profile))
     del hf
@@ -191,7 +203,7 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
         record("hf_liger", *time_train_steps(hf, hf_loss, batches, args.warmup, device, args.profile))
         del hf
     for key in [k for k in result if k.startswith("ours_")]:
-        for base in ("hf", "hf_liger"):
+        for base in ("hf", "hf_liger", "hf_torchao_fp8", *(("ours_" + key[5:-4],) if key.endswith("_fp8") else ())):
             if base in result:
                 result[f"ratio_{key}_vs_{base}"] = round(result[key]["tokens_per_s"] / result[base]["tokens_per_s"],
                                                          3)
@@ -263,6 +275,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--attention-repeats", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="each variant's top kernels in one profiled step")
+    parser.add_argument("--fp8", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                        help="also ours with fp8 of this recipe, and HF with torchao's float8 (docs/fp8.md)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on whatever device there is")
     args = parser.parse_args()
 

@@ -5,6 +5,8 @@
 #     model      benchmarks/gpu_throughput.py: a train step of TinyLlama-1.1B, Llama-2-7B dims x 8 layers and Mixtral-8x7B
 #                dims x 2 layers (the MoE layer), ours (compiled: kernels auto on CUDA) vs transformers and transformers + Liger,
 #                each variant's top kernels in one profiled step
+#     fp8        the same script with --fp8 tensorwise on TinyLlama and the 7B-dims layers: ours FP8 / bf16, and
+#                against HF with torchao's float8 (torchtitan's way; docs/fp8.md)
 #     attention  the same script's per-document attention at 2k / 8k / 32k vs FlexAttention
 #     tests      tests/gpu (every one-GPU layout in one launch, each kernels value, save + exact resume, SIGTERM)
 #     trainer    benchmarks/trainer_throughput.py: our trainer vs HF Trainer + DeepSpeed (+ Liger), ZeRO-1 bf16
@@ -27,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
 PY=${PYTHON:-python3}
-ALL="model attention trainer tests schedules planner saves"
+ALL="model fp8 attention trainer tests schedules planner saves"
 parts=${*:-$ALL}
 for part in $parts; do
     case " $ALL " in *" $part "*) ;; *) echo "error: unknown part $part ($ALL)" >&2; exit 2 ;; esac
@@ -67,10 +69,11 @@ part() {
 # GPU_CHECK_SMOKE=1: each benchmark's --smoke (tiny shapes, any device): the dry run of this script on a CPU
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
     smoke=(--smoke) schedules=(--schedule-hidden 128 --schedule-micro-batches 4) saves=(--smoke) trainer=(--smoke)
-    kernels=(--shapes smoke,smoke-moe)
+    kernels=(--shapes smoke,smoke-moe) fp8_shapes=(--shapes smoke --kernels reference)
 else
     smoke=() schedules=(--schedule-hidden 1024 --schedule-micro-batches 8)
     saves=(--shape 0.25b --steps 12 --interval 4) kernels=(--kernels compiled)
+    fp8_shapes=(--shapes tinyllama-1.1b,llama2-7b-8layers --kernels compiled)
     trainer=(--steps 10 --warmup 5 --set batch.global_batch_size=8)  # micro 4 x GA 2
 fi
 
@@ -94,6 +97,8 @@ host=$!
 
 part model "$OUT/gpu.log" "$OUT/gpu.jsonl" 0-5 "$PY" benchmarks/gpu_throughput.py --only models --profile \
     "${kernels[@]}" "${smoke[@]}"
+part fp8 "$OUT/gpu.log" "$OUT/gpu.jsonl" 0-5 "$PY" benchmarks/gpu_throughput.py --only models --fp8 tensorwise \
+    "${fp8_shapes[@]}" "${smoke[@]}"
 part attention "$OUT/gpu.log" "$OUT/gpu.jsonl" 0-5 "$PY" benchmarks/gpu_throughput.py --only attention "${smoke[@]}"
 [ -n "${GPU_CHECK_SMOKE:-}" ] && export LLAMA_MEGATRON_GPU_TESTS_ON_CPU=1
 part tests "$OUT/gpu.log" "$OUT/tests_gpu.txt" 0-5 "$PY" -m pytest -q -p no:cacheprovider tests/gpu

@@ -16,7 +16,7 @@ from launch_utils import ROOT
 def test_gpu_throughput_smoke() -> None:
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_throughput.py"), "--smoke", "--steps", "1",
-         "--warmup", "1", "--attention-repeats", "1", "--kernels", "reference", "--profile"],
+         "--warmup", "1", "--attention-repeats", "1", "--kernels", "reference", "--profile", "--fp8", "rowwise"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     *models, attention = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -24,6 +24,8 @@ def test_gpu_throughput_smoke() -> None:
     for model in models:
         assert model["ours_reference"]["tokens_per_s"] > 0 and model["hf"]["tokens_per_s"] > 0
         assert "ratio_ours_reference_vs_hf" in model
+        # FP8: ours with the recipe against ours in high precision and against torchao's float8 on the HF model
+        assert {"ratio_ours_reference_fp8_vs_ours_reference", "ratio_ours_reference_fp8_vs_hf_torchao_fp8"} <= set(model)
         total, *longest = model["hf"]["top_kernels_ms"]  # the profiled step: its total and longest operators
         assert total[0] == "total" and longest and all(0 < ms <= total[1] for _, ms, _ in longest)
     for key in ("reference_dense_mask", "ours_fast", "causal_sdpa_no_documents"):

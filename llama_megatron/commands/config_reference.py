@@ -28,6 +28,7 @@ from llama_megatron.data.config import PretrainData, SyntheticData
 from llama_megatron.data.sft.config import PreferenceData, SFTData
 from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.parallel.degrees import ParallelConfig
+from llama_megatron.parallel.float8 import Float8Config
 from llama_megatron.training import config as training_config
 from llama_megatron.training.config import TrainingConfig
 
@@ -105,6 +106,7 @@ def sections() -> list[tuple[str, str, type]]:
     for name, cls in training_config._SECTIONS.items():
         out.append((name, f"`{name}`", cls))
     out.append(("lora", "`lora` (absent: no adapters)", LoraConfig))
+    out.append(("fp8", "`fp8` (absent: no FP8; docs/fp8.md)", Float8Config))
     return out
 
 

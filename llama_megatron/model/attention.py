@@ -47,6 +47,10 @@ class ParallelAttention(nn.Module):
         qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
         self.window = config.family.window(config, layer)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_rows, pctx, "qkv", bias=config.qkv_bias)
+        # the q, k and v rows of the local [groups, queries + 2, head_dim] layout: what FP8 scales apart (float8.py)
+        rows = torch.arange(self.qkv_proj.out_features_per_rank).view(self.groups_per_rank, -1, hd)
+        g = self.queries_per_group
+        self.qkv_proj.output_parts = [rows[:, :g].reshape(-1), rows[:, g].reshape(-1), rows[:, g + 1].reshape(-1)]
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, pctx,
                                         bias=config.o_bias)
         if config.qk_norm:  # replicated weights, each TP rank normalising its own heads: gradients summed over TP

@@ -14,17 +14,20 @@ from llama_megatron.model.lora import attach_lora
 from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import ParallelConfig
+from llama_megatron.parallel.float8 import Float8Config, attach_float8, check_float8_model
 from llama_megatron.parallel.pipeline_stages import StagePlacement
 
 
 def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelContext, seed: int = 1234,
                 activation_checkpoint_interval: int = 0, partition_method: str = "type:DecoderLayerPipe",
                 initialize: bool = True, kernels: Kernels = REFERENCE, lora: LoraConfig | None = None,
-                placement: StagePlacement | None = None, stage_layers: Sequence[int] | None = None) -> nn.Module:
+                placement: StagePlacement | None = None, stage_layers: Sequence[int] | None = None,
+                fp8: Float8Config | None = None) -> nn.Module:
     """This rank's model; ``kernels`` (see :func:`llama_megatron.model.kernels.resolve_kernels`) is the one
     place its operator implementations are chosen. With ``lora`` the base weights are frozen and LoRA adapters
     (seeded, B = 0) sit on the target linears. ``placement`` (PP > 1): the virtual stages of this rank, for the
-    schedules our pipeline engine runs (None: DeepSpeed's one block per rank)."""
+    schedules our pipeline engine runs (None: DeepSpeed's one block per rank). With ``fp8`` the linears it selects
+    compute in float8 (:mod:`llama_megatron.parallel.float8`; a LoRA base's too, its adapters in high precision)."""
     shapes = parallel.local_shapes(config)  # derived once; every layer reads its sizes from it
     if pctx.pp_size == 1:
         model: nn.Module = LlamaCausalLM(config, pctx, shapes, activation_checkpoint_interval, kernels)
@@ -35,4 +38,18 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
         initialize_weights(model, config, pctx, shapes.padded_vocab_size, seed)
     if lora is not None:
         attach_lora(model, config, lora, pctx, shapes, seed)
+    if fp8 is not None:
+        attach_float8(model, fp8, pctx.tp_group if pctx.tp_size > 1 else None,
+                      pctx.cp_group if pctx.cp_size > 1 else None)
     return model
+
+
+def check_float8_selection(config: ModelConfig, fp8: Float8Config, tensor: int) -> None:
+    """The ``fp8`` section against the model at tensor degree ``tensor``, before anything is built for real: the
+    model is built on the meta device (no memory) at TP 1 and its linears read (``check_float8_model``)."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
+                            initialize=False)
+    check_float8_model(model, fp8, tensor)

@@ -15,12 +15,19 @@ from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+def gate_up_parts(rows: int) -> list[torch.Tensor]:
+    """The gate and up rows of a fused gate/up weight of ``rows`` local rows (gate first): the projections FP8
+    scales apart (:mod:`llama_megatron.parallel.float8`)."""
+    return list(torch.arange(rows).split(rows // 2))
+
+
 class ParallelMLP(nn.Module):
     def __init__(self, config: ModelConfig, pctx: ParallelContext, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.kernels = kernels
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size, pctx, "gate_up",
                                                  bias=config.mlp_bias)
+        self.gate_up_proj.output_parts = gate_up_parts(self.gate_up_proj.out_features_per_rank)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, pctx, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from torch import nn
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.kernels import REFERENCE, Kernels
+from llama_megatron.model.mlp import gate_up_parts
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp, all_to_all_tokens, scale_gradient
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import LocalShapes
@@ -54,6 +55,7 @@ class ExpertMLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.gate_up_proj = LocalLinear(config.hidden_size, 2 * rows, "gate_up")
+        self.gate_up_proj.output_parts = gate_up_parts(2 * rows)
         self.down_proj = LocalLinear(rows, config.hidden_size, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from llama_megatron.parallel.collectives import (
     reduce_scatter_to_sequence_region,
 )
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.float8 import Float8Linear
 from llama_megatron.parallel.weight_grad import WeightGradStore, linear
 
 
@@ -110,6 +111,7 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
         self.lora: nn.Module | None = None
         self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
+        self.float8: Float8Linear | None = None  # set where FP8 training selects this linear (float8.py)
 
     def forward(self, x: torch.Tensor, return_operands: bool = False):
         """Local output slice (gathered if ``gather_output``); see :func:`column_parallel_matmul` for
@@ -117,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
         if return_operands:
             return column_parallel_matmul(x, self.weight, self.bias, self.pctx, return_operands=True)
         x = column_parallel_input(x, self.pctx)
-        y = linear(x, self.weight, self.bias, self.weight_grad_store)
+        y = linear(x, self.weight, self.bias, self.weight_grad_store, self.float8)
         if self.lora is not None:
             y = y + self.lora(x)
         return gather_from_tp_region(y, self.pctx) if self.gather_output else y
@@ -136,9 +138,10 @@ class RowParallelLinear(nn.Module):
         self.bias = mark_replicated(nn.Parameter(torch.zeros(out_features))) if bias else None
         self.lora: nn.Module | None = None
         self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
+        self.float8: Float8Linear | None = None  # set where FP8 training selects this linear (float8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.weight_grad_store)
+        y = linear(x, self.weight, None, self.weight_grad_store, self.float8)
         if self.lora is not None:
             y = y + self.lora(x)  # a partial product too: summed over TP with the weight's
         y = row_parallel_output(y, self.pctx)
@@ -158,9 +161,10 @@ class LocalLinear(nn.Module):
                                            1 if split == "row" else 0, split)
         self.lora: nn.Module | None = None  # (an expert's adapter: its output is local or partial, as the weight's)
         self.weight_grad_store: WeightGradStore | None = None  # set for a zero-bubble schedule (weight_grad.py)
+        self.float8: Float8Linear | None = None  # set where FP8 training selects this linear (float8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.weight_grad_store)
+        y = linear(x, self.weight, None, self.weight_grad_store, self.float8)
         return y if self.lora is None else y + self.lora(x)
 
 

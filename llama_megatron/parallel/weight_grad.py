@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llama_megatron.parallel.float8 import Float8Linear, float8_linear
+
 # queued work: (weight, the computation of its gradient, the tensors that computation keeps alive)
 _Deferred = tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -143,8 +145,11 @@ def defer_gradient(weight: torch.Tensor, store: WeightGradStore | None) -> torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           store: WeightGradStore | None) -> torch.Tensor:
-    """``F.linear``; with a store, through the split backward (the weight gradient deferrable)."""
+           store: WeightGradStore | None, float8: Float8Linear | None = None) -> torch.Tensor:
+    """``F.linear``; with a store, through the split backward (the weight gradient deferrable); with ``float8``, its
+    three GEMMs in float8 (:mod:`llama_megatron.parallel.float8`), the weight gradient deferrable as well."""
+    if float8 is not None:
+        return float8_linear(x, weight, bias, store, float8)
     if store is None:
         return F.linear(x, weight, bias)
     return _SplitLinear.apply(x, weight, bias, store)

@@ -19,10 +19,12 @@ from llama_megatron.config import ModelConfig, read_json
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.data.sft.config import PreferenceData
 from llama_megatron.errors import ConfigError
+from llama_megatron.model.build import check_float8_selection
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
 from llama_megatron.model.preference import PreferenceLossConfig
 from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
+from llama_megatron.parallel.float8 import Float8Config
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
 from llama_megatron.training.config_sections import apply_override, typed_section
 from llama_megatron.training.pipeline.schedules import (
@@ -222,6 +224,9 @@ class TrainingConfig:
     kernels: str = "auto"
     # LoRA adapters on a frozen base: the `lora` section below (null: full training)
     lora: LoraConfig | None = None
+    # FP8 training with torchao's float8 recipes: {"recipe": tensorwise | rowwise | rowwise_with_gw_hp, "modules":
+    # [...], "filter": [...], "emulate": false} (null: off; docs/fp8.md)
+    fp8: Float8Config | None = None
     seed: int = 1234  # seed of initialisation, data order and dropout
     output_dir: str = "runs/default"  # run.json, metrics.jsonl and doctor.json go here
 
@@ -244,6 +249,8 @@ class TrainingConfig:
                 kwargs[name] = typed_section(section_cls, name, data.pop(name))
         if data.get("lora") is not None:
             kwargs["lora"] = LoraConfig.from_dict(data.pop("lora"))
+        if data.get("fp8") is not None:
+            kwargs["fp8"] = Float8Config.from_dict(data.pop("fp8"))
         kwargs.update(data)
         config = cls(**kwargs)
         config.validate()
@@ -258,6 +265,8 @@ class TrainingConfig:
 
     def validate(self) -> None:
         """Everything that does not depend on the world size; run once, when the config is read."""
+        if self.fp8 is not None:
+            check_float8_selection(self.model, self.fp8, self.parallel.tensor)
         if self.kernels not in KERNEL_CHOICES:
             raise ConfigError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         if not isinstance(self.seq_length, int) or self.seq_length < 1:

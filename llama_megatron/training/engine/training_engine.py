@@ -50,6 +50,7 @@ class TrainingEngine:
                 activation_checkpoint_interval=config.activation_checkpointing.interval,
                 partition_method=config.pipeline.partition_method, lora=config.lora,
                 placement=config.pipeline.placement(pctx.pp_size), stage_layers=config.pipeline.stage_layers,
+                fp8=config.fp8,
             )
         model.to(self.device)
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"

@@ -10,6 +10,7 @@ groups, then :func:`load_model`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -24,10 +25,11 @@ from llama_megatron.checkpoint.lora_checkpoint import BaseRecord, checkpoint_lor
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.checkpoint.megatron_reader import load_model_weights
 from llama_megatron.checkpoint.universal import conversion as universal
-from llama_megatron.errors import CheckpointError
+from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import Kernels, resolve_kernels
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.float8 import Float8Config, float8_gemm_supported
 from llama_megatron.parallel.placement import placement
 from llama_megatron.parallel.process_groups import init_distributed
 from llama_megatron.parallel.zero3 import is_partitioned
@@ -141,6 +143,8 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
                       need_validation=mode == "evaluate" or (mode == "train" and config.eval.interval > 0))
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
+    if config.fp8 is not None:
+        check_fp8_precision(config.fp8, precision(ds_config), accelerator)
     kernels = resolve_kernels(config.kernels, accelerator)
     resume = plan_resume(config, world_size, ds_config, check_save=mode == "train")
     notes = list(resume.notes)
@@ -149,6 +153,18 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
                      f"processes per node): their all-reduces, the heaviest traffic, cross the network; use a "
                      f"tensor degree that divides the processes per node")
     return Preflight(config, world_size, ds_config, resume, eod_id, kernels, notes)
+
+
+def check_fp8_precision(fp8: Float8Config, dtype: str, accelerator: str) -> None:
+    """FP8 trains on top of bf16 (the master weights and optimizer in fp32, as DeepSpeed's bf16 keeps them), on a
+    device with float8 GEMMs unless it emulates them."""
+    if dtype != "bf16":
+        raise ConfigError(f"fp8 trains on top of bf16, and this run's precision is {dtype}: use a bf16 deepspeed_config "
+                          "(ds_configs/zero1_bf16.json) or drop fp8")
+    if not fp8.emulate and not float8_gemm_supported(accelerator):
+        raise ConfigError(f"fp8: this GPU ({torch.cuda.get_device_name()}, compute capability "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) has no float8 GEMMs (8.9 or "
+                          "newer: Ada, Hopper, Blackwell); set fp8.emulate true to train with emulated float8 GEMMs")
 
 
 def _seed_everything(seed: int) -> None:
@@ -186,10 +202,15 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
                 "rows_per_sample": config.rows_per_sample,
-                "kernels": pre.kernels.describe(), "model": config.model.to_dict()}
+                "kernels": pre.kernels.describe(), "model": config.model.to_dict(),
+                "fp8": dataclasses.asdict(config.fp8) if config.fp8 else None}
         with open(os.path.join(config.output_dir, RUN_INFO_FILE), "w", encoding="utf-8") as fh:
             json.dump(info, fh, indent=2)
     log.info("kernels: " + " | ".join(f"{k} {v}" for k, v in pre.kernels.describe().items()))
+    if config.fp8 is not None:
+        log.info(f"fp8: {config.fp8.recipe} scaling (torchao) on {', '.join(config.fp8.modules)}"
+                 + (f" matching {config.fp8.filter}" if config.fp8.filter else "")
+                 + (" (emulated GEMMs)" if config.fp8.emulate else ""))
     for note in pre.notes:
         log.info(note)
     return pctx, log
@@ -233,7 +254,7 @@ def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
                             activation_checkpoint_interval=config.activation_checkpointing.interval,
                             partition_method=config.pipeline.partition_method, kernels=pre.kernels, lora=config.lora,
                             placement=config.pipeline.placement(pctx.pp_size),
-                            stage_layers=config.pipeline.stage_layers)
+                            stage_layers=config.pipeline.stage_layers, fp8=config.fp8)
     if pre.adapters_checkpoint:
         load_model_weights(model, pre.lora_base.path, pre.lora_base.tag, pctx.tp_rank)
     if pre.weights_only:

@@ -1,0 +1,291 @@
+"""Float8 matmuls of the tensor-parallel linears, with torchao's float8 training recipes (docs/fp8.md).
+
+A linear's three GEMMs (output, input gradient, weight gradient) take their operands in float8 with the scales of
+a torchao recipe (``Float8LinearConfig.from_recipe_name``: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``):
+each operand's amax (over the whole tensor, or along the contracted dimension for the rowwise recipes) is turned
+into a scale, the operand is cast with torchao's ``hp_tensor_and_scale_to_float8`` and the product is torchao's
+float8 ``mm`` (``torch._scaled_mm``). The operand casts and their order are those of torchao's ``Float8Linear``, so
+one process computes what ``convert_to_float8_training`` computes on the same model.
+
+Tensor, sequence and context parallelism shard operands of these GEMMs. An amax taken over a sharded dimension is
+reduced (MAX) over the ranks holding the other shards, so that every rank scales by the amax of the whole tensor and
+a layout computes what one process computes:
+
+- a column-parallel linear (output features ``n`` split over TP: fused QKV, gate/up, an expert's gate/up) reduces
+  over TP the amaxes that span ``n``: the weight's tensorwise amax, the output gradient's (tensorwise, and rowwise
+  along ``n`` for the input gradient) and the weight's rowwise amax along ``n`` for the input gradient; its input,
+  gathered over the sequence first under SP, is whole on every rank;
+- a row-parallel linear (input features ``k`` split over TP: o_proj, down_proj) reduces the amaxes that span ``k``:
+  the input's and the weight's, tensorwise and rowwise along ``k`` in the forward GEMM, tensorwise for the
+  gradients; its output gradient is whole on every rank (the backward of the all-reduce or of SP's reduce-scatter);
+- context parallelism splits the tokens ``T``: the amaxes that span them (tensorwise ones of activations and
+  output gradients, and the rowwise ones along ``T`` of the weight-gradient GEMM) are reduced over CP.
+
+Rowwise scales along a dimension that is not split need no reduction: the forward GEMM of a column-parallel linear
+(along ``k``) and the weight-gradient GEMM under TP (along ``T``) run with local scales that equal one process's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llama_megatron.errors import ConfigError
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# the linears FP8 applies to by default: every linear of attention and MLP (experts included); never the
+# embedding, the output head or the router (torchao's and Megatron's defaults leave them in high precision)
+DEFAULT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+GEMM_MULTIPLE = 16  # torch._scaled_mm: both dimensions of every float8 operand a multiple of 16
+
+
+@dataclass
+class Float8Config:
+    """The training JSON's ``fp8`` section: the recipe, which linears (module names, as the parameter names end),
+    optional ``filter`` patterns (fnmatch, on the full parameter-path of the module) that a linear must match too,
+    and ``emulate`` (float8 casts with the products in high precision: a GPU without float8 GEMMs)."""
+
+    # torchao's recipe: tensorwise (one scale per tensor, e5m2 gradients), rowwise (a scale per row along the
+    # contracted dimension, scales rounded to powers of 2), rowwise_with_gw_hp (rowwise; the weight gradient's GEMM in
+    # high precision)
+    recipe: str = "tensorwise"
+    # which linears: qkv_proj, o_proj, gate_up_proj, down_proj (experts' too); never the embedding, head or router
+    modules: list[str] = field(default_factory=lambda: list(DEFAULT_MODULES))
+    # fnmatch patterns a linear's path inside its decoder layer must also match (self_attn.*, mlp.experts.*)
+    filter: list[str] | None = None
+    emulate: bool = False  # float8 casts with the GEMMs in high precision (a GPU without float8 GEMMs)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Float8Config:
+        if not isinstance(data, dict):
+            raise ConfigError(f"fp8 must be an object (recipe, modules, filter, emulate), got {data!r}")
+        unknown = set(data) - {"recipe", "modules", "filter", "emulate"}
+        if unknown:
+            raise ConfigError(f"unknown fp8 keys: {', '.join(sorted(unknown))} (recipe, modules, filter, emulate)")
+        config = cls(**data)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"fp8.recipe {self.recipe!r} is not one of {', '.join(RECIPES)}")
+        unknown = sorted(set(self.modules) - set(DEFAULT_MODULES))
+        if not self.modules or unknown:
+            raise ConfigError(f"fp8.modules {self.modules!r}: choose among {', '.join(DEFAULT_MODULES)}")
+        if self.filter is not None and (not isinstance(self.filter, list) or not all(
+                isinstance(p, str) and p for p in self.filter) or not self.filter):
+            raise ConfigError(f"fp8.filter must be a non-empty list of name patterns, got {self.filter!r}")
+
+    def selects(self, name: str) -> bool:
+        """Whether the linear at module path ``name`` computes in float8. ``filter`` patterns match its path inside
+        its decoder layer (``self_attn.qkv_proj``, ``mlp.experts.3.down_proj``), the same under every layout."""
+        if name.rsplit(".", 1)[-1] not in self.modules:
+            return False
+        return self.filter is None or any(fnmatch.fnmatchcase(layer_path(name), p) for p in self.filter)
+
+    def torchao_config(self):
+        from torchao.float8 import Float8LinearConfig
+
+        config = Float8LinearConfig.from_recipe_name(self.recipe)
+        if self.emulate:
+            import dataclasses
+
+            config = dataclasses.replace(config, emulate=True)
+        return config
+
+
+def layer_path(name: str) -> str:
+    """A module's path inside its decoder layer: its model path without the layer's index (``3.mlp.down_proj`` ->
+    ``mlp.down_proj``; the layers are numbered children of the model under PP and without it)."""
+    head, _, rest = name.partition(".")
+    return rest if head.isdigit() else name
+
+
+def float8_gemm_supported(device: torch.device | str) -> bool:
+    """Float8 GEMMs (``torch._scaled_mm``): CUDA compute capability 8.9 or newer (Ada, Hopper, Blackwell), or the
+    CPU (torch >= 2.10 runs it there)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu" and hasattr(torch, "_scaled_mm")
+
+
+# The six casts of a linear's three GEMMs: (name in torchao's config, tensor dims, rowwise (axiswise) dim label,
+# torchao's axiswise dim, role). Dims: T tokens, k input features, n output features.
+_CASTS = {
+    "input": ("cast_config_input", ("T", "k"), "k", -1, "INPUT"),
+    "weight": ("cast_config_weight", ("k", "n"), "k", 0, "WEIGHT"),
+    "grad_output": ("cast_config_grad_output", ("T", "n"), "n", -1, "GRAD_OUTPUT"),
+    "weight_for_grad_input": ("cast_config_weight_for_grad_input", ("k", "n"), "n", -1, "WEIGHT"),
+    "grad_output_for_grad_weight": ("cast_config_grad_output_for_grad_weight", ("T", "n"), "T", 0, "GRAD_OUTPUT"),
+    "input_for_grad_weight": ("cast_config_input_for_grad_weight", ("T", "k"), "T", 0, "INPUT"),
+}
+
+
+class Float8Linear:
+    """What one linear needs to compute in float8: torchao's recipe config and GEMM configs, and the process groups
+    over which each of its casts reduces its amax (see the module's docstring)."""
+
+    def __init__(self, config: Float8Config, split: str, tp_group: Any = None, cp_group: Any = None,
+                 parts: list[torch.Tensor] | None = None) -> None:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_linear import LinearMMConfig, ScaledMMConfig
+
+        self.recipe = config.recipe
+        self.config = config.torchao_config()
+        c = self.config
+        self.mm_config = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
+                                          for g in (c.gemm_config_output, c.gemm_config_grad_input,
+                                                    c.gemm_config_grad_weight)))
+        sharded = {"T": cp_group, ("n" if split == "column" else "k"): tp_group}
+        self.groups: dict[str, list] = {}
+        for cast, (attr, dims, axis, _, _) in _CASTS.items():
+            rowwise = getattr(c, attr).scaling_granularity is ScalingGranularity.AXISWISE
+            over = (axis,) if rowwise else dims
+            self.groups[cast] = [sharded[d] for d in over if sharded.get(d) is not None]
+        # a fused linear's projections (q, k, v rows of the fused QKV; gate and up): each is scaled and multiplied
+        # as its own linear, as torchao scales HF's (and torchtitan's) separate projections
+        self.sizes = [len(p) for p in parts] if parts else None
+        order = torch.cat(parts) if parts else None
+        self._order = None if order is None or torch.equal(order, torch.arange(len(order))) else order
+        self._inverse = None if self._order is None else torch.argsort(self._order)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (cast, amax after the layout's reductions: the largest of a rowwise cast's) of every cast, in order, while
+        # a list is set here: what a layout scales by, for the checks and the fp8 statistics
+        self.amax_log: list[tuple[str, torch.Tensor]] | None = None
+
+    def to_parts(self, tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        """``tensor`` cut along ``dim`` (the output features) into the projections, in their order."""
+        if self.sizes is None:
+            return [tensor]
+        if self._order is not None:
+            tensor = tensor.index_select(dim, self._indices(tensor.device)[0])
+        return list(tensor.split(self.sizes, dim))
+
+    def from_parts(self, pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The inverse of :meth:`to_parts`."""
+        if len(pieces) == 1:
+            return pieces[0]
+        joined = torch.cat(pieces, dim)
+        return joined if self._order is None else joined.index_select(dim, self._indices(joined.device)[1])
+
+    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._on:
+            self._on[device] = (self._order.to(device), self._inverse.to(device))
+        return self._on[device]
+
+    def cast(self, tensor: torch.Tensor, which: str):
+        """``tensor`` (2-D) as torchao's float8 training tensor for the cast ``which``, or as it is when the recipe
+        keeps that operand in high precision."""
+        from torchao.float8.config import ScalingType
+        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+        from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+        attr, _, _, axiswise_dim, role = _CASTS[which]
+        cast_config = getattr(self.config, attr)
+        if cast_config.scaling_type is ScalingType.DISABLED:  # contiguous, as the float8 casts' outputs are
+            return tensor.contiguous()
+        granularity = cast_config.scaling_granularity
+        dim = get_maybe_axiswise_dim(axiswise_dim, granularity)
+        amax = tensor_to_amax(tensor, False, None, granularity, dim)
+        for group in self.groups[which]:  # the amax of the whole tensor, where a layout split what it spans
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        if self.amax_log is not None:
+            self.amax_log.append((which, amax.max()))
+        scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
+        return hp_tensor_and_scale_to_float8(tensor, scale, cast_config.target_dtype, self.mm_config,
+                                             getattr(GemmInputRole, role), dim)
+
+
+class _Float8Linear(torch.autograd.Function):
+    """``F.linear`` in float8 (torchao's ``matmul_with_hp_or_float8_args``, with the amax reductions of the
+    layout); the weight gradient deferrable to a :class:`~llama_megatron.parallel.weight_grad.WeightGradStore`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store, spec: Float8Linear):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.spec, ctx.has_bias = store, spec, bias is not None
+        x_2d = x.reshape(-1, x.shape[-1])
+        x_8 = spec.cast(x_2d, "input")  # one cast serves every projection: the same input, the same scale
+        out = spec.from_parts([torch.mm(x_8, spec.cast(w.t(), "weight")) for w in spec.to_parts(weight, 0)], 1)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias.to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        spec = ctx.spec
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
+        grads = spec.to_parts(grad_2d, 1)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # summed over the projections as autograd sums the input gradients of separate linears: the last
+            # used first (v, k, q: HF's order), so the fp32 sums match to the bit
+            for g, w in reversed(list(zip(grads, spec.to_parts(weight, 0)))):
+                part = torch.mm(spec.cast(g, "grad_output"), spec.cast(w.t(), "weight_for_grad_input").t())
+                grad_x = part if grad_x is None else grad_x + part
+            grad_x = grad_x.reshape(x.shape)
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            def compute() -> torch.Tensor:
+                x_8 = spec.cast(x_2d, "input_for_grad_weight")
+                pieces = [torch.mm(spec.cast(g, "grad_output_for_grad_weight").t(), x_8) for g in grads]
+                return spec.from_parts(pieces, 0).to(weight.dtype)
+
+            if ctx.store is None or not ctx.store.defer(weight, compute, (grad_2d, x_2d)):
+                grad_weight = compute()
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store,
+                  spec: Float8Linear) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the three GEMMs in float8 (``spec``)."""
+    return _Float8Linear.apply(x, weight, bias, store, spec)
+
+
+def attach_float8(model: nn.Module, config: Float8Config, tp_group: Any = None, cp_group: Any = None) -> list[str]:
+    """Give a :class:`Float8Linear` to every linear of ``model`` that ``config`` selects (a module with a
+    ``float8`` attribute and a ``tp_split``-marked weight; a fused one names its projections' rows in
+    ``output_parts``); returns their names. One place decides, as
+    :func:`~llama_megatron.parallel.weight_grad.attach_weight_grad_store` does for the split backward."""
+    names = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "float8") or not config.selects(name):
+            continue
+        split = "row" if module.weight.tp_split == "row" else "column"
+        module.float8 = Float8Linear(config, split, tp_group, cp_group, getattr(module, "output_parts", None))
+        names.append(name)
+    return names
+
+
+def check_float8_model(model: nn.Module, config: Float8Config, tp_size: int) -> None:
+    """What FP8 needs of a model built at TP 1 (on the meta device: no memory), for a run at ``tp_size``: the
+    filter selects some linear, and every GEMM operand of the selected ones, per TP rank and projection, has both
+    dimensions a multiple of 16 (``torch._scaled_mm``). Raises ConfigError naming the first offenders."""
+    selected = [(name, m) for name, m in model.named_modules() if hasattr(m, "float8") and config.selects(name)]
+    if not selected:
+        raise ConfigError(f"fp8 selects no linear of this model (modules {config.modules}, filter {config.filter}); "
+                          "a filter matches paths inside a decoder layer, such as 'self_attn.*' or 'mlp.experts.*'")
+    bad = {}
+    for name, module in selected:
+        rows, cols = module.weight.shape
+        if module.weight.tp_split == "row":
+            cols //= tp_size
+            parts = [rows]
+        else:
+            parts = [len(p) // tp_size for p in getattr(module, "output_parts", None) or [range(rows)]]
+        for dim in (cols, *parts):
+            if dim % GEMM_MULTIPLE:
+                bad.setdefault(layer_path(name), dim)
+    if bad:
+        listed = ", ".join(f"{path} ({dim})" for path, dim in list(bad.items())[:4])
+        raise ConfigError(f"fp8 at tensor parallel {tp_size}: float8 GEMMs need every dimension a multiple of "
+                          f"{GEMM_MULTIPLE}, and these linears have one that is not: {listed}")

@@ -1,0 +1,195 @@
+"""FP8 training (llama_megatron/parallel/float8.py) against torchao's ``convert_to_float8_training`` on the HF model,
+and its bad input. One process, no launch (the layouts against TP 1 are launched elsewhere).
+
+The model pair: a random ``LlamaForCausalLM`` (and a Mixtral) loaded into ours; torchao converts HF's q, k, v, o,
+gate, up and down linears, ours scales its fused QKV and gate/up per projection (float8.py), so each float8 GEMM is
+torchao's. Both in fp32 (the GEMMs' high precision), 5 steps of AdamW on the same batches.
+
+What is exact and what is not: at step 1 every FP8 linear's weight gradient equals torchao's (the same casts, the
+same GEMMs) and so does the loss. The norms, embedding and head gradients differ from HF's in the last bit of fp32
+(as they do without FP8: a different order of the same sums), and after an optimizer step that last bit moves
+some inputs of a float8 cast across a rounding boundary of the 8-bit format: the rowwise recipes stayed within 2e-7
+of torchao's loss over 5 steps here, the tensorwise one (e5m2 gradients: 2 mantissa bits) within 1.4e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+
+from model_utils import hf_class, hf_config, hf_model, tiny_config  # noqa: E402
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+
+from llama_megatron.errors import ConfigError  # noqa: E402
+from llama_megatron.model.build import build_model  # noqa: E402
+from llama_megatron.model.param_layout import as_checkpoint_tensors  # noqa: E402
+from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
+from llama_megatron.parallel.context import ParallelContext  # noqa: E402
+from llama_megatron.parallel.degrees import ParallelConfig  # noqa: E402
+from llama_megatron.parallel.float8 import Float8Config, attach_float8, layer_path  # noqa: E402
+
+HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STEPS = 5
+LOSS_REL = {"tensorwise": 1e-3, "rowwise": 1e-5, "rowwise_with_gw_hp": 1e-5}  # see the module docstring
+
+
+def _pair(config, recipe: str, filter_=None, hf_filter=lambda fqn: True):
+    torch.manual_seed(0)
+    hf = hf_class(config)(hf_config(config, attn_implementation="sdpa")).float()
+    state = hf_to_rank_state_dict(as_checkpoint_tensors(hf.state_dict(), config), config, 0, 1, config.vocab_size)
+    ours = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
+                       initialize=False)
+    ours.load_state_dict(state)
+    selected = attach_float8(ours, Float8Config(recipe=recipe, filter=filter_))
+    ref = copy.deepcopy(hf)
+    convert_to_float8_training(ref, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda m, fqn: fqn.split(".")[-1] in HF_LINEARS and hf_filter(fqn))
+    return ours, ref, selected
+
+
+def _grads_as_ours(model, config) -> dict:
+    named = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return hf_to_rank_state_dict(as_checkpoint_tensors(named, config), config, 0, 1, config.vocab_size)
+
+
+def _train_both(ours, ref, config, fp8_linears: list[str]) -> list[tuple[float, float]]:
+    opt_ours, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, ref))
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(STEPS):
+        ids = torch.randint(0, config.vocab_size, (2, 33), generator=gen)
+        loss_ours, loss_ref = ours(ids[:, :-1], labels=ids[:, 1:]), ref(input_ids=ids, labels=ids).loss
+        loss_ours.backward()
+        loss_ref.backward()
+        if step == 0:  # the same float8 GEMMs: every FP8 linear's weight gradient is torchao's
+            want = _grads_as_ours(ref, config)
+            got = dict(ours.named_parameters())
+            for name in fp8_linears:  # (rowwise_with_gw_hp: the weight gradient from fp32 operands, whose last
+                # bit follows the attention kernel's layout: 1e-6 of the largest element)
+                grad, expected = got[f"{name}.weight"].grad, want[f"{name}.weight"]
+                assert (grad - expected).abs().max() <= 1e-6 * expected.abs().max(), name
+        losses.append((loss_ours.item(), loss_ref.item()))
+        for opt in (opt_ours, opt_ref):
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_llama_trains_as_torchao_trains_the_hf_model(recipe) -> None:
+    config = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    ours, ref, selected = _pair(config, recipe)
+    assert len(selected) == 4 * config.num_hidden_layers  # qkv, o, gate/up, down; never the head or embedding
+    assert sum(type(m).__name__ == "Float8Linear" for m in ref.modules()) == 7 * config.num_hidden_layers
+    losses = _train_both(ours, ref, config, selected)
+    assert abs(losses[0][0] - losses[0][1]) <= 1e-6 * losses[0][1], losses
+    for got, want in losses:
+        assert abs(got - want) <= LOSS_REL[recipe] * want, (recipe, losses)
+    if recipe != "tensorwise":
+        want = hf_to_rank_state_dict(as_checkpoint_tensors(ref.state_dict(), config), config, 0, 1,
+                                     config.vocab_size)
+        for name, tensor in ours.state_dict().items():  # atol: 1% of one AdamW step at lr 1e-3 (an element whose
+            # gradient is near 0 moves by Adam's normalised step, which its last bit can tip)
+            torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_mixtral_attention_in_fp8_as_torchao() -> None:
+    """transformers 5 keeps Mixtral's experts as fused 3-D parameters, which torchao does not convert: the filter
+    puts our experts in high precision too, and the attention linears compute in float8 on both sides."""
+    config = tiny_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=96,
+                         hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    ours, ref, selected = _pair(config, "rowwise", ["self_attn.*"], lambda fqn: ".self_attn." in fqn)
+    assert {layer_path(n) for n in selected} == {"self_attn.qkv_proj", "self_attn.o_proj"}
+    for got, want in _train_both(ours, ref, config, selected):
+        assert abs(got - want) <= 1e-5 * want
+
+
+def test_fp8_selects_experts_by_default() -> None:
+    config = tiny_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
+    model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
+                        initialize=False)
+    paths = {layer_path(n) for n in attach_float8(model, Float8Config())}
+    assert {"mlp.experts.3.gate_up_proj", "mlp.experts.0.down_proj", "self_attn.qkv_proj"} <= paths
+    assert not any("router" in p or "lm_head" in p for p in paths)
+
+
+@pytest.mark.parametrize("fp8, overrides, message", [
+    ({"recipe": "delayed"}, [], "fp8.recipe 'delayed' is not one of tensorwise, rowwise, rowwise_with_gw_hp"),
+    ({"recipe": "rowwise", "filter": ["mlp.experts.*"]}, [],
+     "fp8 selects no linear of this model (modules ['qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj'], filter "
+     "['mlp.experts.*']); a filter matches paths inside a decoder layer, such as 'self_attn.*' or 'mlp.experts.*'"),
+    ({"recipe": "rowwise"}, ["model.intermediate_size=72"],
+     "fp8 at tensor parallel 1: float8 GEMMs need every dimension a multiple of 16, and these linears have one that "
+     "is not: mlp.gate_up_proj (72), mlp.down_proj (72)"),
+    ({"recipe": "rowwise", "modules": ["lm_head"]}, [],
+     "fp8.modules ['lm_head']: choose among qkv_proj, o_proj, gate_up_proj, down_proj"),
+    ({"recipe": "rowwise", "scaling": "delayed"}, [],
+     "unknown fp8 keys: scaling (recipe, modules, filter, emulate)"),
+])
+def test_bad_fp8_sections_are_one_line(fp8, overrides, message) -> None:
+    import json
+
+    from llama_megatron.training.config import TrainingConfig
+
+    with pytest.raises(ConfigError) as err:
+        TrainingConfig.from_file("tests/configs/e2e_pretrain.json", [f"fp8={json.dumps(fp8)}", *overrides])
+    assert str(err.value) == message
+
+
+def test_fp8_refuses_fp32_and_gpus_without_float8() -> None:
+    from llama_megatron.training.run.setup import check_fp8_precision
+
+    with pytest.raises(ConfigError, match="^fp8 trains on top of bf16, and this run's precision is fp32: use a bf16 "):
+        check_fp8_precision(Float8Config(), "fp32", "cpu")
+    check_fp8_precision(Float8Config(), "bf16", "cpu")  # torch._scaled_mm runs on the CPU
+
+
+def _tensor_parallel_worker(rank: int, world_size: int, recipe: str) -> None:
+    """TP2 (with and without SP) against TP1, FP8 on the same weights and batch, fp32, forward and backward once:
+    every tensorwise cast of every linear scales by the amax TP1 scales by (the TP amax reductions; without them a
+    sharded operand's amax is its shard's), and the loss agrees.
+
+    Not the gradients to 1e-5: a float8 cast is a step function, and the last bit by which TP's partial sums differ
+    from one GEMM's moves a few operands across a rounding step of the 8-bit format (e5m2 gradients: 25% of an
+    element); the rowwise recipes' GEMMs output bf16 on CPU (torchao's rowwise mm), rounding each TP partial sum."""
+    config = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    hf = hf_model(config)
+    ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+    for sp in (False, True):
+        runs = []
+        for tp in (1, world_size):
+            pctx = ParallelContext.single() if tp == 1 else ParallelContext.build(tensor=tp, sequence_parallel=sp)
+            parallel = ParallelConfig(tensor=tp, sequence_parallel=sp and tp > 1, make_vocab_size_divisible_by=8)
+            model = build_model(config, parallel, pctx, initialize=False, fp8=Float8Config(recipe=recipe))
+            model.load_state_dict(hf_to_rank_state_dict(hf.state_dict(), config, pctx.tp_rank, tp,
+                                                        parallel.padded_vocab_size(config.vocab_size)))
+            specs = {name: m.float8 for name, m in model.named_modules() if getattr(m, "float8", None)}
+            for spec in specs.values():
+                spec.amax_log = []
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+            loss.backward()
+            runs.append((loss.item(), {name: spec.amax_log for name, spec in specs.items()}))
+        (loss_1, amax_1), (loss_2, amax_2) = runs
+        assert abs(loss_2 - loss_1) <= 1e-4 * loss_1, (sp, loss_1, loss_2)
+        assert amax_1.keys() == amax_2.keys()
+        for name in amax_1:
+            assert [c for c, _ in amax_1[name]] == [c for c, _ in amax_2[name]], name
+            if recipe != "tensorwise":
+                continue  # a rowwise amax spans a dimension a layout may split without reducing (float8.py)
+            for (cast, one), (_, two) in zip(amax_1[name], amax_2[name]):
+                # forward: the same amax (the layout's reductions); backward: also after a cast upstream rounded
+                # an operand the other way (observed up to 3e-2), against a factor where a reduction is missing
+                rtol = 1e-5 if cast in ("input", "weight") else 0.1
+                torch.testing.assert_close(two, one, rtol=rtol, atol=0, msg=lambda m, n=name, c=cast: f"{n} {c}: {m}")
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tensor_and_sequence_parallel_fp8_scales_as_one_process(recipe) -> None:
+    from dist_utils import run_distributed
+
+    run_distributed(_tensor_parallel_worker, 2, recipe)

@@ -215,3 +215,23 @@ def test_fp8_with_compiled_kernels() -> None:
     torch.testing.assert_close(loss_compiled, loss_ref, rtol=1e-5, atol=0)
     for name, grad in grads_ref.items():
         torch.testing.assert_close(grads_compiled[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_estimate_counts_the_float8_operands_of_the_largest_gemm() -> None:
+    """`estimate` with fp8: each stage's total grows by the float8 copies of one GEMM's two operands and their
+    scales at the largest selected linear. The test config (hidden 64, MLP 128, micro batch 2 x 32 tokens, TP 1):
+    gate/up's gate [64 tokens x 64] x [64 x 128] -> its weight-gradient GEMM holds 64 x 128 + 64 x 128 bytes, plus
+    4 bytes for each of 2 x 64 + 64 + 128 scales: 17,664 bytes; down_proj's forward the same."""
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.diagnostics.memory_estimate import estimate
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+
+    totals = []
+    for fp8 in ([], ['fp8={"recipe": "rowwise"}']):
+        config = TrainingConfig.from_file("tests/configs/e2e_pretrain.json",
+                                          ["deepspeed_config=ds_configs/zero1_bf16.json", *fp8])
+        est = estimate(config, build_deepspeed_config(config, config.deepspeed_config, 1, "cuda"), 1)
+        totals.append([(s.fp8_transient, s.gpu_total) for s in est.stages])
+    (without,), (with_fp8,) = totals
+    assert without[0] == 0 and with_fp8[0] == 17_664
+    assert with_fp8[1] - without[1] == 17_664

@@ -38,7 +38,7 @@ def fp8_runs(tmp_path_factory, shakespeare_prefix) -> dict:
     work = tmp_path_factory.mktemp("fp8")
     save = [f"checkpoint.interval={HALF}"]
     single = [
-        ("fp8", [FP8, f"checkpoint.save={work}/fp8/ckpt", *save]),
+        ("fp8", [FP8, f"checkpoint.save={work}/fp8/ckpt", *save, "logging.fp8_stats=true"]),
         ("tensorwise", [TENSORWISE]),
         ("bf16", [f"checkpoint.save={work}/bf16/ckpt", *save]),
         ("fp8-resumed", [FP8, f"checkpoint.load={work}/fp8/ckpt", f"checkpoint.tag=global_step{HALF}"]),
@@ -49,7 +49,7 @@ def fp8_runs(tmp_path_factory, shakespeare_prefix) -> dict:
     layouts = {
         "tp2": ["parallel.tensor=2"],
         "tp2-sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
-        "pp2": ["parallel.pipeline=2"],
+        "pp2": ["parallel.pipeline=2", "logging.fp8_stats=true"],
         "pp2-zb-h1": ["parallel.pipeline=2", "pipeline.schedule=zb-h1"],
         "cp2": ["parallel.context=2"],
         "dp2-zero2": ["deepspeed_config=ds_configs/zero2_bf16.json"],
@@ -70,6 +70,27 @@ def test_fp8_trains_and_records_its_recipe(fp8_runs) -> None:
     info = json.load(open(fp8_runs["dir"] / "fp8" / "run.json", encoding="utf-8"))
     assert info["fp8"] == {"recipe": "rowwise", "modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                            "filter": None, "emulate": False}
+
+
+@pytest.mark.parametrize("name", ["fp8", "pp2"])
+def test_fp8_statistics_are_logged_and_plotted(fp8_runs, name) -> None:
+    """`logging.fp8_stats`: every logged record holds each FP8 linear kind's casts with an amax and a scale per
+    decoder layer, every layer's (under PP2 the two stages' layers together), and `plot` draws them."""
+    from llama_megatron.training.diagnostics.plot import plot_runs
+
+    run = fp8_runs["dir"] / name
+    records = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    assert len(records) == FULL
+    for record in records:
+        stats = record["fp8"]
+        assert set(stats) == {f"{kind}.{cast}" for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+                              for cast in ("input", "weight", "grad_output", "weight_for_grad_input",
+                                           "grad_output_for_grad_weight", "input_for_grad_weight")}
+        for entry in stats.values():
+            assert len(entry["amax"]) == 4 and all(a > 0 for a in entry["amax"]), entry
+            assert all(s * a == pytest.approx(448.0, rel=1e-3) for s, a in zip(entry["scale"], entry["amax"]))
+    png = plot_runs([str(run)], str(run / "fp8.png"))
+    assert os.path.getsize(png) > 10_000
 
 
 @pytest.mark.parametrize("name, saved", [("fp8-resumed", "fp8"), ("bf16-resumed-in-fp8", "bf16")])

@@ -303,3 +303,18 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path) -> None:
     code, out, err = _plan("--model", TINY, "--gpus", "2", "--device-file", str(profile), "--seq-length", "64",
                            "--global-batch-size", "8", "--top", "3")
     assert code == 0 and "2 x cpu (2 per node)" in out, err
+
+
+def test_an_fp8_plan_counts_the_float8_operands_and_writes_the_fp8_section(tmp_path) -> None:
+    """--precision fp8: each layout's memory includes the float8 operands of its largest GEMM (the estimate's
+    ``fp8_transient``), and what --write writes trains with fp8 (tensorwise: Megatron's current scaling)."""
+    device = load_device("h100-sxm")
+    bf16 = Planner(_base(), 2, device).check(Layout(tp=2))
+    fp8 = Planner(_base(), 2, device, precision="fp8").check(Layout(tp=2))
+    assert isinstance(fp8, Planned) and bf16.memory.stages[0].fp8_transient == 0
+    transient = fp8.memory.stages[0].fp8_transient
+    assert transient > 0 and fp8.memory.peak_gpu == bf16.memory.peak_gpu + transient
+    assert fp8.config.fp8.recipe == "tensorwise"
+    written = layout_dict(Planner(_base(), 2, device, precision="fp8").base, Layout(tp=2))
+    assert written["fp8"] == {"recipe": "tensorwise"}
+    TrainingConfig.from_dict(written)  # a valid training JSON

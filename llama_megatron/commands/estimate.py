@@ -17,7 +17,7 @@ from llama_megatron.training.diagnostics.memory_estimate import (
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
 ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
-        ("activations", "activations"), ("logits + loss", "logits")]
+        ("activations", "activations"), ("logits + loss", "logits"), ("fp8 operands", "fp8_transient")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--device-file", help="a device profile JSON of your own (plan --calibrate writes one)")
     search = parser.add_argument_group("the search")
     search.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
-                        help="the GEMMs' precision (fp8: the device's fp8 rate; the states stay bf16)")
+                        help="the GEMMs' precision (fp8: the device's fp8 rate, the float8 operands counted, "
+                             "and an fp8 section (the config's, else tensorwise) in what --write writes; the states "
+                             "stay bf16)")
     search.add_argument("--schedules", nargs="+", metavar="NAME", help="pipeline schedules to try (default: all)")
     search.add_argument("--max-micro-batch", type=int, default=8, help="largest micro batch tried (default 8)")
     search.add_argument("--tp-across-nodes", action="store_true", help="allow a TP group to span nodes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from torch import nn
@@ -14,7 +15,7 @@ from llama_megatron.model.lora import attach_lora
 from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import ParallelConfig
-from llama_megatron.parallel.float8 import Float8Config, attach_float8, check_float8_model
+from llama_megatron.parallel.float8 import Float8Config, attach_float8, check_float8_linears, float8_linears
 from llama_megatron.parallel.pipeline_stages import StagePlacement
 
 
@@ -46,10 +47,17 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
 
 def check_float8_selection(config: ModelConfig, fp8: Float8Config, tensor: int) -> None:
     """The ``fp8`` section against the model at tensor degree ``tensor``, before anything is built for real: the
-    model is built on the meta device (no memory) at TP 1 and its linears read (``check_float8_model``)."""
-    import torch
+    model's linears are read off a model built on the meta device (no memory) at TP 1, once per model and section
+    (the planner checks hundreds of layouts of one model)."""
+    key = (json.dumps(config.to_dict(), sort_keys=True, default=str), repr(fp8))
+    if key not in _FLOAT8_LINEARS:
+        import torch
 
-    with torch.device("meta"):
-        model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
-                            initialize=False)
-    check_float8_model(model, fp8, tensor)
+        with torch.device("meta"):
+            model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
+                                initialize=False)
+        _FLOAT8_LINEARS[key] = float8_linears(model, fp8)
+    check_float8_linears(_FLOAT8_LINEARS[key], fp8, tensor)
+
+
+_FLOAT8_LINEARS: dict[tuple[str, str], list] = {}

@@ -28,6 +28,7 @@ Rowwise scales along a dimension that is not split need no reduction: the forwar
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,8 @@ class Float8Linear:
         # (cast, amax after the layout's reductions: the largest of a rowwise cast's) of every cast, in order, while
         # a list is set here: what a layout scales by, for the checks and the fp8 statistics
         self.amax_log: list[tuple[str, torch.Tensor]] | None = None
+        # the largest amax of each cast since the statistics were last read (logging.fp8_stats), on the device
+        self.window_amax: dict[str, torch.Tensor] | None = None
 
     def to_parts(self, tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
         """``tensor`` cut along ``dim`` (the output features) into the projections, in their order."""
@@ -198,6 +201,9 @@ class Float8Linear:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         if self.amax_log is not None:
             self.amax_log.append((which, amax.max()))
+        if self.window_amax is not None:
+            seen = self.window_amax.get(which)
+            self.window_amax[which] = amax.max() if seen is None else torch.maximum(seen, amax.max())
         scale = amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(tensor, scale, cast_config.target_dtype, self.mm_config,
                                              getattr(GemmInputRole, role), dim)
@@ -266,26 +272,87 @@ def attach_float8(model: nn.Module, config: Float8Config, tp_group: Any = None, 
     return names
 
 
-def check_float8_model(model: nn.Module, config: Float8Config, tp_size: int) -> None:
-    """What FP8 needs of a model built at TP 1 (on the meta device: no memory), for a run at ``tp_size``: the
-    filter selects some linear, and every GEMM operand of the selected ones, per TP rank and projection, has both
-    dimensions a multiple of 16 (``torch._scaled_mm``). Raises ConfigError naming the first offenders."""
-    selected = [(name, m) for name, m in model.named_modules() if hasattr(m, "float8") and config.selects(name)]
-    if not selected:
+def float8_linears(model: nn.Module, config: Float8Config) -> list[tuple[str, str, list[int], int]]:
+    """The linears of a model built at TP 1 that ``config`` selects: (path inside its layer, split, the output rows
+    of each projection, input columns)."""
+    out = []
+    for name, module in model.named_modules():
+        if hasattr(module, "float8") and config.selects(name):
+            rows, cols = module.weight.shape
+            parts = [len(p) for p in getattr(module, "output_parts", None) or [range(rows)]]
+            out.append((layer_path(name), module.weight.tp_split, parts, cols))
+    return out
+
+
+def check_float8_linears(linears: list[tuple[str, str, list[int], int]], config: Float8Config, tp_size: int) -> None:
+    """What FP8 needs of the selected linears (:func:`float8_linears`) at tensor degree ``tp_size``: some are selected,
+    and every GEMM operand, per TP rank and projection, has both dimensions a multiple of 16 (``torch._scaled_mm``).
+    Raises ConfigError naming the first offenders."""
+    if not linears:
         raise ConfigError(f"fp8 selects no linear of this model (modules {config.modules}, filter {config.filter}); "
                           "a filter matches paths inside a decoder layer, such as 'self_attn.*' or 'mlp.experts.*'")
     bad = {}
-    for name, module in selected:
-        rows, cols = module.weight.shape
-        if module.weight.tp_split == "row":
-            cols //= tp_size
-            parts = [rows]
-        else:
-            parts = [len(p) // tp_size for p in getattr(module, "output_parts", None) or [range(rows)]]
-        for dim in (cols, *parts):
+    for path, split, parts, cols in linears:
+        dims = [cols // tp_size, *parts] if split == "row" else [cols, *(p // tp_size for p in parts)]
+        for dim in dims:
             if dim % GEMM_MULTIPLE:
-                bad.setdefault(layer_path(name), dim)
+                bad.setdefault(path, dim)
     if bad:
         listed = ", ".join(f"{path} ({dim})" for path, dim in list(bad.items())[:4])
         raise ConfigError(f"fp8 at tensor parallel {tp_size}: float8 GEMMs need every dimension a multiple of "
                           f"{GEMM_MULTIPLE}, and these linears have one that is not: {listed}")
+
+
+# The statistics' table: per decoder layer, per kind of linear (experts' and a shared expert's apart) and per cast,
+# the largest amax of the logging window (every expert of a layer in one entry)
+STAT_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts.gate_up_proj", "experts.down_proj",
+              "shared_expert.gate_up_proj", "shared_expert.down_proj")
+_LAYER = re.compile(r"(?:^|\.)(\d+)\.(?:self_attn|mlp)\.")
+
+
+def stat_key(name: str) -> tuple[int, str] | None:
+    """(decoder layer, kind) of the linear at model path ``name`` (the layer's index in the model's list of layers,
+    the embedding first: decoder layer = index - 1); None for a module outside a decoder layer."""
+    match = _LAYER.search(name)
+    if match is None:
+        return None
+    path = layer_path(name[match.start(1):])
+    leaf = path.rsplit(".", 1)[-1]
+    kind = f"experts.{leaf}" if ".experts." in path else f"shared_expert.{leaf}" if "shared_expert." in path else leaf
+    return int(match.group(1)) - 1, kind
+
+
+def collect_amax(model: nn.Module, layers: int, device: torch.device) -> torch.Tensor:
+    """This rank's table [layers, STAT_KINDS, casts] of the window's largest amaxes (0 where it holds none), and
+    the windows started again. Reduced (MAX) over the ranks, it is the model's: each rank holds its stage's layers,
+    and a rowwise amax along an unsplit dimension is each TP rank's own."""
+    table = torch.zeros(layers, len(STAT_KINDS), len(_CASTS), device=device)
+    for name, module in model.named_modules():
+        spec = getattr(module, "float8", None)
+        key = stat_key(name)
+        if spec is None or spec.window_amax is None or key is None:
+            continue
+        layer, kind = key
+        for cast, amax in spec.window_amax.items():
+            i, j = STAT_KINDS.index(kind), list(_CASTS).index(cast)
+            table[layer, i, j] = torch.maximum(table[layer, i, j], amax.float())
+        spec.window_amax = {}
+    return table
+
+
+def amax_record(table: torch.Tensor, config: Float8Config) -> dict[str, dict[str, list[float]]]:
+    """The metrics record's ``fp8`` entry: per ``kind.cast`` that some layer computed, the amax of each decoder layer
+    and its scale (the format's largest value over the amax: what the operand was multiplied by before the cast;
+    a rowwise cast's smallest scale)."""
+    values = table.double().cpu()
+    out = {}
+    torchao_config = config.torchao_config()
+    for i, kind in enumerate(STAT_KINDS):
+        for j, (cast, (attr, *_)) in enumerate(_CASTS.items()):
+            column = values[:, i, j]
+            if not column.any():
+                continue
+            largest = torch.finfo(getattr(torchao_config, attr).target_dtype).max
+            out[f"{kind}.{cast}"] = {"amax": [float(f"{float(a):.6g}") for a in column],
+                                     "scale": [float(f"{largest / float(a):.6g}") if a > 0 else None for a in column]}
+    return out

@@ -109,6 +109,8 @@ class LoggingConfig:
     wandb_project: str | None = None  # a Weights & Biases project to log to
     # peak TFLOP/s per device for MFU (default: known GPUs' dense bf16 peak, or a measured CPU peak)
     peak_tflops: float | None = None
+    # with fp8: each logged record's per-layer amax and scale of every cast of the FP8 linears (metrics.jsonl "fp8")
+    fp8_stats: bool = False
 
 
 @dataclass
@@ -267,6 +269,8 @@ class TrainingConfig:
         """Everything that does not depend on the world size; run once, when the config is read."""
         if self.fp8 is not None:
             check_float8_selection(self.model, self.fp8, self.parallel.tensor)
+        elif self.logging.fp8_stats:
+            raise ConfigError("logging.fp8_stats reports the FP8 linears' amaxes, and this run has no fp8 section")
         if self.kernels not in KERNEL_CHOICES:
             raise ConfigError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         if not isinstance(self.seq_length, int) or self.seq_length < 1:

@@ -228,3 +228,24 @@ def activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
         if "FinalNormPipe" not in kinds:
             saved += e * hidden_local // (t if partitioned else 1) + ids  # sent output
     return saved, worst_span, logits
+
+
+def fp8_transient_bytes(config: TrainingConfig, rows: int) -> int:
+    """The float8 operands one FP8 GEMM holds at once, at the largest selected linear: 1 byte an element for the two
+    operands (forward: input and weight; input gradient: output gradient and weight; weight gradient: output
+    gradient and input) and 4 bytes a scale (rowwise: one per row of each; tensorwise: one). Tokens are a micro
+    batch's whole sequence on a CP rank's share (SP gathers it before a column-parallel GEMM)."""
+    m, tp = config.model, config.parallel.tensor
+    tokens = rows * config.seq_length // config.parallel.context
+    heads, d, h = m.num_attention_heads, m.head_dim, m.hidden_size
+    ffn = m.expert_intermediate_size if m.family.moe else m.intermediate_size
+    shapes = {  # module -> (k, n) per TP rank, the largest projection of a fused weight (each is its own GEMM)
+        "qkv_proj": (h, heads * d // tp), "o_proj": (heads * d // tp, h),
+        "gate_up_proj": (h, max(ffn, m.intermediate_size) // tp), "down_proj": (max(ffn, m.intermediate_size) // tp, h)}
+    worst = 0
+    for name, (k, n) in shapes.items():
+        if name not in config.fp8.modules:
+            continue
+        elements = max(tokens * k + k * n, tokens * n + k * n, tokens * n + tokens * k)
+        worst = max(worst, elements + 4 * (2 * tokens + k + n))
+    return worst

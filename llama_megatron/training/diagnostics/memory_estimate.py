@@ -44,7 +44,11 @@ from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import shard_shape
 from llama_megatron.parallel.pipeline_stages import StagePlacement, split_layers
 from llama_megatron.training.config import BatchConfig, TrainingConfig
-from llama_megatron.training.diagnostics.activation_bytes import activations, deferred_weight_grad_bytes
+from llama_megatron.training.diagnostics.activation_bytes import (
+    activations,
+    deferred_weight_grad_bytes,
+    fp8_transient_bytes,
+)
 from llama_megatron.training.diagnostics.pipeline_held import held_peak
 from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
 
@@ -80,6 +84,9 @@ class StageEstimate:
     # ``checkpoint.async_save``: the host copy of what the stage's first DP rank saves (the module's weights and its
     # optimizer partition; the other DP ranks hold their optimizer partition only), kept between saves
     async_save_host: int = 0
+    # ``fp8``: the float8 copies of one linear's GEMM operands and their scales, made and dropped per GEMM (the
+    # largest linear's; nothing float8 is kept between passes: the casts are made again in backward)
+    fp8_transient: int = 0
 
     @property
     def activations(self) -> int:
@@ -91,7 +98,7 @@ class StageEstimate:
 
     @property
     def gpu_total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits + self.fp8_transient
 
     @property
     def cpu_total(self) -> int:
@@ -364,8 +371,10 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
             deferred_per_micro_batch=sum(deferred), deferred_micro_batches=pending,
             held_bytes=held if placement.chunks > 1 else None, **states,
             async_save_host=_saved_bytes(params, states, wrapper, e, config.lora is not None)
-            if config.checkpoint.async_save else 0))
+            if config.checkpoint.async_save else 0,
+            fp8_transient=fp8_transient_bytes(config, b * config.rows_per_sample) if config.fp8 else 0))
     return result
+
 
 
 def _saved_bytes(params: list[tuple[int, bool, bool, bool]], states: dict[str, int], wrapper: str, e: int,

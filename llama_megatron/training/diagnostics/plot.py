@@ -16,8 +16,28 @@ from llama_megatron.errors import ConfigError
 
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_s", "tokens/s"))
-# drawn when some run logged them: preference runs (TRL's reward margin and accuracy)
-OPTIONAL_PANELS = (("rewards/margins", "reward margin"), ("rewards/accuracies", "reward accuracy"))
+# drawn when some run logged them: preference runs (TRL's reward margin and accuracy), FP8 runs with
+# logging.fp8_stats (a line per linear kind and cast: its largest amax and smallest scale over the layers)
+OPTIONAL_PANELS = (("rewards/margins", "reward margin"), ("rewards/accuracies", "reward accuracy"),
+                   ("fp8:amax", "FP8 amax (largest over layers)"), ("fp8:scale", "FP8 scale (smallest over layers)"))
+
+
+def series(run: Run, key: str) -> dict[str, list[tuple[int, float, int | None]]]:
+    """The lines of one panel for ``run``: label -> (step, value, consumed samples) of the records holding it."""
+    if not key.startswith("fp8:"):
+        return {legend_label(run): [(r["step"], r[key], r.get("consumed_samples")) for r in run.records if key in r]}
+    stat, pick = key[4:], (max if key == "fp8:amax" else min)
+    lines: dict[str, list] = {}
+    for r in run.records:
+        for name, values in r.get("fp8", {}).items():
+            present = [v for v in values[stat] if v]
+            if present:
+                lines.setdefault(f"{run.name} {name}", []).append((r["step"], pick(present), r.get("consumed_samples")))
+    return lines
+
+
+def _logged(run: Run, key: str) -> bool:
+    return any(("fp8" if key.startswith("fp8:") else key) in r for r in run.records)
 
 
 @dataclass
@@ -75,25 +95,24 @@ def plot_runs(run_dirs: list[str], output: str, x: str = "both") -> str:
     import matplotlib.pyplot as plt
 
     axes_kinds = ["step", "tokens"] if x == "both" else [x]
-    panels = list(PANELS) + [(key, title) for key, title in OPTIONAL_PANELS
-                             if any(key in r for run in runs for r in run.records)]
+    panels = list(PANELS) + [(key, title) for key, title in OPTIONAL_PANELS if any(_logged(run, key) for run in runs)]
     fig, axes = plt.subplots(len(panels), len(axes_kinds), figsize=(6 * len(axes_kinds), 3 * len(panels)),
                              squeeze=False)
     for col, kind in enumerate(axes_kinds):
         for row, (key, title) in enumerate(panels):
             ax = axes[row][col]
-            for run in runs:
-                points = [(r["step"], r[key], r.get("consumed_samples")) for r in run.records if key in r]
+            for source, (label, points) in ((r, line) for r in runs for line in series(r, key).items()):
                 if kind == "tokens":
-                    if run.tokens_per_sample is None:
+                    if source.tokens_per_sample is None:
                         continue
-                    batch = run.info["global_batch_size"]
-                    xs = [(c if c is not None else s * batch) * run.tokens_per_sample for s, _, c in points]
+                    batch = source.info["global_batch_size"]
+                    xs = [(c if c is not None else s * batch) * source.tokens_per_sample for s, _, c in points]
                 else:
                     xs = [s for s, _, _ in points]
                 if points:
-                    ax.plot(xs, [v for _, v, _ in points], marker="." if len(points) < 50 else None,
-                            label=legend_label(run))
+                    ax.plot(xs, [v for _, v, _ in points], marker="." if len(points) < 50 else None, label=label)
+            if key.startswith("fp8:"):
+                ax.set_yscale("log")
             ax.set_title(f"{title} vs {kind}")
             ax.set_xlabel("tokens seen" if kind == "tokens" else "step")
             if ax.has_data():

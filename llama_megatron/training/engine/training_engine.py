@@ -29,6 +29,7 @@ from llama_megatron.model.build import build_model
 from llama_megatron.model.preference import METRICS, preference_targets
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+from llama_megatron.parallel.float8 import amax_record, collect_amax
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.engine.experts import global_grad_norm, initialize_engine
 from llama_megatron.training.engine.lr_schedule import build_scheduler
@@ -72,6 +73,10 @@ class TrainingEngine:
         # pair's sample id; None while they are being computed (training/run/reference.py)
         self.reference_logps: torch.Tensor | None = None
         self._preference_sums: torch.Tensor | None = None
+        if config.fp8 is not None and config.logging.fp8_stats:  # each FP8 linear keeps its window's amaxes
+            for module in model.modules():
+                if getattr(module, "float8", None) is not None:
+                    module.float8.window_amax = {}
 
     def train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """One optimizer step over this rank's micro batches; the loss averaged over DP ranks, left on the device
@@ -211,6 +216,17 @@ class TrainingEngine:
             dist.all_reduce(counts)
         counts = counts.double() / counts.sum().clamp(min=1)
         return [round(float(share), 6) for share in counts]
+
+    def fp8_stats(self) -> dict | None:
+        """With ``logging.fp8_stats``: per linear kind and cast, each decoder layer's largest amax since the last
+        call and its scale (``float8.amax_record``), on every rank; None otherwise. One all-reduce (MAX) over the
+        world: each stage holds its layers, each TP rank the amaxes of its shards."""
+        if self.config.fp8 is None or not self.config.logging.fp8_stats:
+            return None
+        table = collect_amax(self.model, self.config.model.num_hidden_layers, self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        return amax_record(table, self.config.fp8)
 
     def grad_norm(self) -> torch.Tensor | float | None:
         """The last step's global gradient norm as the engine holds it (a device tensor is not read here)."""

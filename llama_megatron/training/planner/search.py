@@ -124,6 +124,8 @@ class Planner:
     def __init__(self, base: dict, gpus: int, device: DeviceProfile, gpus_per_node: int | None = None,
                  precision: str = "bf16", schedules: list[str] | None = None, tp_across_nodes: bool = False,
                  max_micro_batch: int = 8, memory_margin: float = 0.05) -> None:
+        if precision == "fp8" and base.get("fp8") is None:  # what a written layout trains with, and what the
+            base = {**base, "fp8": {"recipe": "tensorwise"}}  # estimate counts (the float8 operands of a GEMM)
         self.base = base
         self.base_config = TrainingConfig.from_dict(base)  # the base itself must be valid
         self.gpus, self.device, self.precision = gpus, device, precision

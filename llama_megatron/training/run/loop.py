@@ -102,6 +102,8 @@ class _TrainingRun:
         self.saves = Checkpointer(self.engine, config, pctx, session.pre.ds_config, session.pre.checkpoint_lora(),
                                   session.pre.run_start, self.log, self.watchdog)
         self.meter = StepMeter(config, pctx.world_size, self.step)
+        if self.meter.peak:
+            self.log.info(f"MFU against {self.meter.peak:,.1f} TFLOP/s per device: {self.meter.peak_source}")
         self.skipped = self.engine.skipped_steps
         self.last_metrics: dict = {}
 
@@ -146,7 +148,8 @@ class _TrainingRun:
             with self.watchdog.working(self.step, "evaluation") as progress:
                 extras.update(evaluate(self.session, self.valid_ds, progress))
         if due.log:  # read where logged only: each is an all-reduce over the world
-            extras.update(expert_load=self.engine.expert_load(), preference=self.engine.preference_metrics())
+            extras.update(expert_load=self.engine.expert_load(), preference=self.engine.preference_metrics(),
+                          fp8=self.engine.fp8_stats())
             metrics, line = self.meter.record(reports[-1], lr, self.consumed, extras)
             self.log.log(reports[-1].step, metrics, line)
             self.last_metrics = metrics

@@ -23,15 +23,26 @@ from llama_megatron.training.diagnostics.flops import training_flops_per_token
 from llama_megatron.training.pipeline.schedules import analytic_bubble
 
 _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}
+# dense FP8 (e4m3) tensor-core peaks, the datasheets' figures without sparsity: an FP8 run's MFU is against these,
+# as Megatron's and torchtitan's FP8 figures are (the GPUs without FP8 GEMMs are not listed)
+_GPU_FP8_PEAK_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "L40S": 733.0}
 
 
-def device_peak_tflops(configured: float | None) -> float | None:
+def device_peak_tflops(configured: float | None, fp8: bool = False) -> float | None:
+    return mfu_peak(configured, fp8)[0]
+
+
+def mfu_peak(configured: float | None, fp8: bool = False) -> tuple[float | None, str]:
+    """The TFLOP/s per device MFU is against, and what it is: ``logging.peak_tflops``, a known GPU's dense bf16
+    (with ``fp8``: dense FP8) peak, or this CPU's measured fp32 matmul rate (its FP8 GEMMs have no separate peak)."""
     if configured:
-        return configured
+        return configured, "logging.peak_tflops"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        return next((v for k, v in _GPU_PEAK_TFLOPS.items() if k in name), None)
-    return measured_matmul_tflops()
+        table, what = (_GPU_FP8_PEAK_TFLOPS, "dense FP8") if fp8 else (_GPU_PEAK_TFLOPS, "dense bf16")
+        peak = next((v for k, v in table.items() if k in name), None)
+        return peak, f"{name}'s {what} peak" if peak else f"no known peak for {name}"
+    return measured_matmul_tflops(), "this CPU's measured fp32 matmul rate"
 
 
 def measured_matmul_tflops(n: int = 1024, repeats: int = 5) -> float:
@@ -151,7 +162,7 @@ class StepMeter:
         # the full sequence length: under CP each rank attends over whole sequences for 1/CP of the heads, so the
         # step's FLOPs are those of the unsharded model, shared by all world_size ranks (per device: / world size)
         self.flops_per_step = training_flops_per_token(config.model, config.seq_length) * self.tokens_per_step
-        self.peak = device_peak_tflops(config.logging.peak_tflops)
+        self.peak, self.peak_source = mfu_peak(config.logging.peak_tflops, fp8=config.fp8 is not None)
         self.window_start = self.run_start = time.perf_counter()
         self.window_steps = 0
 
@@ -176,6 +187,8 @@ class StepMeter:
             metrics["expert_load"] = load
         if preference is not None:
             metrics.update(preference)
+        if extras.get("fp8") is not None:
+            metrics["fp8"] = extras["fp8"]
         mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
         steps_left = self.config.train.steps - report.step
         line = (f"step {report.step}/{self.config.train.steps} | loss {_fmt(report.loss, 6)} | lr {lr:.3e} | grad "

@@ -96,8 +96,9 @@ def plot_runs(run_dirs: list[str], output: str, x: str = "both") -> str:
 
     axes_kinds = ["step", "tokens"] if x == "both" else [x]
     panels = list(PANELS) + [(key, title) for key, title in OPTIONAL_PANELS if any(_logged(run, key) for run in runs)]
-    fig, axes = plt.subplots(len(panels), len(axes_kinds), figsize=(6 * len(axes_kinds), 3 * len(panels)),
-                             squeeze=False)
+    heights = [5 if key.startswith("fp8:") else 3 for key, _ in panels]  # room for the FP8 legends
+    fig, axes = plt.subplots(len(panels), len(axes_kinds), figsize=(6 * len(axes_kinds), sum(heights)),
+                             squeeze=False, gridspec_kw={"height_ratios": heights})
     for col, kind in enumerate(axes_kinds):
         for row, (key, title) in enumerate(panels):
             ax = axes[row][col]
@@ -115,7 +116,9 @@ def plot_runs(run_dirs: list[str], output: str, x: str = "both") -> str:
                 ax.set_yscale("log")
             ax.set_title(f"{title} vs {kind}")
             ax.set_xlabel("tokens seen" if kind == "tokens" else "step")
-            if ax.has_data():
+            if ax.has_data() and key.startswith("fp8:"):  # a line per kind and cast: the legend below the panel
+                ax.legend(fontsize=5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+            elif ax.has_data():
                 ax.legend(fontsize=7)
     fig.tight_layout()
     out_dir = os.path.dirname(os.path.abspath(output))

@@ -190,7 +190,8 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
 
         hf = hf_model()
         convert_to_float8_training(hf, config=Float8LinearConfig.from_recipe_name(args.fp8),
-                                   module_filter_fn=lambda m, fqn: "lm_head" not in fqn and "gate" != fqn[-4:])
+                                   # not the head, nor an MoE block's router (HF's ``mlp.gate``)
+                                   module_filter_fn=lambda m, fqn: fqn != "lm_head" and not fqn.endswith(".gate"))
         record("hf_torchao_fp8", *time_train_steps(hf, hf_loss, batches, args.warmup, device, args.profile))
         del hf
     hf = hf_model()

@@ -235,3 +235,8 @@ def test_estimate_counts_the_float8_operands_of_the_largest_gemm() -> None:
     (without,), (with_fp8,) = totals
     assert without[0] == 0 and with_fp8[0] == 17_664
     assert with_fp8[1] - without[1] == 17_664
+    # the filter counts too: attention alone, its largest GEMM q's [64 x 64] x [64 x 64]: 2 x 4,096 + 4 x 256
+    config = TrainingConfig.from_file("tests/configs/e2e_pretrain.json", [
+        "deepspeed_config=ds_configs/zero1_bf16.json", 'fp8={"recipe": "rowwise", "filter": ["self_attn.*"]}'])
+    est = estimate(config, build_deepspeed_config(config, config.deepspeed_config, 1, "cuda"), 1)
+    assert est.stages[0].fp8_transient == 9_216

@@ -45,10 +45,10 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
     return model
 
 
-def check_float8_selection(config: ModelConfig, fp8: Float8Config, tensor: int) -> None:
-    """The ``fp8`` section against the model at tensor degree ``tensor``, before anything is built for real: the
-    model's linears are read off a model built on the meta device (no memory) at TP 1, once per model and section
-    (the planner checks hundreds of layouts of one model)."""
+def selected_float8_linears(config: ModelConfig, fp8: Float8Config) -> list[tuple[str, str, list[int], int]]:
+    """The linears ``fp8`` selects (:func:`~llama_megatron.parallel.float8.float8_linears`), read off a model built on
+    the meta device (no memory) at TP 1, once per model and section (the planner sizes hundreds of layouts of one
+    model)."""
     key = (json.dumps(config.to_dict(), sort_keys=True, default=str), repr(fp8))
     if key not in _FLOAT8_LINEARS:
         import torch
@@ -57,7 +57,12 @@ def check_float8_selection(config: ModelConfig, fp8: Float8Config, tensor: int) 
             model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
                                 initialize=False)
         _FLOAT8_LINEARS[key] = float8_linears(model, fp8)
-    check_float8_linears(_FLOAT8_LINEARS[key], fp8, tensor)
+    return _FLOAT8_LINEARS[key]
+
+
+def check_float8_selection(config: ModelConfig, fp8: Float8Config, tensor: int) -> None:
+    """The ``fp8`` section against the model at tensor degree ``tensor``, before anything is built for real."""
+    check_float8_linears(selected_float8_linears(config, fp8), fp8, tensor)
 
 
 _FLOAT8_LINEARS: dict[tuple[str, str], list] = {}

@@ -48,8 +48,8 @@ GEMM_MULTIPLE = 16  # torch._scaled_mm: both dimensions of every float8 operand 
 @dataclass
 class Float8Config:
     """The training JSON's ``fp8`` section: the recipe, which linears (module names, as the parameter names end),
-    optional ``filter`` patterns (fnmatch, on the full parameter-path of the module) that a linear must match too,
-    and ``emulate`` (float8 casts with the products in high precision: a GPU without float8 GEMMs)."""
+    optional ``filter`` patterns (fnmatch, on the module's path inside its decoder layer) that a linear must match
+    too, and ``emulate`` (float8 casts with the products in high precision: a GPU without float8 GEMMs)."""
 
     # torchao's recipe: tensorwise (one scale per tensor, e5m2 gradients), rowwise (a scale per row along the
     # contracted dimension, scales rounded to powers of 2), rowwise_with_gw_hp (rowwise; the weight gradient's GEMM in
@@ -137,7 +137,6 @@ class Float8Linear:
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_linear import LinearMMConfig, ScaledMMConfig
 
-        self.recipe = config.recipe
         self.config = config.torchao_config()
         c = self.config
         self.mm_config = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)

@@ -231,21 +231,19 @@ def activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
 
 
 def fp8_transient_bytes(config: TrainingConfig, rows: int) -> int:
-    """The float8 operands one FP8 GEMM holds at once, at the largest selected linear: 1 byte an element for the two
-    operands (forward: input and weight; input gradient: output gradient and weight; weight gradient: output
-    gradient and input) and 4 bytes a scale (rowwise: one per row of each; tensorwise: one). Tokens are a micro
-    batch's whole sequence on a CP rank's share (SP gathers it before a column-parallel GEMM)."""
-    m, tp = config.model, config.parallel.tensor
+    """The float8 operands one FP8 GEMM holds at once, at the largest selected linear (the ones ``fp8`` selects,
+    filter included, each projection of a fused weight its own GEMM): 1 byte an element for the two operands
+    (forward: input and weight; input gradient: output gradient and weight; weight gradient: output gradient and
+    input) and 4 bytes a scale (rowwise: one per row of each; tensorwise: one). Tokens are a micro batch's whole
+    sequence on a CP rank's share (SP gathers it before a column-parallel GEMM)."""
+    from llama_megatron.model.build import selected_float8_linears
+
+    tp = config.parallel.tensor
     tokens = rows * config.seq_length // config.parallel.context
-    heads, d, h = m.num_attention_heads, m.head_dim, m.hidden_size
-    ffn = m.expert_intermediate_size if m.family.moe else m.intermediate_size
-    shapes = {  # module -> (k, n) per TP rank, the largest projection of a fused weight (each is its own GEMM)
-        "qkv_proj": (h, heads * d // tp), "o_proj": (heads * d // tp, h),
-        "gate_up_proj": (h, max(ffn, m.intermediate_size) // tp), "down_proj": (max(ffn, m.intermediate_size) // tp, h)}
     worst = 0
-    for name, (k, n) in shapes.items():
-        if name not in config.fp8.modules:
-            continue
-        elements = max(tokens * k + k * n, tokens * n + k * n, tokens * n + tokens * k)
-        worst = max(worst, elements + 4 * (2 * tokens + k + n))
+    for _, split, parts, cols in selected_float8_linears(config.model, config.fp8):
+        for part in parts:  # (k, n) of each projection's GEMM on a TP rank
+            k, n = (cols // tp, part) if split == "row" else (cols, part // tp)
+            elements = max(tokens * k + k * n, tokens * n + k * n, tokens * n + tokens * k)
+            worst = max(worst, elements + 4 * (2 * tokens + k + n))
     return worst

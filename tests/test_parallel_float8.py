@@ -34,6 +34,7 @@ from llama_megatron.parallel.float8 import Float8Config, attach_float8, layer_pa
 
 HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STEPS = 5
+BF16 = "deepspeed_config=ds_configs/zero1_bf16.json"
 LOSS_REL = {"tensorwise": 1e-3, "rowwise": 1e-5, "rowwise_with_gw_hp": 1e-5}  # see the module docstring
 
 
@@ -117,6 +118,31 @@ def test_fp8_selects_experts_by_default() -> None:
     assert not any("router" in p or "lm_head" in p for p in paths)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_gemms_have_the_shapes_a_gpu_takes(recipe, monkeypatch) -> None:
+    """On a GPU torch._scaled_mm needs the inner dimension and the second operand's columns multiples of 16 (the CPU
+    takes any). The config check holds k and n to it; the weight gradient contracts over the tokens, whose count
+    nobody checks (each expert's routed tokens, here 2 x 17 in all): the GEMM pads them with zeros, as the GPU's
+    rule below is enforced on every float8 GEMM of a Mixtral step, experts included. One expert here receives no
+    token and still runs (its gradient zero): its casts take an amax of 0 rather than failing on an empty max."""
+    scaled_mm = torch._scaled_mm
+    calls = []
+
+    def gpu_rule(a, b, *args, **kwargs):
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+        calls.append(a.shape[1])
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", gpu_rule)
+    config = tiny_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
+    model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
+                        initialize=False, fp8=Float8Config(recipe=recipe))
+    ids = torch.randint(0, config.vocab_size, (2, 18), generator=torch.Generator().manual_seed(0))
+    model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    experts = 2 * config.num_hidden_layers * config.num_local_experts  # gate/up and down of each expert
+    assert len(calls) >= 3 * (2 * config.num_hidden_layers + experts), len(calls)
+
+
 @pytest.mark.parametrize("fp8, overrides, message", [
     ({"recipe": "delayed"}, [], "fp8.recipe 'delayed' is not one of tensorwise, rowwise, rowwise_with_gw_hp"),
     ({"recipe": "rowwise", "filter": ["mlp.experts.*"]}, [],
@@ -138,6 +164,30 @@ def test_bad_fp8_sections_are_one_line(fp8, overrides, message) -> None:
     with pytest.raises(ConfigError) as err:
         TrainingConfig.from_file("tests/configs/e2e_pretrain.json", [f"fp8={json.dumps(fp8)}", *overrides])
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['fp8={"recipe": "rowwise"}'], "fp8 trains on top of bf16, and this run's precision is fp32: use a bf16 "),
+    (['fp8={"recipe": "current"}', BF16], "fp8.recipe 'current' is not one of "),
+    (['fp8={"filter": ["mlp.experts.*"]}', BF16], "fp8 selects no linear of this model "),
+    (['fp8={"recipe": "rowwise"}', BF16, "model.hidden_size=72", "model.num_attention_heads=4"],
+     "fp8 at tensor parallel 1: float8 GEMMs need every dimension a multiple of 16, "),
+])
+def test_bad_fp8_input_stops_train_with_exit_2_before_any_process_group(overrides, message, monkeypatch, capsys,
+                                                                         shakespeare_prefix) -> None:
+    """`train` as the launcher starts 4 ranks of it (WORLD_SIZE 4): one line, exit 2, no process group built (one
+    would wait for the 3 other ranks)."""
+    import torch.distributed as dist
+
+    from llama_megatron.commands.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    argv = ["--config", "tests/configs/e2e_pretrain.json", "--set", f"data.prefix={shakespeare_prefix}"]
+    assert main([*argv, *(item for o in overrides for item in ("--set", o))]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+    assert not dist.is_initialized()
 
 
 def test_fp8_refuses_fp32_and_gpus_without_float8() -> None:

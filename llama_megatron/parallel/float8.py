@@ -139,9 +139,12 @@ class Float8Linear:
 
         self.config = config.torchao_config()
         c = self.config
-        self.mm_config = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
-                                          for g in (c.gemm_config_output, c.gemm_config_grad_input,
-                                                    c.gemm_config_grad_weight)))
+        # the weight gradient's GEMM contracts over the tokens, whose count the config check cannot see (an
+        # expert's routed tokens, a micro batch's): torchao pads that inner dimension with zeros to the multiple of
+        # 16 that torch._scaled_mm needs on a GPU; the other two contract over k or n, checked multiples of 16
+        gemms = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
+        self.mm_config = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim or pad)
+                                          for g, pad in zip(gemms, (False, False, True))))
         sharded = {"T": cp_group, ("n" if split == "column" else "k"): tp_group}
         self.groups: dict[str, list] = {}
         for cast, (attr, dims, axis, _, _) in _CASTS.items():
@@ -195,7 +198,11 @@ class Float8Linear:
             return tensor.contiguous()
         granularity = cast_config.scaling_granularity
         dim = get_maybe_axiswise_dim(axiswise_dim, granularity)
-        amax = tensor_to_amax(tensor, False, None, granularity, dim)
+        if tensor.numel():
+            amax = tensor_to_amax(tensor, False, None, granularity, dim)
+        else:  # an expert no token was routed to: it runs (its gradient is zero, not None) and joins the reductions
+            shape = () if dim is None else [1 if d == dim % tensor.dim() else n for d, n in enumerate(tensor.shape)]
+            amax = tensor.new_zeros(shape)
         for group in self.groups[which]:  # the amax of the whole tensor, where a layout split what it spans
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         if self.amax_log is not None:

@@ -12,6 +12,7 @@ key into its save directory (``preference_reference.json``), where a resume find
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -72,6 +73,8 @@ def reference_key(session: Session) -> str:
     description = {"version": 1, "start": _start(session), "shards": data.shards_fingerprint(),
                    "max_length": truncation.max_length, "keep_end": truncation.keep_end, "pack": data.pack,
                    "seq_length": config.seq_length, "precision": precision(session.pre.ds_config)}
+    if config.fp8 is not None:  # the reference's GEMMs in float8: not a bf16 run's table
+        description["fp8"] = dataclasses.asdict(config.fp8)
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from llama_megatron.errors import ConfigError
 from llama_megatron.families import (
     BY_ARCHITECTURE,
+    BY_HF_MODEL_TYPE,
+    CHUNKED_ATTENTION,
     FAMILIES,
     FAMILY_KEYS,
     FULL_ATTENTION,
@@ -76,6 +78,18 @@ class ModelConfig:
     norm_topk_prob: bool = False  # HF's default (Mixtral, which has no such key, always renormalises)
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] | None = None
+    # family keys: Llama 4 (families.py): chunked attention, NoPE layers, q/k L2 norm, attention temperature, the
+    # dense layers' width and the MoE layers
+    attention_chunk_size: int | None = None
+    no_rope_layers: list[int] | None = None  # per layer: 1 RoPE, 0 none (HF's name); from the interval when null
+    no_rope_layer_interval: int = 4
+    use_qk_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
+    intermediate_size_mlp: int = 0
+    moe_layers: list[int] | None = None  # from interleave_moe_layer_step when null
+    interleave_moe_layer_step: int = 1
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -88,7 +102,24 @@ class ModelConfig:
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+        if self.model_type == "llama4":
+            self._derive_llama4_layers()
         self.validate()
+
+    def _derive_llama4_layers(self) -> None:
+        """HF's Llama4TextConfig: RoPE layers, MoE layers and layer types from their intervals where not listed."""
+        layers, interval = self.num_hidden_layers, self.no_rope_layer_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise ConfigError(f"model.no_rope_layer_interval must be a positive integer, got {interval!r}")
+        step = self.interleave_moe_layer_step
+        if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+            raise ConfigError(f"model.interleave_moe_layer_step must be a positive integer, got {step!r}")
+        if not self.no_rope_layers:
+            self.no_rope_layers = [int((i + 1) % interval != 0) for i in range(layers)]
+        if self.moe_layers is None:
+            self.moe_layers = list(range(step - 1, layers, step))
+        if self.layer_types is None and isinstance(self.no_rope_layers, list):
+            self.layer_types = [CHUNKED_ATTENTION if rope else FULL_ATTENTION for rope in self.no_rope_layers]
 
     def validate(self) -> None:
         if self.model_type not in FAMILIES:
@@ -125,7 +156,7 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if top_k > experts:
             raise ConfigError(f"model.num_experts_per_tok {top_k} exceeds num_local_experts {experts}")
-        widths = [self.family.moe.width_key] + ["shared_expert_intermediate_size"] * self.family.moe.shared_expert
+        widths = [self.family.moe.width_key] + [self.family.moe.shared_width_key] * self.family.moe.shared_expert
         for name in (*widths, "decoder_sparse_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -151,12 +182,34 @@ class ModelConfig:
             raise ConfigError(f"model.sliding_window must be a positive integer or null, got {window!r}")
         if not isinstance(self.max_window_layers, int) or self.max_window_layers < 0:
             raise ConfigError(f"model.max_window_layers must be an integer >= 0, got {self.max_window_layers!r}")
+        if self.model_type == "llama4":
+            self._validate_llama4()
         if self.layer_types is not None:
-            kinds = (FULL_ATTENTION, SLIDING_ATTENTION)
+            kinds = (FULL_ATTENTION, CHUNKED_ATTENTION) if self.model_type == "llama4" else (FULL_ATTENTION,
+                                                                                              SLIDING_ATTENTION)
             if (not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_hidden_layers
                     or any(kind not in kinds for kind in self.layer_types)):
                 raise ConfigError(f"model.layer_types must list {self.num_hidden_layers} entries (one per layer) "
                                   f"of {' or '.join(kinds)}")
+
+    def _validate_llama4(self) -> None:
+        layers = self.num_hidden_layers
+        chunk = self.attention_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
+            raise ConfigError(f"model.attention_chunk_size must be a positive integer or null, got {chunk!r}")
+        if chunk is None and self.layer_types and CHUNKED_ATTENTION in self.layer_types:
+            raise ConfigError("model.layer_types names chunked_attention layers and attention_chunk_size is null")
+        rope = self.no_rope_layers
+        if not isinstance(rope, list) or len(rope) != layers or any(r not in (0, 1) for r in rope):
+            raise ConfigError(f"model.no_rope_layers must list {layers} entries of 1 (RoPE) or 0 (none), got {rope!r}")
+        moe = self.moe_layers
+        if not isinstance(moe, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers
+                                            for i in moe):
+            raise ConfigError(f"model.moe_layers must list layer indices in [0, {layers}), got {moe!r}")
+        for name in ("floor_scale", "intermediate_size_mlp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
 
     @property
     def family(self) -> ModelFamily:
@@ -174,6 +227,17 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.family.qk_norm
 
+    @property
+    def dense_intermediate_size(self) -> int:
+        """A dense layer's FFN width (Llama 4's ``intermediate_size_mlp``; ``intermediate_size`` elsewhere)."""
+        return getattr(self, self.family.dense_width_key)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """The shared expert's FFN width (0 without one)."""
+        moe = self.family.moe
+        return getattr(self, moe.shared_width_key) if moe is not None and moe.shared_expert else 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) routes its tokens to experts (else it has a dense MLP)."""
         return self.family.moe is not None and self.family.moe.routed(self, layer)
@@ -187,6 +251,10 @@ class ModelConfig:
         """The sliding window of each decoder layer in tokens (a query sees itself and the window - 1 before it),
         None where attention is fully causal."""
         return self.family.windows(self)
+
+    def layer_chunks(self) -> list[int | None]:
+        """The attention chunk of each decoder layer in tokens (Llama 4's chunked layers), None elsewhere."""
+        return [self.family.chunk(self, i) for i in range(self.num_hidden_layers)]
 
     @property
     def rope_type(self) -> str:
@@ -222,14 +290,20 @@ class ModelConfig:
         ``mlp_bias``), or a router, the experts and a shared expert with its gate when the family has one."""
         h = self.hidden_size
         if not self.is_moe_layer(layer):
-            ffn = self.intermediate_size
+            ffn = self.dense_intermediate_size
             return 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
-        shared = (3 * self.shared_expert_intermediate_size + 1) * h if self.family.moe.shared_expert else 0
+        moe = self.family.moe
+        shared = (3 * self.shared_intermediate_size + moe.shared_expert_gated) * h if moe.shared_expert else 0
         return experts * 3 * h * self.expert_intermediate_size + self.num_local_experts * h + shared
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
+        text = data.get("text_config")
+        if isinstance(text, dict) and "model_type" in text:  # a multimodal checkpoint (Llama 4): its text model
+            inner = BY_HF_MODEL_TYPE.get(text["model_type"]) or FAMILIES.get(text["model_type"])
+            if inner is not None and inner.multimodal_prefix:
+                data = {"tie_word_embeddings": data.get("tie_word_embeddings", False), **text}
         rope_parameters = data.pop("rope_parameters", None)
         if rope_parameters is not None:
             rope_parameters = dict(rope_parameters)
@@ -269,13 +343,15 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """Keys for the family's transformers config class (v4 and v5 both accept ``rope_theta``/``rope_scaling``)."""
         renamed = {self.family.hf_keys.get(key, key): value for key, value in self.to_dict().items()}
-        return {**renamed, "architectures": [self.family.architecture]}
+        return {**renamed, "model_type": self.family.hf_type, "architectures": [self.family.architecture]}
 
 
 def _family_of(data: dict[str, Any]) -> ModelFamily:
     """The family an HF config names (``model_type``, else ``architectures``; LLaMA when neither)."""
     model_type = data.pop("model_type", None)
     architectures = data.pop("architectures", None) or []
+    if model_type is not None and model_type not in FAMILIES and model_type in BY_HF_MODEL_TYPE:
+        model_type = BY_HF_MODEL_TYPE[model_type].model_type  # the HF config's name (llama4_text)
     if model_type is not None and model_type not in FAMILIES:
         raise ConfigError(f"model_type {model_type!r} is not supported (choose from {', '.join(FAMILIES)})")
     named = [BY_ARCHITECTURE[a] for a in architectures if a in BY_ARCHITECTURE]

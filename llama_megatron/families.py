@@ -27,6 +27,14 @@ qwen3_moe  Qwen3's attention (q/k norms, no window layers: ``sliding_window`` on
 qwen2_moe  Qwen2's q/k/v biases (HF's ``qkv_bias``, our ``attention_bias``), MoE layers and experts as qwen3_moe, and
            beside the routed experts a shared SwiGLU expert of ``shared_expert_intermediate_size`` scaled by
            ``sigmoid(x W_gate)``; windows on the even layers below ``max_window_layers`` (or as ``layer_types``)
+llama4     Llama 4's text model (HF ``llama4_text``, ``Llama4ForCausalLM``): ``layer_types`` of chunked attention
+           (``attention_chunk_size``) and full attention; RoPE on the layers ``no_rope_layers`` marks 1 (pairs
+           interleaved in the released weights: conversion permutes q and k rows to rotate-half, see
+           :mod:`llama_megatron.model.released_tensors`), a weightless L2 norm of q and k after it
+           (``use_qk_norm``), and on the other (NoPE) layers the queries scaled by ``attn_temperature_tuning``'s
+           rule of the position; MoE on ``moe_layers`` (every ``interleave_moe_layer_step``-th layer): top-k of the
+           router logits, the sigmoid of the chosen logit scaling the expert's input, an ungated shared expert, all
+           of ``intermediate_size``; dense layers of ``intermediate_size_mlp``; the MLP is ``feed_forward``
 =========  ===========================================================================================
 """
 
@@ -37,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION = "full_attention", "sliding_attention", "chunked_attention"
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,16 @@ class MoEFamily:
     # expert's and the dense layers' linears (Qwen2-MoE). Off: none (Mixtral's are w1/w3/w2; on Qwen3-MoE PEFT 0.21
     # maps those names onto the experts' parameters, transformers v4's layout, and leaves dense layers unadapted)
     mlp_module_targets: bool = False
+    router: str = "gate"  # the router's module under ``block``
+    # "softmax": weights from the softmax of the logits (top-k, renormalised per norm_topk), scaling the experts'
+    # outputs (Mixtral, Qwen); "sigmoid_input": top-k of the logits, the sigmoid of each chosen logit scaling the
+    # token on its way into the expert (Llama 4)
+    routing: str = "softmax"
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid(x W_gate) on the shared expert (Llama 4: none)
+    shared_width_key: str = "shared_expert_intermediate_size"
+    # the released files hold each layer's experts as two 3-D tensors, experts.gate_up_proj [E, h, 2 x ffn] and
+    # experts.down_proj [E, ffn, h] (Llama 4); the table names one expert's linears (model/released_tensors.py)
+    fused_expert_files: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,9 +92,26 @@ class ModelFamily:
     window: Callable[[Any, int], int | None]  # (config, layer) -> sliding window in tokens, or None
     moe: MoEFamily | None = None  # a mixture of experts (the family's keys say how many experts)
     hf_keys: dict[str, str] = field(default_factory=dict)  # our config key -> the HF config class's name for it
+    hf_model_type: str | None = None  # the HF config's model_type where it is not ours (Llama 4's llama4_text)
+    # (config, layer) -> attention in chunks of this many tokens (a query sees the keys of its own chunk up to
+    # itself), or None
+    chunk: Callable[[Any, int], int | None] = lambda config, layer: None
+    rope: Callable[[Any, int], bool] = lambda config, layer: True  # False: no position embedding (NoPE)
+    l2_qk_norm: Callable[[Any, int], bool] = lambda config, layer: False  # weightless RMS norm of q, k after RoPE
+    # (config, layer) -> queries scaled by 1 + attn_scale x log1p(floor((position + 1) / floor_scale))
+    temperature: Callable[[Any, int], bool] = lambda config, layer: False
+    interleaved_rope: bool = False  # the released q/k rows rotate interleaved pairs (converted to rotate-half)
+    mlp_name: str = "mlp"  # the MLP's module in released checkpoints (a dense layer's, and the MoE block's parent)
+    dense_width_key: str = "intermediate_size"  # config key of a dense layer's FFN width
+    # the prefix of the text model's tensors in a released multimodal checkpoint (its other tensors left out)
+    multimodal_prefix: str | None = None
 
     def windows(self, config: Any) -> list[int | None]:
         return [self.window(config, i) for i in range(config.num_hidden_layers)]
+
+    @property
+    def hf_type(self) -> str:
+        return self.hf_model_type or self.model_type
 
 
 def _no_window(config: Any, layer: int) -> int | None:
@@ -128,6 +163,23 @@ QWEN_MOE = MoEFamily(block="mlp", leaves=("gate_proj", "up_proj", "down_proj"), 
 QWEN_WINDOW_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 QWEN_WINDOW_DEFAULTS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 
+def _llama4_rope(config: Any, layer: int) -> bool:
+    return bool(config.no_rope_layers[layer])
+
+
+LLAMA4_KEYS = ("attention_bias", "attention_chunk_size", "no_rope_layers", "no_rope_layer_interval", "use_qk_norm",
+               "attn_temperature_tuning", "floor_scale", "attn_scale", "intermediate_size_mlp", "moe_layers",
+               "interleave_moe_layer_step", "layer_types", *MOE_KEYS, "router_jitter_noise")
+LLAMA4_DEFAULTS = {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "use_qk_norm": True,
+                   "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                   "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 1, "num_local_experts": 16,
+                   "num_experts_per_tok": 1, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+                   "router_jitter_noise": 0.0, "rope_theta": 500000.0}
+LLAMA4_MOE = MoEFamily(block="feed_forward", leaves=("gate_proj", "up_proj", "down_proj"), routed=lambda c, i:
+                       i in c.moe_layers, norm_topk=lambda config: False, router="router", routing="sigmoid_input",
+                       shared_expert=True, shared_expert_gated=False, shared_width_key="intermediate_size",
+                       fused_expert_files=True, mlp_module_targets=True)
+
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("llama", "LlamaForCausalLM", ("attention_bias", "mlp_bias"), {}, _attention_bias, _attention_bias,
                 qk_norm=False, window=_no_window),
@@ -159,6 +211,14 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
                 _attention_bias, _never, qk_norm=False, window=_qwen2_moe_window,
                 moe=dataclasses.replace(QWEN_MOE, shared_expert=True, mlp_module_targets=True),
                 hf_keys={"num_local_experts": "num_experts", "attention_bias": "qkv_bias"}),
+    ModelFamily("llama4", "Llama4ForCausalLM", LLAMA4_KEYS, LLAMA4_DEFAULTS, _attention_bias, _attention_bias,
+                qk_norm=False, window=_no_window, moe=LLAMA4_MOE, hf_model_type="llama4_text",
+                chunk=lambda c, i: c.attention_chunk_size if c.layer_types[i] == CHUNKED_ATTENTION else None,
+                rope=_llama4_rope, l2_qk_norm=lambda c, i: c.use_qk_norm and _llama4_rope(c, i),
+                temperature=lambda c, i: c.attn_temperature_tuning and not _llama4_rope(c, i),
+                interleaved_rope=True, mlp_name="feed_forward", dense_width_key="intermediate_size_mlp",
+                multimodal_prefix="language_model."),
 )}
 FAMILY_KEYS = frozenset(key for family in FAMILIES.values() for key in family.keys)
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
+BY_HF_MODEL_TYPE = {f.hf_type: f for f in FAMILIES.values()}

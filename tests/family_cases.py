@@ -77,6 +77,21 @@ FAMILIES = {
              "model.max_window_layers=4", "model.num_experts=4", "model.num_experts_per_tok=2",
              "model.moe_intermediate_size=48", "model.shared_expert_intermediate_size=96",
              "model.decoder_sparse_step=2", "model.output_router_logits=true", "model.router_aux_loss_coef=0.02"]),
+    # Llama 4: chunked attention (chunks of 5 in sequences of 16, across CP shards) on the RoPE layers, NoPE layers
+    # with full attention and the temperature (floor_scale 3: it changes every 3 positions), q/k L2 norm, interleaved
+    # RoPE pairs with llama3 scaling, top-1 sigmoid routing of 8 experts scaling the inputs, the shared expert, MoE on
+    # every other layer and dense layers of their own width; then every third layer NoPE, top-2, biases, tied
+    "llama4": FamilyCases(parity={
+        "llama4-chunked-nope-moe": dict(model_type="llama4", num_hidden_layers=4, num_key_value_heads=4,
+                                        attention_chunk_size=5, no_rope_layer_interval=2, interleave_moe_layer_step=2,
+                                        num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=80,
+                                        floor_scale=3, rope_scaling=LLAMA3_ROPE),
+        "llama4-top2-bias-tied": dict(model_type="llama4", num_hidden_layers=3, num_key_value_heads=4,
+                                      attention_chunk_size=4, no_rope_layer_interval=3, num_local_experts=4,
+                                      num_experts_per_tok=2, intermediate_size_mlp=48, floor_scale=2,
+                                      attn_scale=0.5, attention_bias=True, tie_word_embeddings=True,
+                                      use_qk_norm=False),
+    }),
 }
 
 

@@ -25,7 +25,7 @@ def tiny_config(**overrides) -> ModelConfig:
 
 def hf_config(config: ModelConfig, **extra) -> transformers.PretrainedConfig:
     """The family's transformers config class (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) for ``config``."""
-    return transformers.CONFIG_MAPPING[config.model_type](**config.to_hf_dict(), **extra)
+    return transformers.CONFIG_MAPPING[config.family.hf_type](**config.to_hf_dict(), **extra)
 
 
 def hf_class(config: ModelConfig) -> type[PreTrainedModel]:

@@ -32,6 +32,7 @@ from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.parallel.process_groups import init_distributed
 
 CASES = MOE_PARITY  # every MoE family's cases (tests/family_cases.py)
+LLAMA4 = ("llama4-chunked-nope-moe", "llama4-top2-bias-tied")
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
@@ -98,13 +99,14 @@ def _four_process_worker(rank: int, world_size: int) -> None:
     init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
     dp_lane = (rank % 2, rank % 2 + 2)  # TP2: a TP lane's data coordinates
     layouts = [  # (cases, layout, this rank's EP group: consecutive data coordinates within its TP lane)
-        (("top2-of-4-window", "top3-of-8-tied", "qwen3-moe", "qwen2-moe"), dict(tensor=2, sequence_parallel=True),
-         (rank,)),
-        (("top2-of-4-window", "top3-of-8-tied"), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+        (("top2-of-4-window", "top3-of-8-tied", "qwen3-moe", "qwen2-moe", *LLAMA4),
+         dict(tensor=2, sequence_parallel=True), (rank,)),
+        (("top2-of-4-window", "top3-of-8-tied", *LLAMA4), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
         (("top3-of-8-tied",), dict(expert=4), (0, 1, 2, 3)),
-        (("top3-of-8-tied",), dict(tensor=2, expert=2, sequence_parallel=True), dp_lane),
-        # the Qwen families' EP2 is this one's (their experts are Mixtral's, the all-to-all the same)
-        (("top2-of-4-window", "qwen3-moe", "qwen2-moe"), dict(context=2, expert=2),
+        (("top3-of-8-tied", "llama4-chunked-nope-moe"), dict(tensor=2, expert=2, sequence_parallel=True), dp_lane),
+        # the Qwen families' EP2 is this one's (their experts are Mixtral's, the all-to-all the same); Llama 4's
+        # chunks of 5 cross the CP shards of 8
+        (("top2-of-4-window", "qwen3-moe", "qwen2-moe", *LLAMA4), dict(context=2, expert=2),
          (rank - rank % 2, rank - rank % 2 + 1)),
     ]
     for names, layout, ep_ranks in layouts:
@@ -117,7 +119,7 @@ def _four_process_worker(rank: int, world_size: int) -> None:
 @pytest.mark.launched
 def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
     """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2; the
-    Qwen MoE families at TP2 with SP and CP2 x EP2."""
+    Qwen MoE families at TP2 with SP and CP2 x EP2; Llama 4 at TP2 with SP, EP2, TP2 x EP2 with SP, CP2 x EP2."""
     run_distributed(_four_process_worker, 4)
 
 

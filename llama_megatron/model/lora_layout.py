@@ -203,9 +203,9 @@ class LoraConfig:
 def target_shapes(config: ModelConfig, target: str, layer: int | None = None) -> tuple[int, int]:
     """(out_features, in_features) of the HF linear ``target`` (an MLP target's in ``layer``: the shared expert's in
     an MoE layer; without ``layer``, the dense MLP's)."""
-    h, ffn, expert = config.hidden_size, config.intermediate_size, config.expert_intermediate_size
+    h, ffn, expert = config.hidden_size, config.dense_intermediate_size, config.expert_intermediate_size
     if layer is not None and config.is_moe_layer(layer):
-        ffn = config.shared_expert_intermediate_size
+        ffn = config.shared_intermediate_size
     q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     return {"q_proj": (q_rows, h), "k_proj": (kv_rows, h), "v_proj": (kv_rows, h), "o_proj": (h, q_rows),
             "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn),

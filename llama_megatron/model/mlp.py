@@ -25,10 +25,10 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: ModelConfig, pctx: ParallelContext, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.kernels = kernels
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size, pctx, "gate_up",
-                                                 bias=config.mlp_bias)
+        ffn = config.dense_intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * ffn, pctx, "gate_up", bias=config.mlp_bias)
         self.gate_up_proj.output_parts = gate_up_parts(self.gate_up_proj.out_features_per_rank)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, pctx, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(ffn, config.hidden_size, pctx, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))

@@ -4,7 +4,9 @@
 Routing is transformers' ``MixtralTopKRouter`` / ``Qwen2MoeTopKRouter``: softmax of the router logits in fp32,
 top-k, the k weights renormalised to sum to 1 (Qwen: only with ``norm_topk_prob``); no capacity, no token dropped,
 no noise. Qwen2-MoE adds a shared expert every token passes through, scaled by ``sigmoid(x W_gate)``
-(:attr:`~llama_megatron.families.MoEFamily.shared_expert`). DeepSpeed's ``TopKGate`` differs on each of
+(:attr:`~llama_megatron.families.MoEFamily.shared_expert`). Llama 4 routes otherwise (``routing`` "sigmoid_input",
+transformers' ``Llama4Router``): the top-k of the logits, the sigmoid of each chosen logit (fp32, cast back) scaling
+the token on its way into the expert, the expert outputs summed unweighted, plus an ungated shared expert. DeepSpeed's ``TopKGate`` differs on each of
 these (capacity and dropping, random second-expert sampling, another auxiliary loss), so the router is ours; the
 expert-parallel groups and the token all-to-all are plain DeepSpeed/torch.distributed collectives.
 
@@ -93,14 +95,17 @@ class MoEMLP(nn.Module):
         self.num_experts, self.top_k = config.num_local_experts, config.num_experts_per_tok
         self.norm_topk = config.family.moe.norm_topk(config)
         self.weights_in_model_dtype = config.family.moe.weights_in_model_dtype
+        self.scales_inputs = config.family.moe.routing == "sigmoid_input"
         self.local_ids = shapes.expert_ids(pctx.ep_rank)
         self.router = Router(config, pctx, config.num_local_experts)
         # keyed by global expert id, so parameter names are the same whichever EP rank holds the expert
         self.experts = nn.ModuleDict({str(e): ExpertMLP(config, shapes.expert_intermediate, kernels)
                                       for e in self.local_ids})
         self.shared = config.family.moe.shared_expert
+        self.shared_gated = self.shared and config.family.moe.shared_expert_gated
         if self.shared:
             self.shared_expert = ExpertMLP(config, shapes.shared_intermediate, kernels)
+        if self.shared_gated:
             self.shared_expert_gate = Router(config, pctx, 1)
         self.mark_experts()
 
@@ -121,18 +126,27 @@ class MoEMLP(nn.Module):
         tokens = full.reshape(-1, full.shape[-1])
         logits = self.router(tokens)
         probs = torch.softmax(logits.float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.scales_inputs:  # Llama 4: the chosen logits' sigmoids scale the experts' inputs
+            weights, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.sigmoid(weights.float()).to(tokens.dtype)
+        else:
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(tokens.dtype)
         chosen, order = chosen.sort(dim=-1)  # ascending expert id: the order a token's outputs are summed in
         weights = weights.gather(-1, order)
-        outputs = self._run_experts(tokens, chosen.reshape(-1))
-        weighted = (outputs * weights.reshape(-1, 1)).to(tokens.dtype)  # Mixtral: fp32 product, cast back
-        combined = weighted.view(tokens.shape[0], self.top_k, -1).sum(dim=1)
-        if self.shared:  # this TP rank's partial sum, reduced with the routed experts'
+        if self.scales_inputs:
+            outputs = self._run_experts(tokens, chosen.reshape(-1), weights.reshape(-1))
+        else:
+            outputs = self._run_experts(tokens, chosen.reshape(-1))
+            outputs = (outputs * weights.reshape(-1, 1)).to(tokens.dtype)  # Mixtral: fp32 product, cast back
+        combined = outputs.view(tokens.shape[0], self.top_k, -1).sum(dim=1)
+        if self.shared_gated:  # this TP rank's partial sum, reduced with the routed experts'
             combined = combined + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        elif self.shared:
+            combined = combined + self.shared_expert(tokens)
         out = row_parallel_output(combined.view_as(full), self.pctx)
         return out, self._statistics(logits, probs, chosen)
 
@@ -145,12 +159,16 @@ class MoEMLP(nn.Module):
         counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
         return torch.stack([counts, probs.float().sum(dim=0)])
 
-    def _run_experts(self, tokens: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
+    def _run_experts(self, tokens: torch.Tensor, expert_of: torch.Tensor,
+                     input_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Each assignment's expert output ([tokens x k, hidden], rows in assignment order): assignments sorted by
-        expert, exchanged with the EP ranks holding the experts, run, and returned."""
+        expert (each token scaled by its assignment's ``input_scales`` first, where given), exchanged with the EP
+        ranks holding the experts, run, and returned."""
         k = self.top_k
         by_expert = torch.argsort(expert_of, stable=True)
         inputs = tokens[by_expert // k]
+        if input_scales is not None:
+            inputs = inputs * input_scales[by_expert].unsqueeze(-1)
         per_expert = torch.bincount(expert_of, minlength=self.num_experts)
         ep = self.pctx.ep_size
         if ep == 1:

@@ -42,3 +42,10 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.kernels.rms_norm(x, weight, self.eps)
         return self.kernels.add_rms_norm(residual, x, weight, self.eps)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's weightless q/k norm (HF's ``Llama4TextL2Norm``): ``x * rsqrt(mean(x^2) + eps)`` over the last
+    dimension, in fp32 and cast back."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.model import released_tensors
 
 SPLITS = ("vocab", "qkv", "gate_up", "column", "row", "replicated")
 TIED_PREFIX = "tied_modules.embed."
@@ -114,7 +115,8 @@ class ParamLayout:
 
 
 def _specs(config: ModelConfig) -> list[ParamSpec]:
-    h, hd, ffn, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    h, hd, ffn, vocab = config.hidden_size, config.head_dim, config.dense_intermediate_size, config.vocab_size
+    mlp = config.family.mlp_name
     q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
     tied = config.tie_word_embeddings
     embed_module = f"{TIED_PREFIX}word_embeddings.weight" if tied else "0.word_embeddings.weight"
@@ -144,14 +146,14 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
         if config.is_moe_layer(i):
             specs += _moe_rows(config, row)
             continue
-        specs.append(row("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        specs.append(row("mlp.gate_up_proj.weight", [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
                          [(ffn, h), (ffn, h)], "gate_up", "normal"))
         if config.mlp_bias:
-            specs.append(row("mlp.gate_up_proj.bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"],
+            specs.append(row("mlp.gate_up_proj.bias", [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"],
                              [(ffn,), (ffn,)], "gate_up", "zeros"))
-        specs.append(row("mlp.down_proj.weight", ["mlp.down_proj.weight"], [(h, ffn)], "row", "normal"))
+        specs.append(row("mlp.down_proj.weight", [f"{mlp}.down_proj.weight"], [(h, ffn)], "row", "normal"))
         if config.mlp_bias:
-            specs.append(row("mlp.down_proj.bias", ["mlp.down_proj.bias"], [(h,)], "replicated", "zeros"))
+            specs.append(row("mlp.down_proj.bias", [f"{mlp}.down_proj.bias"], [(h,)], "replicated", "zeros"))
     norm = final_norm_layer(config)
     specs.append(ParamSpec("norm.weight", ("model.norm.weight",), ((h,),), "replicated", (norm,),
                            f"{norm}.norm.weight", "ones"))
@@ -166,11 +168,13 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
 def _moe_rows(config: ModelConfig, row) -> list[ParamSpec]:
     """One MoE layer's rows under the released checkpoints' names (the family's): Mixtral's ``block_sparse_moe``
     with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); Qwen's ``mlp`` with ``gate_proj``, ``up_proj``,
-    ``down_proj`` and Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``. The router is ``gate`` in both."""
+    ``down_proj`` and Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``. The router is ``gate`` in both,
+    Llama 4's ``feed_forward.router``; Llama 4's files hold the experts fused, and these per-expert names are the
+    table's own (:mod:`llama_megatron.model.released_tensors` maps them)."""
     moe, h, ffn = config.family.moe, config.hidden_size, config.expert_intermediate_size
     gate, up, down = moe.leaves
-    rows = [row("mlp.router.weight", [f"{moe.block}.gate.weight"], [(config.num_local_experts, h)], "replicated",
-                "normal")]
+    rows = [row("mlp.router.weight", [f"{moe.block}.{moe.router}.weight"], [(config.num_local_experts, h)],
+                "replicated", "normal")]
     for e in range(config.num_local_experts):
         expert = f"{moe.block}.experts.{e}"
         rows += [row(f"mlp.experts.{e}.gate_up_proj.weight", [f"{expert}.{gate}.weight", f"{expert}.{up}.weight"],
@@ -178,13 +182,14 @@ def _moe_rows(config: ModelConfig, row) -> list[ParamSpec]:
                  row(f"mlp.experts.{e}.down_proj.weight", [f"{expert}.{down}.weight"], [(h, ffn)], "row", "normal",
                      expert=e)]
     if moe.shared_expert:
-        shared, width = f"{moe.block}.shared_expert", config.shared_expert_intermediate_size
+        shared, width = f"{moe.block}.shared_expert", config.shared_intermediate_size
         rows += [row("mlp.shared_expert.gate_up_proj.weight", [f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"],
                      [(width, h), (width, h)], "gate_up", "normal"),
                  row("mlp.shared_expert.down_proj.weight", [f"{shared}.down_proj.weight"], [(h, width)], "row",
-                     "normal"),
-                 row("mlp.shared_expert_gate.weight", [f"{moe.block}.shared_expert_gate.weight"], [(1, h)],
-                     "replicated", "normal")]
+                     "normal")]
+        if moe.shared_expert_gated:
+            rows.append(row("mlp.shared_expert_gate.weight", [f"{moe.block}.shared_expert_gate.weight"], [(1, h)],
+                            "replicated", "normal"))
     return rows
 
 
@@ -195,8 +200,11 @@ def as_checkpoint_tensors(state: dict, config: ModelConfig) -> dict:
     then up) and ``mlp.experts.down_proj`` [E, h, ffn], and the router as ``mlp.gate``; it saves them per expert, as
     released (the family's names, :func:`_moe_rows`): Mixtral's ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3``
     (up), ``w2`` (down), ``block_sparse_moe.gate``; Qwen's ``mlp.experts.{e}.gate_proj`` ... This does the same
-    renaming in memory, as views. Dense families' state dicts are returned as they are.
+    renaming in memory, as views. Dense families' state dicts are returned as they are. Llama 4 saves its experts
+    fused as it holds them, and rotates interleaved q/k pairs: :mod:`.released_tensors` maps its tensors.
     """
+    if released_tensors.differs(config):
+        return released_tensors.table_tensors(state, config)
     moe = config.family.moe
     if moe is None:
         return state

@@ -53,12 +53,10 @@ class ParallelConfig:
             raise ConfigError(
                 f"tensor parallel degree {tp} does not divide num_key_value_heads {model.num_key_value_heads}"
             )
-        if model.intermediate_size % tp:
-            raise ConfigError(
-                f"tensor parallel degree {tp} does not divide intermediate_size {model.intermediate_size}"
-            )
         moe = model.family.moe
-        widths = [] if moe is None else [moe.width_key] + ["shared_expert_intermediate_size"] * moe.shared_expert
+        widths = [model.family.dense_width_key]
+        widths += [] if moe is None else [moe.width_key] + [moe.shared_width_key] * moe.shared_expert
+        widths = list(dict.fromkeys(widths))
         for name in widths:  # every expert is split over TP as the dense MLP is
             if getattr(model, name) % tp:
                 raise ConfigError(f"tensor parallel degree {tp} does not divide {name} {getattr(model, name)}")
@@ -141,7 +139,7 @@ class LocalShapes:
     experts: int = 0  # MoE experts per expert-parallel rank (0: a dense model)
     expert: int = 1  # the expert-parallel degree they are split over
     expert_intermediate: int = 0  # a routed expert's rows per TP rank (gate and up each)
-    shared_intermediate: int = 0  # the shared expert's rows per TP rank (Qwen2-MoE; 0: none)
+    shared_intermediate: int = 0  # the shared expert's rows per TP rank (Qwen2-MoE, Llama 4; 0: none)
 
     @property
     def vocab_rows(self) -> int:
@@ -154,9 +152,9 @@ class LocalShapes:
            context: int = 1, expert: int = 1) -> LocalShapes:
         kv_heads = model.num_key_value_heads // tensor
         return cls(tensor, padded_vocab_size, model.num_attention_heads // tensor, kv_heads,
-                   model.intermediate_size // tensor, kv_head_repeats(kv_heads, context),
+                   model.dense_intermediate_size // tensor, kv_head_repeats(kv_heads, context),
                    model.num_local_experts // expert, expert, model.expert_intermediate_size // tensor,
-                   model.shared_expert_intermediate_size // tensor)
+                   model.shared_intermediate_size // tensor)
 
     def expert_ids(self, ep_rank: int) -> range:
         """The global ids of the experts expert-parallel rank ``ep_rank`` holds (a contiguous block)."""

@@ -36,6 +36,23 @@ def document_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -
     return (same_doc & causal_mask(seq, seq, window, segment_ids.device)).unsqueeze(1)
 
 
+def chunk_segment_ids(segment_ids: torch.Tensor | None, position_ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Chunked attention (Llama 4) as per-document attention: a query sees the keys of its own chunk of
+    ``chunk`` positions up to itself, so the chunks (of each document, counted by the document's positions) are the
+    documents of this [b, s] id tensor. Every kernel's document path runs it (flash-attn varlen, FlexAttention,
+    the dense mask); built once per micro batch."""
+    def compute() -> torch.Tensor:
+        block = torch.div(position_ids, chunk, rounding_mode="floor")
+        starts = torch.zeros_like(block, dtype=torch.bool)
+        starts[:, 1:] = block[:, 1:] != block[:, :-1]
+        if segment_ids is not None:
+            starts[:, 1:] |= segment_ids[:, 1:] != segment_ids[:, :-1]
+        return starts.cumsum(dim=-1)
+
+    tensors = (position_ids,) if segment_ids is None else (position_ids, segment_ids)
+    return per_micro_batch(("chunk-segments", chunk), tensors, compute)
+
+
 def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cumulative lengths of the documents of every row, flattened (flash-attn varlen input), and the longest."""
     batch, seq = segment_ids.shape
@@ -91,13 +108,14 @@ class ReferenceAttention:
             v = v.repeat_interleave(groups, dim=2)
         return _sdpa(q, k, v, _dense_mask(segment_ids, q.shape[1], window, q.device), enable_gqa=False)
 
-    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+              chunk: int | None = None) -> torch.Tensor:
         """The last ``q.shape[1]`` positions of a sequence attending to its keys (cached decoding)."""
         groups = q.shape[2] // k.shape[2]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=2)
             v = v.repeat_interleave(groups, dim=2)
-        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window), enable_gqa=False, causal=False)
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window, chunk), enable_gqa=False, causal=False)
 
 
 def fast_attention_route(device_type: str, dtype: torch.dtype, packed: bool, have_flash: bool = HAVE_FLASH_ATTN) -> str:
@@ -134,19 +152,27 @@ class FastAttention:
             return _flex(q, k, v, segment_ids, window)
         return _sdpa(q, k, v, _dense_mask(segment_ids, q.shape[1], window, q.device), enable_gqa=True)
 
-    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+              chunk: int | None = None) -> torch.Tensor:
         """As :meth:`ReferenceAttention.after`, without K/V copies."""
-        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window), enable_gqa=True, causal=False)
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window, chunk), enable_gqa=True, causal=False)
 
 
-def _trailing_causal_mask(q: torch.Tensor, k: torch.Tensor, window: int | None) -> torch.Tensor | None:
+def _trailing_causal_mask(q: torch.Tensor, k: torch.Tensor, window: int | None,
+                          chunk: int | None = None) -> torch.Tensor | None:
     """Query i (of the last sq positions of sk) sees keys up to sk - sq + i (and, with ``window``, from
-    sk - sq + i - window + 1); None when that is every key."""
+    sk - sq + i - window + 1; with ``chunk``, from the start of its chunk: keys are positions 0 .. sk - 1, the
+    cache holding every earlier position); None when that is every key."""
     sq, sk = q.shape[1], k.shape[1]
     window = _windowed(window, sk)
-    if sq == 1 and window is None:
+    chunk = None if chunk is None or chunk >= sk else chunk
+    if sq == 1 and window is None and chunk is None:
         return None
-    return causal_mask(sq, sk, window, q.device)
+    mask = causal_mask(sq, sk, window, q.device)
+    if chunk is not None:
+        keys = torch.arange(sk, device=q.device) // chunk
+        mask = mask & (keys[sk - sq:].unsqueeze(1) == keys.unsqueeze(0))
+    return mask
 
 
 def _flash(q, k, v, segment_ids, window):  # pragma: no cover - CUDA only

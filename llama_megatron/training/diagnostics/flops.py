@@ -4,10 +4,11 @@ Per token and forward pass, each weight matmul costs 2 FLOPs per weight element:
 q and o: h * (n_heads * head_dim) each, k and v: h * (n_kv_heads * head_dim) each, MLP: 3 * h * ffn, LM head: h * V.
 Attention scores QK^T and the weighted sum AV cost 2 * s * n_heads * head_dim each per token per layer; the
 causal mask is *not* halved (Megatron's convention, so figures compare with published MFU); a sliding-window layer
-(Mistral, Qwen) counts min(s, window) keys per query. A mixture-of-experts layer counts its router (h * experts),
+(Mistral, Qwen) counts min(s, window) keys per query, a chunked one (Llama 4) min(s, chunk). A mixture-of-experts layer counts its router (h * experts),
 the ``num_experts_per_tok`` experts each token passes through and a shared expert with its gate (Qwen2-MoE) (active
-parameters, as Mixtral's "12.9B active", Qwen3's "A3B" and Megatron-Core's MoE throughput count them), not the
-experts a token skips; Qwen's dense layers (``mlp_only_layers``) count their own MLP.
+parameters, as Mixtral's "12.9B active", Qwen3's "A3B", Llama 4 Scout's "17B active" and Megatron-Core's MoE
+throughput count them), not the experts a token skips; dense layers (Qwen's ``mlp_only_layers``, Llama 4's between
+its MoE layers) count their own MLP.
 Training = 3x forward (backward = 2x). Activation recomputation is deliberately not counted: MFU measures
 model FLOPs, not hardware FLOPs.
 """
@@ -23,9 +24,12 @@ def forward_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     # an MoE layer's active weights are all matmuls (router, k experts, a shared expert and its gate); a dense
     # layer's biases are not
     mlp = sum(config.mlp_parameters(i, config.num_experts_per_tok) if config.is_moe_layer(i)
-              else 3 * h * config.intermediate_size for i in range(L))
+              else 3 * h * config.dense_intermediate_size for i in range(L))
     attention = h * q_dim + 2 * h * kv_dim + q_dim * h
-    keys = sum(seq_len if window is None else min(seq_len, window) for window in config.layer_windows())
+    # a window or a chunk (Llama 4) bounds the keys a query's products are computed with
+    spans = [window if window is not None else chunk
+             for window, chunk in zip(config.layer_windows(), config.layer_chunks())]
+    keys = sum(seq_len if span is None else min(seq_len, span) for span in spans)
     return 2 * (L * attention + mlp) + 2 * 2 * keys * q_dim + 2 * h * config.vocab_size
 
 

@@ -133,9 +133,10 @@ class CostModel:
             walker.stage_passes(config)
         return walker.recorded
 
-    def decoder_layer(self, config: TrainingConfig, layer: int, rows: int,
-                      window: int | None = None) -> tuple[Pass, Pass, Pass]:
-        """F, B, W of decoder layer ``layer`` (its sliding ``window``) for ``rows`` samples on one rank."""
+    def decoder_layer(self, config: TrainingConfig, layer: int, rows: int, window: int | None = None,
+                      chunk: int | None = None) -> tuple[Pass, Pass, Pass]:
+        """F, B, W of decoder layer ``layer`` (its sliding ``window`` or attention ``chunk``) for ``rows`` samples
+        on one rank."""
         m, par, dev = config.model, config.parallel, self.device
         tp, cp, ep = par.tensor, par.context, par.expert
         a = 2  # activations are bf16 (under FP8 too: only the GEMMs' operands are cast)
@@ -151,16 +152,18 @@ class CostModel:
             linears += [(n, h, experts, 1),  # the router (not split over TP)
                         (per_expert, h, 2 * width, local), (per_expert, width, h, local)]
             if m.family.moe.shared_expert:
-                shared = m.shared_expert_intermediate_size // tp
+                shared = m.shared_intermediate_size // tp
                 linears += [(n, h, 2 * shared, 1), (n, shared, h, 1)]
             mlp_width = width * k
         else:
-            width = m.intermediate_size // tp
+            width = m.dense_intermediate_size // tp
             linears += [(n, h, 2 * width, 1), (n, width, h, 1)]  # fused gate and up, down
             mlp_width = width
         gemm_f, gemm_b, gemm_w = self._gemms(linears)
         keys = config.seq_length if window is None else min(config.seq_length, window)
         causal = 0.5 if window is None else min(1.0, window / config.seq_length)
+        if chunk is not None:  # causal within each chunk
+            causal = 0.5 * min(1.0, chunk / config.seq_length)
         heads = m.num_attention_heads // (tp * cp)  # Ulysses: all tokens, 1/CP of the TP rank's heads
         attention = dev.attention_seconds(4 * rows * config.seq_length * keys * heads * hd * causal)
         sp_tokens = n / tp if par.sequence_parallel else n
@@ -210,16 +213,16 @@ class CostModel:
         """F, B, W per virtual stage, in stage order, for one micro batch."""
         rows = config.batch.micro_batch_size * config.rows_per_sample
         recompute = config.activation_checkpointing.interval > 0
-        windows, model = config.model.layer_windows(), config.model
+        windows, chunks, model = config.model.layer_windows(), config.model.layer_chunks(), config.model
         alike: dict[tuple, tuple[Pass, Pass, Pass]] = {}  # layers of one kind and window cost the same
         stages, layer = [], 0
         for kinds in stage_layer_kinds(config):
             passes = {"F": Pass(), "B": Pass(), "W": Pass()}
             for kind in kinds:
                 if kind == "DecoderLayerPipe":
-                    key = (model.is_moe_layer(layer), windows[layer])
+                    key = (model.is_moe_layer(layer), windows[layer], chunks[layer])
                     if key not in alike:
-                        f, b, w = self.decoder_layer(config, layer, rows, windows[layer])
+                        f, b, w = self.decoder_layer(config, layer, rows, windows[layer], chunks[layer])
                         if recompute:
                             b.add(f)
                         alike[key] = (f, b, w)

@@ -103,7 +103,7 @@ def _rank_model(model: ModelConfig, tp: int, moe: bool) -> ModelConfig:
         return dataclasses.replace(model, num_attention_heads=heads, num_key_value_heads=kv, head_dim=model.head_dim,
                                    intermediate_size=model.intermediate_size // tp)
     width = model.num_experts_per_tok * model.expert_intermediate_size + (
-        model.shared_expert_intermediate_size if model.family.moe.shared_expert else 0)
+        model.shared_intermediate_size)
     return ModelConfig.from_dict({
         "vocab_size": model.vocab_size, "hidden_size": model.hidden_size, "intermediate_size": width // tp,
         "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": model.head_dim,

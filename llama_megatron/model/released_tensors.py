@@ -1,0 +1,141 @@
+"""How a family's released files hold the parameter table's HF tensors, where the two differ (Llama 4).
+
+The table (:mod:`llama_megatron.model.param_layout`) names one tensor per HF linear, in the layout our layers
+compute with. Llama 4's files (and ``Llama4ForCausalLM``'s state dict) differ in two ways, both undone here at the
+boundary, so that conversion, export and the tests' in-memory HF state dicts all see the table's tensors:
+
+- q and k rotate interleaved pairs: HF's Llama 4 applies RoPE as a complex product on ``(x[2j], x[2j + 1])``. The
+  table holds each head's q and k rows (and biases) permuted to rotate-half order ``(x[j], x[j + d/2])``, which
+  our RoPE kernels (and Liger's) rotate with the same frequencies. One permutation of both q and k changes neither
+  the products q.k, nor the L2 norm of a head, nor the temperature scaling: the model computes the same function,
+  as transformers' own conversion of Meta's LLaMA 1-3 weights permutes them the same way.
+- Each MoE layer's experts are two 3-D tensors, ``feed_forward.experts.gate_up_proj`` [E, h, 2 x ffn] (``x @ W``:
+  the gate's columns, then up's) and ``feed_forward.experts.down_proj`` [E, ffn, h]; the table has each expert's
+  ``gate_proj`` and ``up_proj`` [ffn, h] and ``down_proj`` [h, ffn], read as transposed slices (views).
+
+A released multimodal checkpoint (``Llama4ForConditionalGeneration``) holds the text model under
+``language_model.``: :func:`text_model_names` finds it and what else the files hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from llama_megatron.config import ModelConfig
+
+Getter = Callable[[str], torch.Tensor]
+
+
+def differs(config: ModelConfig) -> bool:
+    """Whether the family's files hold any tensor otherwise than the table does."""
+    moe = config.family.moe
+    return config.family.interleaved_rope or (moe is not None and moe.fused_expert_files)
+
+
+def rotate_half_order(head_dim: int) -> torch.Tensor:
+    """Row ``j`` of a rotate-half head is row ``order[j]`` of the interleaved head: the pair members 2j, 2j + 1 go
+    to j and j + d/2."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def _permuted_rows(tensor: torch.Tensor, head_dim: int, order: torch.Tensor) -> torch.Tensor:
+    heads = tensor.shape[0] // head_dim
+    return tensor.reshape(heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
+
+
+def _rope_rows(config: ModelConfig) -> set[str]:
+    """The table's q and k tensors (weights and biases) of every layer."""
+    if not config.family.interleaved_rope:
+        return set()
+    kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
+    return {f"model.layers.{i}.self_attn.{p}_proj.{kind}" for i in range(config.num_hidden_layers) for p in "qk"
+            for kind in kinds}
+
+
+def _expert_tensors(config: ModelConfig) -> dict[str, tuple[str, int, str]]:
+    """table name -> (file name, expert, part) of every routed expert's linear, for fused expert files."""
+    moe = config.family.moe
+    if moe is None or not moe.fused_expert_files:
+        return {}
+    gate, up, down = moe.leaves
+    out = {}
+    for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):
+        prefix = f"model.layers.{i}.{moe.block}.experts"
+        for e in range(config.num_local_experts):
+            out[f"{prefix}.{e}.{gate}.weight"] = (f"{prefix}.gate_up_proj", e, "gate")
+            out[f"{prefix}.{e}.{up}.weight"] = (f"{prefix}.gate_up_proj", e, "up")
+            out[f"{prefix}.{e}.{down}.weight"] = (f"{prefix}.down_proj", e, "down")
+    return out
+
+
+def file_name_of(name: str, config: ModelConfig) -> str:
+    """The file tensor that the table's tensor ``name`` is read from."""
+    fused = _expert_tensors(config).get(name)
+    return name if fused is None else fused[0]
+
+
+def table_tensor(name: str, get_file: Getter, config: ModelConfig) -> torch.Tensor:
+    """The table's tensor ``name`` from the file tensors ``get_file`` hands out (views where no permutation)."""
+    fused = _expert_tensors(config).get(name)
+    if fused is not None:
+        file, e, part = fused
+        ffn = config.expert_intermediate_size
+        tensor = get_file(file)[e]
+        return {"gate": lambda: tensor[:, :ffn].t(), "up": lambda: tensor[:, ffn:].t(),
+                "down": lambda: tensor.t()}[part]()
+    tensor = get_file(name)
+    if name in _rope_rows(config):
+        return _permuted_rows(tensor, config.head_dim, rotate_half_order(config.head_dim))
+    return tensor
+
+
+def file_shapes(table_shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The file's tensors and shapes for the table's ``table_shapes`` (in its order)."""
+    experts = _expert_tensors(config)
+    out: dict[str, tuple[int, ...]] = {}
+    h, ffn, count = config.hidden_size, config.expert_intermediate_size, config.num_local_experts
+    for name, shape in table_shapes.items():
+        fused = experts.get(name)
+        if fused is None:
+            out[name] = shape
+        elif fused[0] not in out:
+            out[fused[0]] = (count, h, 2 * ffn) if fused[2] != "down" else (count, ffn, h)
+    return out
+
+
+def file_tensor(name: str, get_table: Getter, config: ModelConfig) -> torch.Tensor:
+    """The file's tensor ``name`` assembled from the table's tensors (the inverse of :func:`table_tensor`)."""
+    if name in _rope_rows(config):
+        order = torch.argsort(rotate_half_order(config.head_dim))
+        return _permuted_rows(get_table(name), config.head_dim, order)
+    parts = sorted(((e, part, table) for table, (file, e, part) in _expert_tensors(config).items() if file == name),
+                   key=lambda item: (item[0], ["gate", "up", "down"].index(item[1])))
+    if not parts:
+        return get_table(name)
+    if name.endswith("down_proj"):
+        return torch.stack([get_table(table).t() for _, _, table in parts])
+    count = config.num_local_experts
+    return torch.stack([torch.cat([get_table(parts[2 * e][2]).t(), get_table(parts[2 * e + 1][2]).t()], dim=1)
+                        for e in range(count)])
+
+
+def table_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A transformers model's state dict (or its gradients) under the table's names: every tensor the table can
+    read from what ``state`` holds (a tied model's state lacks ``lm_head.weight``)."""
+    experts = _expert_tensors(config)
+    consumed = {file for file, _, _ in experts.values()}
+    out = {name: table_tensor(name, state.__getitem__, config) for name in state if name not in consumed}
+    out.update({name: table_tensor(name, state.__getitem__, config) for name, (file, _, _) in experts.items()
+                if file in state})
+    return out
+
+
+def text_model_names(names: set[str], config: ModelConfig) -> tuple[str, set[str]]:
+    """(prefix of the text model's tensors, the other tensors) in a file holding ``names``: a multimodal release
+    keeps the text model under the family's prefix (``language_model.``) beside a vision tower."""
+    prefix = config.family.multimodal_prefix
+    if prefix and any(name.startswith(prefix) for name in names):
+        return prefix, {name for name in names if not name.startswith(prefix)}
+    return "", set()

@@ -118,8 +118,9 @@ class ModelConfig:
             self.no_rope_layers = [int((i + 1) % interval != 0) for i in range(layers)]
         if self.moe_layers is None:
             self.moe_layers = list(range(step - 1, layers, step))
-        if self.layer_types is None and isinstance(self.no_rope_layers, list):
-            self.layer_types = [CHUNKED_ATTENTION if rope else FULL_ATTENTION for rope in self.no_rope_layers]
+        if self.layer_types is None and isinstance(self.no_rope_layers, list):  # (no chunk size: no chunked layer)
+            chunked = self.attention_chunk_size is not None
+            self.layer_types = [CHUNKED_ATTENTION if rope and chunked else FULL_ATTENTION for rope in self.no_rope_layers]
 
     def validate(self) -> None:
         if self.model_type not in FAMILIES:

@@ -85,12 +85,13 @@ FAMILIES = {
         "llama4-chunked-nope-moe": dict(model_type="llama4", num_hidden_layers=4, num_key_value_heads=4,
                                         attention_chunk_size=5, no_rope_layer_interval=2, interleave_moe_layer_step=2,
                                         num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=80,
-                                        floor_scale=3, rope_scaling=LLAMA3_ROPE),
+                                        use_qk_norm=True, attn_temperature_tuning=True, floor_scale=3,
+                                        rope_scaling=LLAMA3_ROPE),
         "llama4-top2-bias-tied": dict(model_type="llama4", num_hidden_layers=3, num_key_value_heads=4,
                                       attention_chunk_size=4, no_rope_layer_interval=3, num_local_experts=4,
-                                      num_experts_per_tok=2, intermediate_size_mlp=48, floor_scale=2,
-                                      attn_scale=0.5, attention_bias=True, tie_word_embeddings=True,
-                                      use_qk_norm=False),
+                                      num_experts_per_tok=2, intermediate_size_mlp=48,
+                                      attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+                                      attention_bias=True, tie_word_embeddings=True),
     }),
 }
 

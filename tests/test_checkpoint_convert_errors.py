@@ -187,3 +187,26 @@ def test_malformed_checkpoint_metadata(key, value, message, converted, tmp_path,
     write_manifest_for(tag)
     fails(capsys, ["export", "--input", converted, "--output", str(tmp_path / "o")], message)
     fails(capsys, ["reshard", "--input", converted, "--output", str(tmp_path / "r"), "--tp", "1"], message)
+
+
+@pytest.mark.parametrize("release", ["vision-only", "text-weights-missing"])
+def test_llama4_release_without_a_text_model(release, tmp_path, capsys) -> None:
+    """A Llama 4 vision tower on its own (its config names no text model), and a multimodal config whose files hold
+    no text weights: one line each, nothing written."""
+    import transformers
+
+    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=32,
+                                             projector_input_dim=32, projector_output_dim=32)
+    hf_dir = tmp_path / "release"
+    transformers.Llama4VisionModel(vision).save_pretrained(hf_dir)
+    if release == "text-weights-missing":
+        text = tiny_config(model_type="llama4", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
+                           intermediate_size_mlp=80).to_hf_dict()
+        transformers.Llama4Config(text_config=text, vision_config=vision.to_dict()).save_pretrained(hf_dir)
+        message = "tensor model.embed_tokens.weight is missing"
+    else:
+        message = "model_type 'llama4_vision_model' is not supported"
+    fails(capsys, ["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(tmp_path / "o"),
+                   "--tp", "1"], message)
+    assert not os.path.exists(tmp_path / "o")

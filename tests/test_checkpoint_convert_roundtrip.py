@@ -23,6 +23,7 @@ from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
 from llama_megatron.checkpoint.weights import tensor_reader
 from llama_megatron.cli import main as cli
 from llama_megatron.config import ModelConfig
+from llama_megatron.model import released_tensors
 from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import (
     hf_to_rank_state_dict,
@@ -74,9 +75,9 @@ def hf_tensors(path: str) -> dict[str, torch.Tensor]:
 def assert_same_weights(exported: dict[str, torch.Tensor], model, dtype: torch.dtype | None = None,
                         config: ModelConfig | None = None) -> None:
     """``config``: ours, for a mixture of experts (its experts under the released, per-expert names, as
-    save_pretrained writes them)."""
+    save_pretrained writes them; Llama 4's files hold them fused, as the model does)."""
     want = dict(model.state_dict())
-    if config is not None:
+    if config is not None and not released_tensors.differs(config):
         want = as_checkpoint_tensors(want, config)
     if model.config.tie_word_embeddings:
         assert "lm_head.weight" not in exported, "tied embeddings must not export lm_head.weight"
@@ -104,6 +105,12 @@ CASES = {
     "qwen2-moe-tied": dict(model_type="qwen2_moe", attention_bias=True, num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                            tie_word_embeddings=True),
+    # layer 0 dense with chunked RoPE attention, layer 1 MoE (fused 3-D experts in the files) with NoPE attention;
+    # q and k rows permuted on the way in and back on the way out
+    "llama4": dict(model_type="llama4", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
+                   use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attention_chunk_size=8,
+                   no_rope_layer_interval=2, interleave_moe_layer_step=2, intermediate_size_mlp=80,
+                   attention_bias=True),
 }
 
 
@@ -192,6 +199,55 @@ def test_hf_to_tp2_pp2_and_back_is_exact(case, tmp_path) -> None:
     ids = torch.arange(20).view(1, 20) % config.vocab_size
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def _llama4_release(config: ModelConfig, path: str):
+    """A random Llama4ForConditionalGeneration (a one-layer vision tower beside ``config``'s text model), saved."""
+    import transformers
+    from model_utils import hf_config
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
+                  pixel_shuffle_ratio=0.5)
+    torch.manual_seed(3)
+    release = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=hf_config(config).to_dict(), vision_config=vision))
+    save_hf(release, path)
+    return release
+
+
+def test_llama4_release_converts_its_text_model_and_takes_trained_weights_back(tmp_path, capsys) -> None:
+    """A multimodal Llama 4 release: conversion takes the text model (and says what it left out), which exports as a
+    Llama4ForCausalLM computing what the release's language model computes; `export --into RELEASE` writes the
+    release's files with another checkpoint's text weights (here a second model's, standing for trained ones) and
+    the vision tower's and projector's tensors byte for byte."""
+    config = tiny_config(vocab_size=250, **CASES["llama4"])
+    release = _llama4_release(config, str(tmp_path / "release"))
+    ckpt = str(tmp_path / "ckpt")
+    assert cli(["convert", "hf-to-megatron", "--hf-dir", str(tmp_path / "release"), "--output", ckpt, "--tp", "2",
+                "--pp", "2", "--make-vocab-size-divisible-by", "64"]) == 0
+    vision = {n for n in release.state_dict() if not n.startswith("language_model.")}
+    assert (f"(the text model of a multimodal checkpoint: {len(vision)} other tensors (the vision tower, the "
+            "projector) left out)") in capsys.readouterr().out
+    assert cli(["convert", "megatron-to-hf", "--input", ckpt, "--output", str(tmp_path / "text")]) == 0
+    text = AutoModelForCausalLM.from_pretrained(str(tmp_path / "text"), local_files_only=True)
+    assert type(text).__name__ == "Llama4ForCausalLM"
+    ids = torch.arange(20).view(1, 20) % config.vocab_size
+    with torch.no_grad():
+        assert torch.equal(text(ids).logits, release.language_model(ids).logits)
+
+    trained = hf_model(config, seed=5)  # another text model of the same shape: the "trained" weights
+    assert cli(["convert", "hf-to-megatron", "--hf-dir", save_hf(trained, str(tmp_path / "trained")), "--output",
+                str(tmp_path / "trained-ckpt"), "--tp", "2", "--make-vocab-size-divisible-by", "64"]) == 0
+    assert cli(["export", "--input", str(tmp_path / "trained-ckpt"), "--output", str(tmp_path / "back"), "--into",
+                str(tmp_path / "release")]) == 0
+    assert sorted(os.listdir(tmp_path / "back")) == sorted(os.listdir(tmp_path / "release"))
+    original, back = hf_tensors(str(tmp_path / "release")), hf_tensors(str(tmp_path / "back"))
+    assert set(back) == set(original)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(back[f"language_model.{name}"], tensor), name
+    for name in vision:
+        assert back[name].dtype == original[name].dtype and torch.equal(back[name], original[name]), name
 
 
 def test_export_loads_in_transformers_with_tokenizer(tmp_path) -> None:

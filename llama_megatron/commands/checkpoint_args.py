@@ -42,6 +42,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory to copy tokenizer files (and generation_config.json) from "
                              "(default: INPUT/hf_config of a converted checkpoint)")
     parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("--into", default=None, metavar="ORIGINAL_DIR",
+                        help="write OUTPUT as a copy of this released HF directory with the trained weights put in "
+                             "its own files (a multimodal Llama 4: the text model replaced, the vision tower's "
+                             "bytes unchanged)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
 

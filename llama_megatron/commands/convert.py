@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.direction == "megatron-to-hf":
         result = to_hf(args.input, args.output, dtype=args.dtype, tag=args.tag, tokenizer=args.tokenizer,
-                       max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite, show_progress=True)
+                       max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite, show_progress=True,
+                       into=args.into)
         return report(args.direction, result)
     result = to_megatron(args.input, args.output, args.tp, args.pp, divisible_by=args.divisible_by,
                          dtype=args.dtype, tag=args.tag, overwrite=args.overwrite,

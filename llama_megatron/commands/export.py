@@ -25,5 +25,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = to_hf(args.input, args.output, dtype=args.dtype, tag=args.tag, tokenizer=args.tokenizer,
                    max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite, show_progress=True,
-                   merge=args.merge, base=args.base, base_model=args.base_model)
+                   merge=args.merge, base=args.base, base_model=args.base_model, into=args.into)
     return report("megatron-to-hf", result)

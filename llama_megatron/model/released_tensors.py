@@ -121,15 +121,17 @@ def file_tensor(name: str, get_table: Getter, config: ModelConfig) -> torch.Tens
                         for e in range(count)])
 
 
-def table_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def table_tensors(state: dict, config: ModelConfig, names_only: bool = False) -> dict:
     """A transformers model's state dict (or its gradients) under the table's names: every tensor the table can
-    read from what ``state`` holds (a tied model's state lacks ``lm_head.weight``)."""
+    read from what ``state`` holds (a tied model's state lacks ``lm_head.weight``); ``names_only``: the names, each
+    mapped to None."""
     experts = _expert_tensors(config)
     consumed = {file for file, _, _ in experts.values()}
-    out = {name: table_tensor(name, state.__getitem__, config) for name in state if name not in consumed}
-    out.update({name: table_tensor(name, state.__getitem__, config) for name, (file, _, _) in experts.items()
-                if file in state})
-    return out
+    names = [name for name in state if name not in consumed]
+    names += [name for name, (file, _, _) in experts.items() if file in state]
+    if names_only:
+        return dict.fromkeys(names)
+    return {name: table_tensor(name, state.__getitem__, config) for name in names}
 
 
 def text_model_names(names: set[str], config: ModelConfig) -> tuple[str, set[str]]:

@@ -24,10 +24,15 @@ from llama_megatron.checkpoint.directory import check_tag_name
 from llama_megatron.checkpoint.interop.hf_reader import (
     HF_ASSET_FILES,
     HF_CONFIG_DIR,
-    HFCheckpoint,
     copy_assets,
+    open_hf_weights,
 )
-from llama_megatron.checkpoint.interop.hf_writer import DTYPE_NAMES, hf_config_dict, write_hf_directory
+from llama_megatron.checkpoint.interop.hf_writer import (
+    DTYPE_NAMES,
+    hf_config_dict,
+    write_hf_directory,
+    write_into_release,
+)
 from llama_megatron.checkpoint.interop.meta_release import MetaCheckpoint, is_meta_checkpoint
 from llama_megatron.checkpoint.interop.peft_export import export_lora
 from llama_megatron.checkpoint.megatron_reader import MegatronCheckpoint
@@ -100,7 +105,7 @@ def open_input(path: str, max_position_embeddings: int | None = None,
         meta = MetaCheckpoint(path, max_position_embeddings)
         return meta, meta.config, "meta"
     config = ModelConfig.from_file(path)
-    return HFCheckpoint(path), config, "hf"
+    return open_hf_weights(path, config), config, "hf"
 
 
 def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: int = 128,
@@ -116,7 +121,9 @@ def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: 
     stored = source.info("model.embed_tokens.weight")[1]
     source.release()  # drop the handles opened for checking
     out_dtype = _dtype(dtype)
-    note = ""
+    left_out = getattr(source, "left_out", ())
+    note = (f"the text model of a multimodal checkpoint: {len(left_out)} other tensors (the vision tower, the "
+            "projector) left out" if left_out else "")
     with atomic_output_dir(output, overwrite) as tmp:
         progress = _progress(f"{kind}-to-megatron", config, show_progress)
         write_megatron_checkpoint(source, config, tmp, tp, pp, padded, out_dtype, tag, progress)
@@ -133,11 +140,12 @@ def to_megatron(input_dir: str, output: str, tp: int, pp: int, *, divisible_by: 
 def to_hf(input_dir: str, output: str, *, dtype: str | None = None, tag: str | None = None,
           tokenizer: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
           show_progress: bool = False, merge: bool = False, base: str | None = None,
-          base_model: str | None = None) -> Result:
+          base_model: str | None = None, into: str | None = None) -> Result:
     """A full checkpoint -> HF directory; a LoRA checkpoint -> PEFT adapter (``base_model`` recorded in its
-    config), or with ``merge`` its base (recorded, or ``base``) with the adapters merged in."""
+    config), or with ``merge`` its base (recorded, or ``base``) with the adapters merged in. ``into``: the output
+    is that released directory with the checkpoint's weights in its files (:func:`write_into_release`)."""
     start = time.perf_counter()
-    check_output(output, overwrite, inputs=(input_dir,))
+    check_output(output, overwrite, inputs=(input_dir,) + ((into,) if into else ()))
     requested = _dtype(dtype)
     # fp32 export of bf16 training prefers the fp32 master weights of the optimizer partitions
     source = MegatronCheckpoint(input_dir, tag, fp32_master=requested == torch.float32)
@@ -153,6 +161,11 @@ def to_hf(input_dir: str, output: str, *, dtype: str | None = None, tag: str | N
     if merge or base or base_model:
         raise CheckpointError(f"{source.tag_dir} holds a full model: --merge, --base and --base-model apply to LoRA "
                               "checkpoints")
+    if into is not None:
+        with atomic_output_dir(output, overwrite) as tmp:
+            replaced, kept = write_into_release(source, source.config, into, tmp)
+        return Result(output, time.perf_counter() - start, source.stored_dtype if requested is None else requested,
+                      f"{replaced} tensors of {into} replaced, {kept} others copied unchanged")
     if assets is None and os.path.isdir(os.path.join(input_dir, HF_CONFIG_DIR)):
         assets = os.path.join(input_dir, HF_CONFIG_DIR)
     with atomic_output_dir(output, overwrite) as tmp:

@@ -16,8 +16,10 @@ import torch
 from safetensors import safe_open
 
 from llama_megatron.checkpoint.safe_load import load_state_file
+from llama_megatron.config import ModelConfig
 from llama_megatron.data.tokenizer import TOKENIZER_FILES
 from llama_megatron.errors import CheckpointError
+from llama_megatron.model import released_tensors
 
 _SAFE_TO_TORCH = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -141,6 +143,55 @@ class HFCheckpoint:
             if hasattr(handle, "__exit__"):
                 handle.__exit__(None, None, None)
         self._open.clear()
+
+
+class ReleasedFiles:
+    """A family's released files (an :class:`HFCheckpoint`) under the parameter table's names, where the two differ
+    (:mod:`llama_megatron.model.released_tensors`: Llama 4's interleaved q/k rows and fused experts) or the text model
+    sits in a multimodal checkpoint (under ``language_model.``, beside a vision tower this source leaves out)."""
+
+    def __init__(self, files: HFCheckpoint, config: ModelConfig) -> None:
+        self.files, self.config = files, config
+        self.prefix, self.left_out = released_tensors.text_model_names(files.names(), config)
+        text = {name[len(self.prefix):] for name in files.names() if name.startswith(self.prefix)}
+        self._names = set(released_tensors.table_tensors(dict.fromkeys(text), config, names_only=True))
+
+    @property
+    def hf_dir(self) -> str:
+        return self.files.hf_dir
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def _file(self, name: str) -> torch.Tensor:
+        return self.files.get(self.prefix + name)
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        file = released_tensors.file_name_of(name, self.config)
+        shape, dtype = self.files.info(self.prefix + file)
+        if file != name:  # one expert's linear of a fused [E, ...] tensor
+            return tuple(released_tensors.table_tensor(name, lambda _: torch.empty(shape, device="meta"),
+                                                       self.config).shape), dtype
+        return shape, dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise CheckpointError(f"{self.files.hf_dir}: no tensor {name}")
+        return released_tensors.table_tensor(name, self._file, self.config)
+
+    def get_parts(self, name: str) -> list[torch.Tensor]:
+        return [self.get(name)]
+
+    def release(self) -> None:
+        self.files.release()
+
+
+def open_hf_weights(hf_dir: str, config: ModelConfig) -> HFCheckpoint | ReleasedFiles:
+    """The tensor source of an HF directory of ``config``'s family, under the table's names."""
+    files = HFCheckpoint(hf_dir)
+    if released_tensors.differs(config) or config.family.multimodal_prefix:
+        return ReleasedFiles(files, config)
+    return files
 
 
 def copy_assets(src_dir: str, dst_dir: str, names: tuple[str, ...] = HF_ASSET_FILES) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -17,6 +18,7 @@ from llama_megatron.checkpoint.interop.hf_reader import TOKENIZER_FILES, copy_as
 from llama_megatron.checkpoint.interop.safetensors_stream import SafetensorsShardWriter
 from llama_megatron.checkpoint.sources import TensorSource
 from llama_megatron.config import ModelConfig
+from llama_megatron.model import released_tensors
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.progress import TaskProgress
 
@@ -49,17 +51,81 @@ def write_hf_directory(source: TensorSource, config: ModelConfig, out_dir: str, 
                        progress: TaskProgress | None = None) -> list[str]:
     """Fill ``out_dir``; returns the tokenizer/generation files copied from ``assets_dir``."""
     layout = ParamLayout(config)
-    plan = [(name, shape, dtype) for name, shape in layout.hf_shapes().items()]
-    writer = SafetensorsShardWriter(out_dir, plan, max_shard_bytes)
-    for spec in layout:
-        for name in spec.hf_names:
-            writer.write(name, *source.get_parts(name))
-        source.release()  # one parameter's pages at a time
+    if released_tensors.differs(config):  # the family's own file tensors (Llama 4's fused experts)
+        shapes = released_tensors.file_shapes(layout.hf_shapes(), config)
+        writer = SafetensorsShardWriter(out_dir, [(name, shape, dtype) for name, shape in shapes.items()],
+                                        max_shard_bytes)
+        for name, shape in shapes.items():
+            writer.write(name, released_tensors.file_tensor(name, source.get, config))
+            source.release()
+            if progress:
+                progress.advance(0, torch.Size(shape).numel() * dtype.itemsize)
         if progress:
-            progress.advance(1, sum(torch.Size(s).numel() for s in spec.hf_shapes) * dtype.itemsize)
+            progress.advance(len(layout.specs), 0)
+    else:
+        writer = SafetensorsShardWriter(out_dir, [(name, shape, dtype) for name, shape in layout.hf_shapes().items()],
+                                        max_shard_bytes)
+        for spec in layout:
+            for name in spec.hf_names:
+                writer.write(name, *source.get_parts(name))
+            source.release()  # one parameter's pages at a time
+            if progress:
+                progress.advance(1, sum(torch.Size(s).numel() for s in spec.hf_shapes) * dtype.itemsize)
     writer.close()
     _write_json(os.path.join(out_dir, "config.json"), hf_config_dict(config, dtype))
     copied = copy_assets(assets_dir, out_dir, ("generation_config.json", *TOKENIZER_FILES)) if assets_dir else []
     if "generation_config.json" not in copied:
         _write_json(os.path.join(out_dir, "generation_config.json"), generation_config_dict(config))
     return copied
+
+
+def write_into_release(source: TensorSource, config: ModelConfig, original_dir: str, out_dir: str) -> tuple[int, int]:
+    """``out_dir`` as a copy of the released HF directory ``original_dir`` whose model tensors (the text model's,
+    under a multimodal checkpoint's prefix) are the checkpoint's, cast to each original tensor's dtype; every other
+    tensor (a vision tower, a projector) and file is copied unchanged, shard by shard under the same file names.
+    Returns (tensors replaced, tensors kept); a tensor the checkpoint holds that the release lacks, or of another
+    shape, is an error before anything is written."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from llama_megatron.checkpoint.interop.hf_reader import HFCheckpoint
+    from llama_megatron.errors import CheckpointError
+
+    files = HFCheckpoint(original_dir)
+    if files.kind != "safetensors":
+        raise CheckpointError(f"--into {original_dir}: the release must be safetensors (it holds .bin files)")
+    prefix, _ = released_tensors.text_model_names(files.names(), config)
+    layout = ParamLayout(config)
+    shapes = layout.hf_shapes()
+    if released_tensors.differs(config):
+        shapes = released_tensors.file_shapes(shapes, config)
+        get = lambda name: released_tensors.file_tensor(name, source.get, config)  # noqa: E731
+    else:
+        get = source.get
+    for name, shape in shapes.items():
+        if prefix + name not in files.names():
+            raise CheckpointError(f"--into {original_dir} holds no {prefix + name}: is it this model's release?")
+        if tuple(files.info(prefix + name)[0]) != tuple(shape):
+            raise CheckpointError(f"--into {original_dir}: {prefix + name} has shape {files.info(prefix + name)[0]}, "
+                                  f"the checkpoint's is {tuple(shape)}")
+    ours = {prefix + name: name for name in shapes}
+    replaced = kept = 0
+    for file in files.files:
+        with safe_open(os.path.join(original_dir, file), framework="pt") as handle:
+            metadata = handle.metadata()
+            tensors = {}
+            for name in handle.keys():
+                if name in ours:
+                    tensors[name] = get(ours[name]).to(files.info(name)[1]).contiguous()
+                    replaced += 1
+                else:
+                    tensors[name] = handle.get_tensor(name)
+                    kept += 1
+        save_file(tensors, os.path.join(out_dir, file), metadata=metadata)
+        source.release()
+    files.release()
+    for name in sorted(os.listdir(original_dir)):  # the index, configs, tokenizer, processor files
+        path = os.path.join(original_dir, name)
+        if os.path.isfile(path) and not name.endswith(".safetensors"):
+            shutil.copyfile(path, os.path.join(out_dir, name))
+    return replaced, kept

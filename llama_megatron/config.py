@@ -382,8 +382,8 @@ def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in scaling:
                 raise ConfigError(f"rope_scaling of type 'llama3' needs {key}")
-        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-            raise ConfigError("rope_scaling.high_freq_factor must exceed low_freq_factor")
+        if scaling["high_freq_factor"] < scaling["low_freq_factor"]:  # equal (Llama 4 Scout): no band between
+            raise ConfigError("rope_scaling.high_freq_factor must not be below low_freq_factor")
     return {"rope_type": rope_type, **scaling}
 
 

@@ -92,7 +92,11 @@ FAMILIES = {
                                       num_experts_per_tok=2, intermediate_size_mlp=48,
                                       attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
                                       attention_bias=True, tie_word_embeddings=True),
-    }),
+    # its runs: chunks of 8 in samples of 32, layers 0 and 2 RoPE (chunked, q/k norm), 1 and 3 NoPE (full, the
+    # temperature changing every 8 positions), MoE (4 experts, top 1) on layers 1 and 3, dense layers of 96
+    }, runs=["model.model_type=llama4", "model.attention_chunk_size=8", "model.no_rope_layer_interval=2",
+             "model.interleave_moe_layer_step=2", "model.num_local_experts=4", "model.num_experts_per_tok=1",
+             "model.intermediate_size_mlp=96", "model.floor_scale=8"]),
 }
 
 

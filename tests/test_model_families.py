@@ -19,7 +19,10 @@ is shorter than a sample):
   MLPs at EP2 x DP2 and EP2 x TP2 (SP) against TP1-PP1, exported to PEFT;
 - Qwen3-MoE (HF's key names, a dense layer, windows on every layer) at EP2 x PP2 and Qwen2-MoE (q/k/v biases, the
   shared expert, MoE on every other layer) at TP2 x PP2 with SP and recomputation and at EP2 x DP2 (ZeRO-1), against
-  TP1-PP1 as Mixtral's runs;
+  TP1-PP1 as Mixtral's runs; Llama 4 (chunked attention crossing the pipeline's payload, NoPE layers with the
+  temperature, top-1 sigmoid routing, the shared expert, MoE on alternate layers), its TP1-PP1 run replayed with
+  Llama4ForCausalLM, at TP2 x PP2 with SP and recomputation, EP2 x DP2, and EP2 x PP2 under ZB-H1, interleaved 1F1B
+  and ZB-V;
   the Qwen3-MoE EP2 x PP2 checkpoint read as the TP1-PP1 run's weights and exported to its class.
 """
 
@@ -69,6 +72,8 @@ LAYOUTS = {
                             "pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2"],
     "ep2-pp2-zb-v-bf16": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_bf16.json",
                           "model.output_router_logits=false", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"],
+    "ep2-pp2-zb-v": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json",
+                     "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"],
     "ep2-tp2-pp2-sp-recompute-documents": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2",
                                            "parallel.sequence_parallel=true", "activation_checkpointing.interval=1",
                                            "data.per_document_attention=true"],
@@ -85,10 +90,15 @@ BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_rou
 # theirs is in process too, tests/test_model_moe.py): Qwen3-MoE at EP2 x PP2, Qwen2-MoE at TP2 x PP2 with SP and at EP2 x
 # DP2 (its shared expert replicated over EP, reduced over the whole data-parallel group)
 QWEN_MOE_RUNS = [("qwen3_moe", "ep2-pp2"), ("qwen2_moe", "tp2-pp2-sp-recompute"), ("qwen2_moe", "ep2-dp2-zero1")]
+# Llama 4 (chunks, NoPE, top-1 sigmoid routing, the shared expert, MoE on alternate layers): TP2 x PP2 with SP and
+# recomputation (1F1B), EP2 x DP2, and EP2 x PP2 under ZB-H1, interleaved 1F1B and ZB-V
+LLAMA4_RUNS = [("llama4", name) for name in ("tp2-pp2-sp-recompute", "ep2-dp2-zero1", "ep2-pp2-zb-h1",
+                                             "ep2-pp2-interleaved", "ep2-pp2-zb-v")]
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
         if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))
         and (family, name) != ("mistral", "tp2-pp2-sp-recompute")  # Mistral at TP2 x PP2 SP: its SFT run below
-        and name != "ep2-pp2" and family not in dict(QWEN_MOE_RUNS)] + QWEN_MOE_RUNS
+        and name not in ("ep2-pp2", "ep2-pp2-zb-v") and family not in {*dict(QWEN_MOE_RUNS), "llama4"}
+        ] + QWEN_MOE_RUNS + LLAMA4_RUNS
 
 
 # Expert-parallel checkpoints: the EP2 x DP2 (ZeRO-1) and EP2 x PP2 (bf16) runs save at step 3 and 6 and resume from
@@ -214,7 +224,8 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tp1_pp1_trains_like_the_transformers_class(runs, family, shakespeare_prefix) -> None:
     config = TrainingConfig.from_file(CONFIG, _overrides(shakespeare_prefix, runs / "hf", family, []))
-    assert config.model.model_type == family and any(w is not None for w in config.model.layer_windows())
+    assert config.model.model_type == family
+    assert any(w is not None for w in config.model.layer_windows() + config.model.layer_chunks())
     assert hf_class(config.model).__name__ == config.model.family.architecture
     assert_run_replays_hf(runs / f"{family}-tp1-pp1", config)
 

@@ -88,6 +88,14 @@ CASES = {
                                       shared_expert_intermediate_size=48),
                                  LoraConfig(rank=3, alpha=6.0, dropout=0.2, targets=("o_proj", "gate_proj", "up_proj",
                                                                                      "down_proj"))),
+    # Llama 4 (PEFT on Llama4ForCausalLM): q and k adapters on interleaved RoPE rows (their B permuted as the base
+    # rows are), the shared expert's and the dense layers' MLP found by name under feed_forward, dropout
+    "llama4-attention-shared-dense": (dict(model_type="llama4", num_key_value_heads=4, num_local_experts=4,
+                                           num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                           intermediate_size_mlp=80, attention_chunk_size=6,
+                                           no_rope_layer_interval=2, use_qk_norm=True, attn_temperature_tuning=True,
+                                           floor_scale=4),
+                                      LoraConfig(rank=2, alpha=4.0, dropout=0.1)),
     # modules trained in full beside the adapters (PEFT's modules_to_save): both vocab tables over a vocab the TP
     # degrees pad (250), and "norm", which PEFT matches as a suffix: every norm of the class
     "saved-tables-norms": (dict(num_key_value_heads=2, vocab_size=250),

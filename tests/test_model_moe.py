@@ -233,6 +233,15 @@ def test_lora_mlp_targets_are_the_modules_peft_adapts_on_the_class() -> None:
         with pytest.raises(ConfigError, match=f"lora.targets up_proj, down_proj: the {config.model_type} model has "
                                               "no MLP module PEFT adapts under these names"):
             check_targets(config, lora)
+    # Llama 4: under feed_forward, the shared expert's (MoE layer 1) and the dense layer's (0); its fused experts
+    # are refused as targets
+    llama4 = tiny_config(**{**CASES["llama4-chunked-nope-moe"], "num_hidden_layers": 2})
+    mlp = sorted(n for spec in adapter_layout(llama4, lora) for n in spec.hf_names if ".feed_forward." in n)
+    assert mlp == sorted(f"base_model.model.model.layers.{i}.feed_forward.{m}.lora_{ab}.weight" for i, m in
+                         ((0, "up_proj"), (0, "down_proj"), (1, "shared_expert.up_proj"),
+                          (1, "shared_expert.down_proj")) for ab in "AB")
+    with pytest.raises(ConfigError, match="adapters on the llama4 experts .* are not built yet"):
+        check_targets(llama4, LoraConfig(rank=2, targets=("q_proj", "mlp.experts.down_proj")))
 
 
 def test_deepspeed_settings_expert_parallelism_refuses() -> None:

@@ -87,6 +87,11 @@ FAMILIES = {  # windows far shorter than prompt + 32 new tokens: the cache holds
     "qwen2_moe": dict(model_type="qwen2_moe", attention_bias=True, use_sliding_window=True, sliding_window=9,
                       max_window_layers=1, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48),
+    # chunks of 8 (the chunked layer's cache keeps every position, its mask the current chunk), the NoPE layer's
+    # temperature changing every 4 positions, q/k L2 norm, top-1 sigmoid routing and the shared expert
+    "llama4": dict(model_type="llama4", attention_chunk_size=8, no_rope_layer_interval=2, use_qk_norm=True,
+                   attn_temperature_tuning=True, floor_scale=4, num_local_experts=4, num_experts_per_tok=1,
+                   intermediate_size_mlp=80),
 }
 
 
@@ -101,9 +106,13 @@ def test_greedy_equals_hf_generate_for_each_family(family, tmp_path) -> None:
 
 
 @pytest.mark.launched
-def test_greedy_equals_hf_generate_tp2_under_the_launcher(converted, tmp_path) -> None:
-    want = [_hf_greedy(converted["hf"], p) for p in PROMPTS]
-    for extra in ([], ["--no-kv-cache"]):
+@pytest.mark.parametrize("family", ["llama", "llama4"])
+def test_greedy_equals_hf_generate_tp2_under_the_launcher(family, converted, tmp_path) -> None:
+    """TP2 (2 processes) decodes as HF does, with and without the cache; Llama 4 past several chunks with it."""
+    if family == "llama4":
+        converted = _convert(tmp_path, (2,), **FAMILIES[family])
+    want = [_hf_greedy(converted["hf"], p, converted["hf_dir"] if family != "llama" else TOKENIZER) for p in PROMPTS]
+    for extra in ([], ["--no-kv-cache"])[:1 if family == "llama4" else 2]:
         out_file = str(tmp_path / f"tp2{len(extra)}.jsonl")
         args = ["--checkpoint", converted[2], "--max-new-tokens", str(NEW_TOKENS), "--output", out_file, *extra]
         for prompt in PROMPTS:

@@ -42,6 +42,7 @@ import torch
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
+from llama_megatron.model import released_tensors
 from llama_megatron.model.param_layout import ParamLayout, ParamSpec
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -96,13 +97,15 @@ def layer_target(config: ModelConfig, layer: int, name: str) -> Target | None:
     """Where the module target ``name`` lies in decoder layer ``layer``, or None: in a mixture of experts an MLP
     target is, where PEFT adapts one (Qwen2-MoE), a dense layer's linear or an MoE layer's shared expert's."""
     target, moe = TARGETS[name], config.family.moe
-    if moe is None or not target.linear.startswith("mlp."):
+    if not target.linear.startswith("mlp."):
         return target
-    if not moe.mlp_module_targets:
+    if moe is not None and not moe.mlp_module_targets:
         return None
-    if not config.is_moe_layer(layer):
-        return target
-    return SHARED_EXPERT_TARGETS[name] if moe.shared_expert else None
+    if moe is not None and config.is_moe_layer(layer):
+        target = SHARED_EXPERT_TARGETS[name] if moe.shared_expert else None
+    mlp = config.family.mlp_name  # Llama 4's feed_forward
+    return target if target is None or mlp == "mlp" else dataclasses.replace(
+        target, hf_module=target.hf_module.replace("mlp.", f"{mlp}.", 1))
 
 
 @dataclass(frozen=True)
@@ -355,6 +358,10 @@ def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
     if not config.family.moe and lora.expert_targets:
         raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: the {config.model_type} model has no "
                           f"experts; its targets are {', '.join(LORA_TARGETS)}")
+    if lora.expert_targets and config.family.moe.fused_expert_files:
+        raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: adapters on the {config.model_type} "
+                          "experts (held as [experts, in, out], the transpose of Mixtral's) are not built yet; its "
+                          f"targets are {', '.join(LORA_TARGETS)} (the shared expert's and the dense layers' MLP)")
 
 
 def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
@@ -363,7 +370,8 @@ def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
     ``j x E + e`` is rank j of expert e). Module targets and modules to save are passed through, a tied table under
     both of PEFT's keys (as ``ensure_weight_tying`` saves it); layers absent from ``tensors`` are skipped (a writer
     may fuse one layer at a time)."""
-    out = {name: t for name, t in tensors.items() if ".mlp.experts." not in name}
+    out = {name: _rope_rows(name, t, config, to_file=True) for name, t in tensors.items()
+           if ".mlp.experts." not in name}
     embed = f"{PEFT_PREFIX}{EMBED_MODULE}.weight"
     if config.tie_word_embeddings and embed in out:
         out[f"{PEFT_PREFIX}{HEAD_MODULE}.weight"] = out[embed]
@@ -386,7 +394,7 @@ def from_peft(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
              for t in lora.expert_targets for m in "AB"}
     if config.tie_word_embeddings:  # the head's key of a tied table is the embedding's tensor again
         fused.add(f"{PEFT_PREFIX}{HEAD_MODULE}.weight")
-    out = {name: t for name, t in state.items() if name not in fused}
+    out = {name: _rope_rows(name, t, config, to_file=False) for name, t in state.items() if name not in fused}
     experts = config.num_local_experts
     for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):
         for target in lora.expert_targets:
@@ -397,6 +405,15 @@ def from_peft(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
                 names = expert_adapter_names(i, target, "B", e)
                 out.update(zip(names, b[:, :, e].chunk(len(names))))
     return out
+
+
+def _rope_rows(name: str, tensor: torch.Tensor, config: ModelConfig, to_file: bool) -> torch.Tensor:
+    """The B of a q or k adapter of a family whose released q/k rows rotate interleaved pairs (Llama 4): its rows in
+    the released order (``to_file``) or the table's rotate-half order, as the base weight's
+    (:mod:`llama_megatron.model.released_tensors`)."""
+    if not config.family.interleaved_rope or not name.endswith(("q_proj.lora_B.weight", "k_proj.lora_B.weight")):
+        return tensor
+    return released_tensors.rope_rows(tensor, config.head_dim, to_file)
 
 
 def is_adapter_parameter(module_name: str) -> bool:

@@ -45,6 +45,13 @@ def _permuted_rows(tensor: torch.Tensor, head_dim: int, order: torch.Tensor) -> 
     return tensor.reshape(heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
 
 
+def rope_rows(tensor: torch.Tensor, head_dim: int, to_file: bool) -> torch.Tensor:
+    """A q or k tensor's rows (per head) from the released interleaved order to the table's rotate-half order, or
+    back (``to_file``)."""
+    order = rotate_half_order(head_dim)
+    return _permuted_rows(tensor, head_dim, torch.argsort(order) if to_file else order)
+
+
 def _rope_rows(config: ModelConfig) -> set[str]:
     """The table's q and k tensors (weights and biases) of every layer."""
     if not config.family.interleaved_rope:
@@ -86,9 +93,7 @@ def table_tensor(name: str, get_file: Getter, config: ModelConfig) -> torch.Tens
         return {"gate": lambda: tensor[:, :ffn].t(), "up": lambda: tensor[:, ffn:].t(),
                 "down": lambda: tensor.t()}[part]()
     tensor = get_file(name)
-    if name in _rope_rows(config):
-        return _permuted_rows(tensor, config.head_dim, rotate_half_order(config.head_dim))
-    return tensor
+    return rope_rows(tensor, config.head_dim, to_file=False) if name in _rope_rows(config) else tensor
 
 
 def file_shapes(table_shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -108,8 +113,7 @@ def file_shapes(table_shapes: dict[str, tuple[int, ...]], config: ModelConfig) -
 def file_tensor(name: str, get_table: Getter, config: ModelConfig) -> torch.Tensor:
     """The file's tensor ``name`` assembled from the table's tensors (the inverse of :func:`table_tensor`)."""
     if name in _rope_rows(config):
-        order = torch.argsort(rotate_half_order(config.head_dim))
-        return _permuted_rows(get_table(name), config.head_dim, order)
+        return rope_rows(get_table(name), config.head_dim, to_file=True)
     parts = sorted(((e, part, table) for table, (file, e, part) in _expert_tensors(config).items() if file == name),
                    key=lambda item: (item[0], ["gate", "up", "down"].index(item[1])))
     if not parts:

@@ -103,7 +103,7 @@ class _TrainingRun:
                                   session.pre.run_start, self.log, self.watchdog)
         self.meter = StepMeter(config, pctx.world_size, self.step)
         if self.meter.peak:
-            self.log.info(f"MFU against {self.meter.peak:,.1f} TFLOP/s per device: {self.meter.peak_source}")
+            self.log.info(f"MFU against {self.meter.peak:,.4g} TFLOP/s per device: {self.meter.peak_source}")
         self.skipped = self.engine.skipped_steps
         self.last_metrics: dict = {}
 

@@ -39,6 +39,7 @@ from family_cases import MOE_FAMILIES
 from family_cases import RUNS as RUNS_OF_FAMILIES
 from launch_utils import (
     PRETRAIN_CONFIG,
+    ROOT,
     SFT_CONFIG,
     assert_losses_close,
     assert_run_replays_hf,
@@ -54,6 +55,7 @@ from llama_megatron.cli import main as cli_main
 from llama_megatron.training.config import TrainingConfig
 
 CONFIG = PRETRAIN_CONFIG
+PAIRS = os.path.join(ROOT, "data", "chat", "chat_preference.jsonl")
 STEPS = 6
 FAMILIES = RUNS_OF_FAMILIES  # every family's run overrides but llama's (tests/family_cases.py)
 LAYOUTS = {
@@ -74,6 +76,10 @@ LAYOUTS = {
                           "model.output_router_logits=false", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"],
     "ep2-pp2-zb-v": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json",
                      "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"],
+    # Llama 4's layers 0 and 2 are dense: interleaved over PP2, rank 0's chunks hold no expert, which ZeRO-1/2 refuse
+    # (training/run/setup.py); under ZeRO-0 that rank joins the expert groups without experts of its own
+    "ep2-pp2-interleaved-zero0": ["parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero0_fp32.json",
+                                  "pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2"],
     "ep2-tp2-pp2-sp-recompute-documents": ["parallel.expert=2", "parallel.tensor=2", "parallel.pipeline=2",
                                            "parallel.sequence_parallel=true", "activation_checkpointing.interval=1",
                                            "data.per_document_attention=true"],
@@ -91,13 +97,14 @@ BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_rou
 # DP2 (its shared expert replicated over EP, reduced over the whole data-parallel group)
 QWEN_MOE_RUNS = [("qwen3_moe", "ep2-pp2"), ("qwen2_moe", "tp2-pp2-sp-recompute"), ("qwen2_moe", "ep2-dp2-zero1")]
 # Llama 4 (chunks, NoPE, top-1 sigmoid routing, the shared expert, MoE on alternate layers): TP2 x PP2 with SP and
-# recomputation (1F1B), EP2 x DP2, and EP2 x PP2 under ZB-H1, interleaved 1F1B and ZB-V
+# recomputation (1F1B), EP2 x DP2, and EP2 x PP2 under ZB-H1, interleaved 1F1B (ZeRO-0: above) and ZB-V
 LLAMA4_RUNS = [("llama4", name) for name in ("tp2-pp2-sp-recompute", "ep2-dp2-zero1", "ep2-pp2-zb-h1",
-                                             "ep2-pp2-interleaved", "ep2-pp2-zb-v")]
+                                             "ep2-pp2-interleaved-zero0", "ep2-pp2-zb-v")]
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
         if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))
         and (family, name) != ("mistral", "tp2-pp2-sp-recompute")  # Mistral at TP2 x PP2 SP: its SFT run below
-        and name not in ("ep2-pp2", "ep2-pp2-zb-v") and family not in {*dict(QWEN_MOE_RUNS), "llama4"}
+        and name not in ("ep2-pp2", "ep2-pp2-zb-v", "ep2-pp2-interleaved-zero0")
+        and family not in {*dict(QWEN_MOE_RUNS), "llama4"}
         ] + QWEN_MOE_RUNS + LLAMA4_RUNS
 
 
@@ -174,9 +181,17 @@ def _converted_bases(work, family: str) -> dict[int, str]:
     return out
 
 
-def _sft(work, name: str, layout: list[str]) -> list[str]:
+def _sft(work, name: str, layout: list[str], family: str = "mistral") -> list[str]:
     return train_args(SFT_CONFIG, [f"output_dir={work / name}", f"data.cache_dir={work / 'sft-cache'}",
-                                   "data.pack=true", "seq_length=96", *FAMILIES["mistral"], *layout])
+                                   "data.pack=true", "seq_length=96", *FAMILIES[family], *layout])
+
+
+def _dpo(work, name: str, layout: list[str], family: str = "llama4") -> list[str]:
+    """DPO (sigmoid) on the shipped pairs, the reference pass under the run's own layout (a cache of its own)."""
+    return train_args(SFT_CONFIG, [f"output_dir={work / name}", f"data.cache_dir={work / f'dpo-cache-{name}'}",
+                                   f"data.path={PAIRS}", "data.type=preference", "data.max_length=64",
+                                   f"train.steps={STEPS}", "eval.interval=0", "preference.beta=0.5",
+                                   "optimizer.lr=5e-4", "optimizer.min_lr=5e-5", *FAMILIES[family], *layout])
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +222,8 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
                     pretrain("mixtral", "tp1-pp1-documents", PER_DOCUMENT),
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp1-pp1", bases[1], []),
                     _expert_lora(shakespeare_prefix, work, "tp1-pp1", moe_bases[1]),
-                    _sft(work, "mistral-sft-tp1-pp1", [])], str(work / "runs-1.json"))
+                    _sft(work, "mistral-sft-tp1-pp1", []), _sft(work, "llama4-sft-tp1-pp1", [], "llama4"),
+                    _dpo(work, "llama4-dpo-tp1-pp1", [])], str(work / "runs-1.json"))
     launch_many(8, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
                     pretrain("mixtral", "ep2-dp4-zero1", EP2_DP4)], str(work / "runs-8.json"))
     launch_many(4, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name not in EIGHT_PROCESSES],
@@ -215,7 +231,9 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp2-pp2-sp", bases[2], TP2_PP2_SP),
                     _expert_lora(shakespeare_prefix, work, "ep2-dp2-zero2", moe_bases[1]),
                     _expert_lora(shakespeare_prefix, work, "ep2-tp2-sp", moe_bases[2]),
-                    _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP)], str(work / "runs-4.json"))
+                    _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP),
+                    _sft(work, "llama4-sft-ep2-dp2", LAYOUTS["ep2-dp2-zero1"], "llama4"),
+                    _dpo(work, "llama4-dpo-ep2-dp2", LAYOUTS["ep2-dp2-zero1"])], str(work / "runs-4.json"))
     launch_many(2, [*filter(None, (recut(name, 2) for name in RECUT)), _expert_lora_recut(shakespeare_prefix, work)],
                 str(work / "runs-2.json"))
     return work
@@ -425,14 +443,21 @@ def test_expert_lora_resumes_at_another_expert_degree(runs) -> None:
         assert max(abs(a - b) for a, b in zip(loads[step], reference[step])) <= 1e-6, step
 
 
-@pytest.mark.parametrize("run", ["qwen3-lora", "mistral-sft"])
-def test_fine_tuning_trains_like_tp1_pp1(runs, run) -> None:
+@pytest.mark.parametrize("run, layout", [("qwen3-lora", "tp2-pp2-sp"), ("mistral-sft", "tp2-pp2-sp"),
+                                         ("llama4-sft", "ep2-dp2"), ("llama4-dpo", "ep2-dp2")])
+def test_fine_tuning_trains_like_tp1_pp1(runs, run, layout) -> None:
+    """SFT (packed chat rows, per-document attention: Llama 4's chunks counted per document) and DPO (Llama 4, its
+    reference pass under the layout) train as TP1-PP1 does; DPO's first loss is ln 2 (the policy is the
+    reference)."""
     reference = losses(runs / f"{run}-tp1-pp1")
-    assert_losses_close(losses(runs / f"{run}-tp2-pp2-sp"), reference, 1e-4, range(1, STEPS + 1))
-    if run == "mistral-sft":  # an evaluation every 3 steps
+    assert_losses_close(losses(runs / f"{run}-{layout}"), reference, 1e-4, range(1, STEPS + 1))
+    if run.endswith("-sft"):  # an evaluation every 3 steps
         want = losses(runs / f"{run}-tp1-pp1", "val_loss")
         assert sorted(want) == [3, 6]
-        assert_losses_close(losses(runs / f"{run}-tp2-pp2-sp", "val_loss"), want, 1e-4, want)
+        assert_losses_close(losses(runs / f"{run}-{layout}", "val_loss"), want, 1e-4, want)
+    if run.endswith("-dpo"):
+        assert reference[1] == pytest.approx(0.6931471805599453, rel=1e-6)
+        assert abs(losses(runs / f"{run}-tp1-pp1", "rewards/margins")[STEPS]) > 0
 
 
 @pytest.mark.parametrize("layout", ["ep2-dp2-zero2", "ep2-tp2-sp"])

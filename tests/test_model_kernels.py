@@ -22,7 +22,10 @@ from llama_megatron.model.kernels import reference as ref_ops
 from llama_megatron.model.kernels.attention import (
     FastAttention,
     ReferenceAttention,
+    causal_mask,
+    chunk_segment_ids,
     document_block_mask,
+    document_causal_mask,
     fast_attention_route,
 )
 from llama_megatron.parallel.context import ParallelContext
@@ -110,18 +113,33 @@ def test_fast_attention_matches_reference(groups, packed, window) -> None:
                                    ReferenceAttention()(q, k, v, segments, window), **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_cached_decoding_masks_match_the_full_sequence(window) -> None:
+@pytest.mark.parametrize("window, chunk", [(None, None), (3, None), (None, 5)])
+def test_cached_decoding_masks_match_the_full_sequence(window, chunk) -> None:
     """``after`` (the last positions of a sequence against every cached key, as generate calls it) equals the
-    tail of attention over the whole sequence, with and without a sliding window, in both kernels."""
+    tail of attention over the whole sequence, with and without a sliding window or chunks, in both kernels."""
     b, s, kv, groups, d = 2, 12, 2, 2, 8
     q, k, v = (t.detach() for t in _leaves((b, s, kv * groups, d), (b, s, kv, d), (b, s, kv, d),
                                            dtype=torch.float32))
-    whole = ReferenceAttention()(q, k, v, None, window)
+    segments = None if chunk is None else chunk_segment_ids(None, torch.arange(s).expand(b, s), chunk)
+    whole = ReferenceAttention()(q, k, v, segments, window)
     for kernel in (ReferenceAttention(), FastAttention()):
         for tail in (1, 4):
-            torch.testing.assert_close(kernel.after(q[:, -tail:], k, v, window), whole[:, -tail:],
+            torch.testing.assert_close(kernel.after(q[:, -tail:], k, v, window, chunk), whole[:, -tail:],
                                        **TOL[torch.float32])
+
+
+def test_chunks_and_windows_are_different_masks() -> None:
+    """A chunk of 4 (Llama 4: a query sees its chunk's keys up to itself) is not a window of 4 (the 4 keys up to
+    itself); packed documents count their chunks from their own starts."""
+    s, size = 10, 4
+    chunked = document_causal_mask(chunk_segment_ids(None, torch.arange(s).unsqueeze(0), size))[0, 0]
+    i, j = torch.arange(s).unsqueeze(1), torch.arange(s).unsqueeze(0)
+    assert torch.equal(chunked, (j <= i) & (j // size == i // size))
+    assert torch.equal(causal_mask(s, s, size, torch.device("cpu")), (j <= i) & (j > i - size))
+    assert not torch.equal(chunked, causal_mask(s, s, size, torch.device("cpu")))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    documents = torch.tensor([[0] * 6 + [1] * 4])
+    assert chunk_segment_ids(documents, positions, size).tolist() == [[0, 0, 0, 0, 1, 1, 2, 2, 2, 2]]
 
 
 def test_fast_attention_route() -> None:

@@ -12,6 +12,8 @@ Gradients of every TP shard are gathered and merged with the code that exports c
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,7 +45,7 @@ def _sum_over(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
     return tensor
 
 
-def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> None:
+def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kernels=None) -> None:
     config = tiny_config(**overrides)
     parallel = ParallelConfig(tensor=pctx.tp_size, context=pctx.cp_size, expert=pctx.ep_size,
                               sequence_parallel=pctx.sequence_parallel, make_vocab_size_divisible_by=8)
@@ -55,7 +57,7 @@ def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16) -> N
     refs = [hf(input_ids=ids[d], labels=labels[d]) for d in range(pctx.dp_size)]
     sum(ref.loss for ref in refs).backward()  # every data rank's loss: the gradients the ranks add up to
 
-    model = build_model(config, parallel, pctx, initialize=False)
+    model = build_model(config, parallel, pctx, initialize=False, **({"kernels": kernels} if kernels else {}))
     hf_state = as_checkpoint_tensors(hf.state_dict(), config)
     model.load_state_dict(hf_to_rank_state_dict(hf_state, config, pctx.tp_rank, pctx.tp_size,
                                                 parallel.padded_vocab_size(config.vocab_size), pctx.ep_rank,
@@ -121,6 +123,36 @@ def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
     """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2; the
     Qwen MoE families at TP2 with SP and CP2 x EP2; Llama 4 at TP2 with SP, EP2, TP2 x EP2 with SP, CP2 x EP2."""
     run_distributed(_four_process_worker, 4)
+
+
+@pytest.mark.launched  # torch.compile's first compilation starts worker processes
+def test_llama4_with_compiled_kernels_matches_hf() -> None:
+    """`kernels: compiled` on Llama 4: the compiled RoPE on the chunked layers, the plain split on NoPE ones, the
+    chunks through the fast attention's document path (the dense mask on CPU)."""
+    from llama_megatron.model.kernels import resolve_kernels
+
+    check_moe_parity(CASES["llama4-chunked-nope-moe"], ParallelContext.single(),
+                     kernels=resolve_kernels("compiled", "cpu"))
+
+
+def test_llama4_packed_documents_attend_in_their_own_chunks() -> None:
+    """A packed row of three documents (lengths 7, 11, 6; positions restart at each) with per-document attention
+    computes each document as transformers computes it alone: chunks counted from the document's start, the NoPE
+    layers' temperature from its own positions."""
+    config = tiny_config(**CASES["llama4-chunked-nope-moe"])
+    hf = hf_model(config)
+    model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
+                        initialize=False)
+    model.load_state_dict(hf_to_rank_state_dict(as_checkpoint_tensors(hf.state_dict(), config), config, 0, 1,
+                                                config.vocab_size))
+    lengths = (7, 11, 6)
+    ids = torch.randint(0, config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    with torch.no_grad():
+        got = model.full_logits(model(ids, positions, segments))
+        want = torch.cat([hf(input_ids=part).logits for part in ids.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_moe_flops_count_the_active_experts() -> None:
@@ -201,6 +233,26 @@ def test_training_refuses_what_moe_runs_cannot_do_yet(overrides: list[str], mess
     with pytest.raises(ConfigError, match=message):
         TrainingConfig.from_file(PRETRAIN_CONFIG, ['data={"synthetic": true}', *moe,
                                                                              *overrides])
+
+
+def test_expert_parallel_zero_needs_experts_on_every_pipeline_rank() -> None:
+    """Llama 4 with MoE on layers 1 and 3 at EP2 x PP2: 1F1B and ZB-V give each rank an MoE layer; interleaved 1F1B
+    (one layer per chunk) leaves rank 0 dense layers only, which ZeRO-1 refuses (its experts' norm all-reduce would
+    hang) and ZeRO-0 takes."""
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.run.setup import check_experts_on_every_stage
+
+    llama4 = [f"model.{k}={json.dumps(v)}" for k, v in CASES["llama4-chunked-nope-moe"].items() if k != "rope_scaling"]
+    base = ['data={"synthetic": true}', *llama4, "model.num_local_experts=4", "parallel.expert=2",
+            "parallel.pipeline=2"]
+    for schedule in (["pipeline.schedule=1f1b"], ["pipeline.schedule=zb-v", "pipeline.virtual_stages=2"]):
+        check_experts_on_every_stage(TrainingConfig.from_file(PRETRAIN_CONFIG, [*base, *schedule]), 1)
+    interleaved = TrainingConfig.from_file(PRETRAIN_CONFIG, [*base, "pipeline.schedule=interleaved-1f1b",
+                                                            "pipeline.virtual_stages=2"])
+    with pytest.raises(ConfigError, match="^expert parallelism under ZeRO-1 needs an MoE layer on every pipeline rank, "
+                                          "and pipeline rank 0 holds dense layers only"):
+        check_experts_on_every_stage(interleaved, 1)
+    check_experts_on_every_stage(interleaved, 0)
 
 
 def test_expert_lora_targets_need_experts() -> None:

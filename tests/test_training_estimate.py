@@ -421,6 +421,30 @@ def test_qwen3_moe_recipe(monkeypatch):
     assert estimate(config, ds, 8).stages[0].gpu_total > 80 * 2**30
 
 
+def test_the_llama4_scout_recipe_fits_and_counts_active_parameters(monkeypatch):
+    """The Scout SFT recipe (TP4 x EP16 x DP16, 64 GPUs) fits 80 GiB as docs/llama4.md says (45.1 GiB); at EP8 on 32
+    GPUs each rank holds twice the experts and their optimizer state. FLOPs: the active parameters (router, top-1
+    expert, shared expert) and each chunked layer's keys bounded by the chunk."""
+    from llama_megatron.training.diagnostics.flops import forward_flops_per_token
+
+    monkeypatch.chdir(ROOT)
+    config = TrainingConfig.from_file(os.path.join(ROOT, "configs", "finetune", "llama4-scout-sft-tp4-ep16-64gpu.json"))
+    m = config.model
+    assert (m.model_type, m.num_local_experts, m.num_experts_per_tok) == ("llama4", 16, 1)
+    assert round(m.num_parameters() / 1e9, 1) == 107.8 and round(m.num_active_parameters() / 1e9, 1) == 17.2
+    dense_equivalent = m.num_active_parameters() - m.vocab_size * m.hidden_size
+    keys = sum(config.seq_length if chunk is None else chunk for chunk in m.layer_chunks())
+    assert sum(chunk is not None for chunk in m.layer_chunks()) == 36 and config.seq_length == 8192
+    attention_scores = 2 * 2 * keys * m.num_attention_heads * m.head_dim
+    norms = m.num_hidden_layers * 2 * m.hidden_size + m.hidden_size
+    assert forward_flops_per_token(m, config.seq_length) == 2 * (dense_equivalent - norms) + attention_scores
+    ds = build_deepspeed_config(config, config.deepspeed_config, 64, "cuda")
+    total = max(stage.gpu_total for stage in estimate(config, ds, 64).stages)
+    assert round(total / 2**30, 1) == 45.1
+    config.parallel.expert = 8
+    assert max(stage.gpu_total for stage in estimate(config, ds, 32).stages) > total
+
+
 def test_expert_lora_adapters_are_split_with_their_experts(monkeypatch):
     """LoRA on the Mixtral recipe's attention (q, v) and experts: the adapters train (their gradients and optimizer
     states are the run's), and an EP rank holds its experts' adapters only: the gradient bytes per stage at EP1 and

@@ -199,6 +199,19 @@ class MoEMLP(nn.Module):
         return torch.cat([piece for per_source in outputs for piece in per_source])
 
 
+class ExpertGroups(nn.Module):
+    """What a rank holding no MoE block of an expert-parallel model carries (a pipeline stage of dense layers only:
+    Llama 4's under interleaved 1F1B): DeepSpeed forms its expert groups when its engine calls
+    ``set_deepspeed_parallelism`` on a module, a collective every rank must join."""
+
+    def __init__(self, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx = pctx
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        self.pctx.register_expert_groups()
+
+
 def router_aux_loss(stats: torch.Tensor, config: ModelConfig, pctx: ParallelContext) -> torch.Tensor:
     """``router_aux_loss_coef`` x HF's load-balancing loss of a micro batch from the summed statistics of every
     MoE layer: E x sum_e (assignments_e / n) (probabilities_e / n), n the routed rows (layers x tokens).

@@ -236,6 +236,13 @@ def stage_layer_kinds(config: TrainingConfig) -> list[list[str]]:
     return [[layer.kind for layer in stage] for stage in _virtual_stages(config)[0]]
 
 
+def moe_layers_per_pipeline_rank(config: TrainingConfig) -> list[int]:
+    """How many MoE decoder layers each pipeline rank holds (over its virtual stages)."""
+    stages, placement = _virtual_stages(config)
+    return [sum(1 for c in range(placement.chunks) for layer in stages[placement.stage(rank, c)] if layer.experts)
+            for rank in range(config.parallel.pipeline)]
+
+
 def rank_parameter_counts(config: TrainingConfig) -> list[int]:
     """Elements of the model each pipeline rank holds per TP rank (its EP rank's experts), before ZeRO."""
     stages, placement = _virtual_stages(config)

@@ -70,6 +70,9 @@ class ExpertLayers:
     def _set_client_model(self, model: torch.nn.Module) -> None:
         super()._set_client_model(model)
         layers = [m for m in model.modules() if isinstance(m, MoEMLP) and m.pctx.ep_size > 1]
+        # (a pipeline stage without MoE blocks stays dense to DeepSpeed, whose ZeRO wants an experts' parameter group
+        # then; it joins the expert groups' forming through model/moe.py's ExpertGroups, and the pipeline engine
+        # clips every stage by the whole model's norm)
         if layers:
             self.has_moe_layers = True
             self.num_experts.extend(layer.num_experts for layer in layers)

@@ -35,6 +35,7 @@ from llama_megatron.parallel.process_groups import init_distributed
 from llama_megatron.parallel.zero3 import is_partitioned
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
+from llama_megatron.training.diagnostics.memory_estimate import moe_layers_per_pipeline_rank
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config, precision, zero_stage
 from llama_megatron.training.engine.training_engine import TrainingEngine
 from llama_megatron.training.pipeline.schedules import analytic_bubble
@@ -143,6 +144,7 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
                       need_validation=mode == "evaluate" or (mode == "train" and config.eval.interval > 0))
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
+    check_experts_on_every_stage(config, zero_stage(ds_config))
     if config.fp8 is not None:
         check_fp8_precision(config.fp8, precision(ds_config), accelerator)
     kernels = resolve_kernels(config.kernels, accelerator)
@@ -153,6 +155,21 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
                      f"processes per node): their all-reduces, the heaviest traffic, cross the network; use a "
                      f"tensor degree that divides the processes per node")
     return Preflight(config, world_size, ds_config, resume, eod_id, kernels, notes)
+
+
+def check_experts_on_every_stage(config: TrainingConfig, zero: int) -> None:
+    """Expert parallelism under ZeRO-1/2 with a pipeline: DeepSpeed's ZeRO splits the experts into parameter groups of
+    their own and all-reduces each group's gradient norm over the model-parallel group, which spans the stages; a
+    pipeline rank without MoE layers (a Llama 4 with MoE on alternate layers, one layer per virtual stage) has no such
+    group and never joins (a hang)."""
+    if config.parallel.expert == 1 or config.parallel.pipeline == 1 or zero == 0:
+        return
+    bare = [rank for rank, count in enumerate(moe_layers_per_pipeline_rank(config)) if count == 0]
+    if bare:
+        raise ConfigError(f"expert parallelism under ZeRO-{zero} needs an MoE layer on every pipeline rank, and "
+                          f"pipeline rank{'s' * (len(bare) > 1)} {', '.join(map(str, bare))} hold{'s' * (len(bare) == 1)}"
+                          " dense layers only (DeepSpeed's ZeRO reduces the experts' gradient norm over every stage): "
+                          "choose fewer virtual stages or pipeline.stage_layers that give each rank one, or ZeRO-0")
 
 
 def check_fp8_precision(fp8: Float8Config, dtype: str, accelerator: str) -> None:

@@ -8,6 +8,7 @@ import transformers
 from transformers import PreTrainedModel
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.model import released_tensors
 from llama_megatron.model.param_layout import ParamLayout
 from llama_megatron.model.tp_slicing import merge_shards
 from llama_megatron.parallel.context import ParallelContext
@@ -48,6 +49,11 @@ def hf_model(config: ModelConfig, seed: int = 0) -> PreTrainedModel:
 def to_transformers(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of ``param_layout.as_checkpoint_tensors``: checkpoint-named tensors as a transformers 5 model's state
     dict (an MoE layer's experts stacked into its fused 3-D tensors, the router as ``mlp.gate``)."""
+    if released_tensors.differs(config):  # Llama 4: its files' layout is its class's (model/released_tensors.py)
+        shapes = released_tensors.file_shapes(ParamLayout(config).hf_shapes(), config)
+        out = {name: released_tensors.file_tensor(name, tensors.__getitem__, config) for name in shapes
+               if name in tensors or name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+        return out | {name: t for name, t in tensors.items() if name not in ParamLayout(config).hf_shapes()}
     family = config.family.moe
     if family is None:
         return tensors

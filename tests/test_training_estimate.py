@@ -41,6 +41,11 @@ QWEN2_MOE = ["model.model_type=qwen2_moe", "model.num_experts=4", "model.num_exp
              "model.output_router_logits=true"]
 
 
+LLAMA4 = ["model.model_type=llama4", "model.attention_chunk_size=8", "model.no_rope_layer_interval=2",
+          "model.interleave_moe_layer_step=2", "model.num_local_experts=4", "model.num_experts_per_tok=1",
+          "model.intermediate_size_mlp=96", "model.floor_scale=8"]
+
+
 def _config(overrides: list[str]) -> TrainingConfig:
     """The e2e config on synthetic data; the reference kernels unless ``overrides`` choose others."""
     return TrainingConfig.from_file(CONFIG, ["data={\"synthetic\": true}", "tokenizer=null", "kernels=reference",
@@ -290,6 +295,9 @@ ACTIVATION_CASES = [
     ([*MOE, "kernels=compiled", "activation_checkpointing.interval=1"], True),
     # Qwen2-MoE's shared expert and its gate beside the routed experts (every layer an MoE layer)
     (QWEN2_MOE, False),
+    # Llama 4: NoPE layers with the temperature, RoPE layers with the q/k L2 norm, chunks, top-1 sigmoid routing
+    # scaling the experts' inputs, the ungated shared expert, dense layers of their own width
+    (LLAMA4, False),
 ]
 
 
@@ -319,6 +327,8 @@ def test_activations_single_process(overrides, bf16):
     # LoRA on the MLPs of MoE layers: Qwen2-MoE's shared experts (what up/down adapt there), the routed experts'
     # parameters (per assignment)
     ([*QWEN2_MOE, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "up_proj", "down_proj"]}'], False),
+    # Llama 4: the ungated shared expert, dense layers of their own width beside MoE ones; LoRA on both MLPs
+    (LLAMA4, False), ([*LLAMA4, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "up_proj", "down_proj"]}'], False),
     ([*MOE, 'lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "mlp.experts.gate_up_proj", '
       '"mlp.experts.down_proj"]}'], False)])
 @pytest.mark.launched

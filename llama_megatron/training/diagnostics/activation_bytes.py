@@ -20,15 +20,23 @@ from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
 from llama_megatron.training.config import TrainingConfig
 
 
-def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> int:
-    """Saved-for-backward bytes of one decoder layer, per TP and CP rank (llama_megatron/model/*.py): of the larger
-    kind where a model has both dense and MoE layers (Qwen's ``mlp_only_layers``, ``decoder_sparse_step``)."""
+def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> tuple[int, int]:
+    """Saved-for-backward bytes of one decoder layer, per TP and CP rank (llama_megatron/model/*.py), where a model
+    has layers of several kinds (dense and MoE: Qwen's ``mlp_only_layers``, Llama 4's alternate layers; RoPE and
+    NoPE): (the largest kind's, the mean over the layers, rounded up). A recomputed span's peak is counted with the
+    first, the layers a stage keeps with the second (a stage's share of an alternating pattern)."""
     m = config.model
-    return max(_layer_bytes(config, b, e, fast, moe) for moe in {m.is_moe_layer(i) for i in range(m.num_hidden_layers)})
+    kinds = [(m.is_moe_layer(i), m.family.rope(m, i), m.family.l2_qk_norm(m, i), m.family.temperature(m, i))
+             for i in range(m.num_hidden_layers)]
+    sizes = {kind: _layer_bytes(config, b, e, fast, *kind) for kind in set(kinds)}
+    return max(sizes.values()), -(-sum(sizes[kind] for kind in kinds) // len(kinds))
 
 
-def _layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool, moe: bool) -> int:
-    """:func:`_decoder_layer_bytes` of a dense (``moe`` False) or an MoE decoder layer."""
+def _layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool, moe: bool, rope: bool = True,
+                 l2_qk_norm: bool = False, temperature: bool = False) -> int:
+    """:func:`_decoder_layer_bytes` of a dense (``moe`` False) or an MoE decoder layer; Llama 4's per layer: RoPE or
+    none, the q/k L2 norm (the fp32 q and k it normalises, an fp32 rsqrt per head), the temperature (the queries it
+    scales, a scale per token)."""
     m, t, s, cp = config.model, config.parallel.tensor, config.seq_length, config.parallel.context
     sp = config.parallel.sequence_parallel
     h, hd = m.hidden_size, m.head_dim
@@ -55,8 +63,16 @@ def _layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool, moe: bool) 
         router = 4 * tokens * m.num_local_experts + 4 * tokens + rows * (8 * 4 + 4 * 3)
         mlp = router + swiglu * e * rows * local.expert_intermediate + 2 * e * rows * h  # + experts' inputs, outputs
         if local.shared_intermediate:  # the shared expert (a SwiGLU on every token), its output and its gate's
-            # logit and sigmoid, both kept by the product that scales it
-            mlp += swiglu * e * tokens * local.shared_intermediate + e * tokens * h + 2 * e * tokens
+            # logit and sigmoid, both kept by the product that scales it (Llama 4's is ungated: its output only)
+            gated = m.family.moe.shared_expert_gated
+            mlp += swiglu * e * tokens * local.shared_intermediate + gated * (e * tokens * h + 2 * e * tokens)
+    if not rope:
+        rotary = 0
+    if l2_qk_norm:
+        heads = local.heads + local.kv_heads
+        norms += 4 * tokens * heads * hd + 4 * tokens * heads
+    if temperature:
+        attention += e * tokens * q_width + 4 * tokens
     return norms + attention + rotary + mlp
 
 
@@ -76,8 +92,8 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
     input, its gate/up output gradient, its down input and output gradient; the shared expert's linears on every
     token (their input the router's) and its gate's one logit. LoRA in an MoE layer: the adapters of the shared
     expert (what PEFT's MLP names adapt there) on every token, and those on the routed experts' parameters per
-    assignment. Where a model mixes dense and MoE layers, every layer counts as the larger kind (as the saved
-    activations do)."""
+    assignment. Where a model mixes dense and MoE layers, a stage keeps its share of the layers' widths (the
+    mean per layer: exact at PP 1)."""
     m = config.model
     tokens = b * config.seq_length // config.parallel.context
     trains = _trained_rows(config)
@@ -91,24 +107,25 @@ def deferred_weight_grad_bytes(config: TrainingConfig, kinds: list[str], b: int,
                 if trains(f"layers.0.{norm}.weight"))
     if m.qk_norm:
         norms += sum(e * m.head_dim for norm in ("q_norm", "k_norm") if trains(f"layers.0.self_attn.{norm}.weight"))
-    widths = _widest_deferred(config)
-    return kinds.count("DecoderLayerPipe") * (e * tokens * widths + norms) + head
+    layers, total_widths = kinds.count("DecoderLayerPipe"), _deferred_layer_widths(config)
+    # a stage's share of the layers' widths (all of them at PP 1; the mean per layer where kinds alternate)
+    return layers * norms + -(-layers * e * tokens * total_widths // config.model.num_hidden_layers) + head
 
 
-_WIDEST: dict[tuple, tuple] = {}
+_WIDTHS: dict[tuple, tuple] = {}
 
 
-def _widest_deferred(config: TrainingConfig) -> int:
-    """The largest :func:`_deferred_widths` over the decoder layers, kept for the model last asked about (a
-    function of the model, TP, the expert split and LoRA only; the planner asks for it once per layout)."""
+def _deferred_layer_widths(config: TrainingConfig) -> int:
+    """:func:`_deferred_widths` summed over the decoder layers, kept for the model last asked about (a function of
+    the model, TP, the expert split and LoRA only; the planner asks for it once per layout)."""
     par = config.parallel
     key = (id(config.model), id(config.lora), par.tensor, par.expert, par.context)
-    seen = _WIDEST.get(key)
+    seen = _WIDTHS.get(key)
     if seen is None or seen[0] is not config.model or seen[1] is not config.lora:
-        if len(_WIDEST) > 64:
-            _WIDEST.clear()
-        widest = max(_deferred_widths(config, layer) for layer in range(config.model.num_hidden_layers))
-        seen = _WIDEST[key] = (config.model, config.lora, widest)
+        if len(_WIDTHS) > 64:
+            _WIDTHS.clear()
+        total = sum(_deferred_widths(config, layer) for layer in range(config.model.num_hidden_layers))
+        seen = _WIDTHS[key] = (config.model, config.lora, total)
     return seen[2]
 
 
@@ -157,8 +174,8 @@ def _moe_mlp_widths(config: TrainingConfig) -> int:
     m, local = config.model, config.local_shapes
     h, f = m.hidden_size, local.expert_intermediate
     widths = h + m.num_local_experts + m.num_experts_per_tok * (h + 2 * f + f + h)
-    if local.shared_intermediate:  # its gate_up reads the router's input
-        widths += 2 * local.shared_intermediate + local.shared_intermediate + h + 1
+    if local.shared_intermediate:  # its gate_up reads the router's input; a gate's one logit (Qwen2-MoE)
+        widths += 2 * local.shared_intermediate + local.shared_intermediate + h + m.family.moe.shared_expert_gated
     return widths
 
 
@@ -189,7 +206,7 @@ def activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
     ids = 8 * b * s  # int64 position ids: full length on every rank, also under CP
     tokens = b * s // config.parallel.context  # this CP rank's tokens
     hidden_local = tokens * m.hidden_size // (t if sp else 1)
-    layer = _decoder_layer_bytes(config, b, e, fast)
+    layer, mean_layer = _decoder_layer_bytes(config, b, e, fast)
     saved = 0
     worst_span = 0
     for count, recomputed in _spans(kinds, config.activation_checkpointing.interval, pipelined):
@@ -197,7 +214,7 @@ def activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
             saved += e * hidden_local
             worst_span = max(worst_span, count * layer)
         else:
-            saved += count * layer
+            saved += count * mean_layer
     saved += ids if worst_span else 0  # position ids, an input of every recomputed span
     if "DecoderLayerPipe" in kinds:  # RoPE's fp32 cos and sin, made once per micro batch for the stage
         saved += 8 * tokens * m.head_dim

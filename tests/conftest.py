@@ -49,7 +49,7 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     # order from 2026-11-25's cold-cache figures ran slower (2155 s against 1901 s): which files meet decides more
     # than the figures do (two multi-rank launches at once oversubscribe the 2 cores)
     "test_training_e2e.py": 800, "test_parallel_multinode.py": 450, "test_benchmark_scripts.py": 320,
-    "test_training_pipeline_schedules.py": 260, "test_model_families.py": 260,
+    "test_training_pipeline_schedules.py": 260, "test_model_families.py": 350,
     "test_model_lora.py": 190, "test_training_estimate.py": 160, "test_model_kernels.py": 140, "test_training_faults.py": 130,
     "test_checkpoint_universal.py": 120, "test_training_sft.py": 105, "test_parallel_zero3_init.py": 95, "test_training_generate.py": 87,
     "test_parallel_context.py": 80, "test_checkpoint_safety.py": 76, "test_checkpoint_convert_deepspeed.py": 72,

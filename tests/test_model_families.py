@@ -194,10 +194,21 @@ def _dpo(work, name: str, layout: list[str], family: str = "llama4") -> list[str
                                    "optimizer.lr=5e-4", "optimizer.min_lr=5e-5", *FAMILIES[family], *layout])
 
 
+def _llama4_round_trip(prefix: str, work, base: str) -> list[str]:
+    """The converted Llama 4 (TP1) loaded at EP2 x PP2 (its experts split over the EP ranks, the stages over the
+    pipeline), one step at learning rate 0, saved: its expert files and layer files hold the release's weights."""
+    out = work / "llama4-ep2-pp2-round-trip"
+    return train_args(CONFIG, _overrides(prefix, out, "llama4", [
+        "parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json",
+        f"checkpoint.load={base}", "checkpoint.finetune=true", "optimizer.lr=0", "optimizer.min_lr=0",
+        "train.steps=1", f"checkpoint.save={out}/ckpt", "checkpoint.interval=1"]))
+
+
 @pytest.fixture(scope="module")
 def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("families")
     bases, moe_bases = _converted_bases(work, "qwen3"), _converted_bases(work, EXPERT_LORA_FAMILY)
+    llama4_base = _converted_bases(work, "llama4")[1]
 
     def pretrain(family: str, name: str, layout: list[str]) -> list[str]:
         out = work / f"{family}-{name}"
@@ -233,7 +244,8 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
                     _expert_lora(shakespeare_prefix, work, "ep2-tp2-sp", moe_bases[2]),
                     _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP),
                     _sft(work, "llama4-sft-ep2-dp2", LAYOUTS["ep2-dp2-zero1"], "llama4"),
-                    _dpo(work, "llama4-dpo-ep2-dp2", LAYOUTS["ep2-dp2-zero1"])], str(work / "runs-4.json"))
+                    _dpo(work, "llama4-dpo-ep2-dp2", LAYOUTS["ep2-dp2-zero1"]),
+                    _llama4_round_trip(shakespeare_prefix, work, llama4_base)], str(work / "runs-4.json"))
     launch_many(2, [*filter(None, (recut(name, 2) for name in RECUT)), _expert_lora_recut(shakespeare_prefix, work)],
                 str(work / "runs-2.json"))
     return work
@@ -265,6 +277,24 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
                                                      losses(reference_run, "expert_load").values()), start=1):
             assert len(ours) == 4 and abs(sum(ours) - 1) < 1e-5, step
             assert max(abs(a - b) for a, b in zip(ours, reference)) < (2e-2 if bf16 else 1e-6), step
+
+
+def test_llama4_release_through_an_expert_parallel_checkpoint_and_back_is_exact(runs, tmp_path) -> None:
+    """HF (Llama4ForCausalLM: fused 3-D experts, interleaved q/k rows) -> TP1 checkpoint -> an EP2 x PP2 run's save
+    (expert files per EP rank) -> HF: every tensor bit for bit, loaded back as the class."""
+    from safetensors.torch import load_file as load_safetensors
+    from transformers import AutoModelForCausalLM
+
+    saved = runs / "llama4-ep2-pp2-round-trip" / "ckpt"
+    assert sorted(p.name for p in (saved / "global_step1").glob("expert_*")) == [
+        f"expert_{e:03d}-layer_{i:02d}-model_00-model_states.pt" for e in range(4) for i in (2, 4)]
+    out = tmp_path / "hf"
+    assert cli_main(["export", "--input", str(saved), "--output", str(out)]) == 0
+    read = lambda d: {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")  # noqa: E731
+                      for k, v in load_safetensors(str(d / f)).items()}
+    want, got = read(runs / "llama4-hf"), read(out)
+    assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
+    assert type(AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)).__name__ == "Llama4ForCausalLM"
 
 
 def test_qwen3_moe_expert_parallel_checkpoint_reads_as_one_model_and_exports(runs, tmp_path) -> None:

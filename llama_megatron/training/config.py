@@ -107,7 +107,8 @@ class LoggingConfig:
     interval: int = 1  # steps between log lines (step 1 and the last step are logged too)
     tensorboard_dir: str | None = None  # TensorBoard directory (null: no TensorBoard logs)
     wandb_project: str | None = None  # a Weights & Biases project to log to
-    # peak TFLOP/s per device for MFU (default: known GPUs' dense bf16 peak, or a measured CPU peak)
+    # peak TFLOP/s per device for MFU and HFU (default: the GPU's dense bf16, or FP8, peak from its configs/devices
+    # profile; on a CPU this process's measured fp32 matmul rate)
     peak_tflops: float | None = None
     # with fp8: each logged record's per-layer amax and scale of every cast of the FP8 linears (metrics.jsonl "fp8")
     fp8_stats: bool = False

@@ -187,7 +187,7 @@ def _norm_bytes(tokens: int, h: int, shard: int, e: int, fast: bool, feeds_linea
     return norm + (e * tokens * h if feeds_linear else 0)
 
 
-def _spans(kinds: list[str], interval: int, pipelined: bool) -> list[tuple[int, bool]]:
+def checkpoint_spans(kinds: list[str], interval: int, pipelined: bool) -> list[tuple[int, bool]]:
     """(decoder layers, recomputed) per checkpoint span, as PipelineModule / LlamaCausalLM form them."""
     if not interval:
         return [(kinds.count("DecoderLayerPipe"), False)]
@@ -209,7 +209,7 @@ def activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
     layer, mean_layer = _decoder_layer_bytes(config, b, e, fast)
     saved = 0
     worst_span = 0
-    for count, recomputed in _spans(kinds, config.activation_checkpointing.interval, pipelined):
+    for count, recomputed in checkpoint_spans(kinds, config.activation_checkpointing.interval, pipelined):
         if recomputed:  # the span's input stays; its layers' activations exist again during its backward
             saved += e * hidden_local
             worst_span = max(worst_span, count * layer)

@@ -10,12 +10,13 @@ parameters, as Mixtral's "12.9B active", Qwen3's "A3B", Llama 4 Scout's "17B act
 throughput count them), not the experts a token skips; dense layers (Qwen's ``mlp_only_layers``, Llama 4's between
 its MoE layers) count their own MLP.
 Training = 3x forward (backward = 2x). Activation recomputation is deliberately not counted: MFU measures
-model FLOPs, not hardware FLOPs.
+model FLOPs; :func:`recomputed_flops_per_token` adds the recomputed forward passes for hardware FLOPs (HFU).
 """
 
 from __future__ import annotations
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.training.diagnostics.stage_census import recomputed_decoder_layers
 
 
 def forward_flops_per_token(config: ModelConfig, seq_len: int) -> int:
@@ -35,3 +36,16 @@ def forward_flops_per_token(config: ModelConfig, seq_len: int) -> int:
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     return 3 * forward_flops_per_token(config, seq_len)
+
+
+def recomputed_flops_per_token(config) -> int:
+    """Per token, the forward FLOPs activation recomputation repeats in the backward (``activation_checkpointing``):
+    the decoder layers of the recomputed spans (as PipelineModule and LlamaCausalLM form them, per pipeline stage),
+    each at the mean decoder layer's forward FLOPs; 0 without recomputation. Model FLOPs (MFU) leave them out,
+    hardware FLOPs (HFU) add them."""
+    layers = recomputed_decoder_layers(config)
+    if not layers:
+        return 0
+    m = config.model
+    decoder = forward_flops_per_token(m, config.seq_length) - 2 * m.hidden_size * m.vocab_size
+    return decoder * layers // m.num_hidden_layers

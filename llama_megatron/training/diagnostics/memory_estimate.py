@@ -222,7 +222,7 @@ def _virtual_stage_bounds(config: TrainingConfig, layers: list[_Layer], placemen
     return split_layers([layer.kind == "DecoderLayerPipe" for layer in layers], placement.stages, pipe.stage_layers)
 
 
-def _virtual_stages(config: TrainingConfig) -> tuple[list[list[_Layer]], StagePlacement]:
+def virtual_stages(config: TrainingConfig) -> tuple[list[list[_Layer]], StagePlacement]:
     pp = config.parallel.pipeline
     layers = _layers(config.model, config.local_shapes.padded_vocab_size, config.parallel.tensor,
                      ep=config.parallel.expert)
@@ -233,19 +233,12 @@ def _virtual_stages(config: TrainingConfig) -> tuple[list[list[_Layer]], StagePl
 
 def stage_layer_kinds(config: TrainingConfig) -> list[list[str]]:
     """The layer kinds of each virtual stage, in stage order (what the planner costs pass by pass)."""
-    return [[layer.kind for layer in stage] for stage in _virtual_stages(config)[0]]
-
-
-def moe_layers_per_pipeline_rank(config: TrainingConfig) -> list[int]:
-    """How many MoE decoder layers each pipeline rank holds (over its virtual stages)."""
-    stages, placement = _virtual_stages(config)
-    return [sum(1 for c in range(placement.chunks) for layer in stages[placement.stage(rank, c)] if layer.experts)
-            for rank in range(config.parallel.pipeline)]
+    return [[layer.kind for layer in stage] for stage in virtual_stages(config)[0]]
 
 
 def rank_parameter_counts(config: TrainingConfig) -> list[int]:
     """Elements of the model each pipeline rank holds per TP rank (its EP rank's experts), before ZeRO."""
-    stages, placement = _virtual_stages(config)
+    stages, placement = virtual_stages(config)
     counts = []
     for rank in range(config.parallel.pipeline):
         chunks = [stages[placement.stage(rank, c)] for c in range(placement.chunks)]

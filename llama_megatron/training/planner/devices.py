@@ -139,6 +139,17 @@ UNIT_PROFILE = DeviceProfile("unit", "figures of 1, for shapes only", 1, {"bf16"
                              Link(1.0, 0.0), Link(1.0, 0.0), 1.0, 1.0, 1.0)
 
 
+# torch.cuda.get_device_name() (CUDA and ROCm) -> the shipped profile: the first entry the name contains, the
+# specific ones first ("NVIDIA H100 PCIe" before any other H100, which is the SXM part: "NVIDIA H100 80GB HBM3")
+_DEVICE_NAME_PROFILES = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"), ("B200", "b200"),
+                         ("A100", "a100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
+
+
+def profile_for_device(device_name: str) -> DeviceProfile | None:
+    """The shipped profile of the accelerator ``device_name`` names (its peaks: MFU's denominator), or None."""
+    return next((load_device(profile) for part, profile in _DEVICE_NAME_PROFILES if part in device_name), None)
+
+
 def device_names() -> list[str]:
     return sorted(name[:-5] for name in os.listdir(DEVICES_DIR) if name.endswith(".json"))
 

@@ -19,29 +19,33 @@ from typing import Any
 import torch
 
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.diagnostics.flops import training_flops_per_token
+from llama_megatron.training.diagnostics.flops import recomputed_flops_per_token, training_flops_per_token
 from llama_megatron.training.pipeline.schedules import analytic_bubble
-
-_GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}
-# dense FP8 (e4m3) tensor-core peaks, the datasheets' figures without sparsity: an FP8 run's MFU is against these,
-# as Megatron's and torchtitan's FP8 figures are (the GPUs without FP8 GEMMs are not listed)
-_GPU_FP8_PEAK_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "L40S": 733.0}
+from llama_megatron.training.planner.devices import profile_for_device
 
 
 def device_peak_tflops(configured: float | None, fp8: bool = False) -> float | None:
     return mfu_peak(configured, fp8)[0]
 
 
-def mfu_peak(configured: float | None, fp8: bool = False) -> tuple[float | None, str]:
-    """The TFLOP/s per device MFU is against, and what it is: ``logging.peak_tflops``, a known GPU's dense bf16
-    (with ``fp8``: dense FP8) peak, or this CPU's measured fp32 matmul rate (its FP8 GEMMs have no separate peak)."""
+def mfu_peak(configured: float | None, fp8: bool = False,
+             device_name: str | None = None) -> tuple[float | None, str]:
+    """The TFLOP/s per device MFU is against, and what it is: ``logging.peak_tflops``; on a GPU its dense bf16 (with
+    ``fp8``: dense FP8, as Megatron's and torchtitan's FP8 figures are) peak from its shipped profile
+    (``configs/devices``: H100 SXM and PCIe, H200, B200, A100, L40S, MI300X; each figure's source in the file), found
+    by the device's name (``device_name``, default this process's GPU); on a CPU this process's measured fp32
+    matmul rate (its FP8 GEMMs have no separate peak). Never a constant."""
     if configured:
         return configured, "logging.peak_tflops"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        table, what = (_GPU_FP8_PEAK_TFLOPS, "dense FP8") if fp8 else (_GPU_PEAK_TFLOPS, "dense bf16")
-        peak = next((v for k, v in table.items() if k in name), None)
-        return peak, f"{name}'s {what} peak" if peak else f"no known peak for {name}"
+    if device_name is None and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name()
+    if device_name is not None:
+        precision = "fp8" if fp8 else "bf16"
+        profile = profile_for_device(device_name)
+        peak = profile.peak_flops.get(precision) if profile is not None else None
+        if not peak:
+            return None, f"no known dense {precision} peak for {device_name}: set logging.peak_tflops"
+        return peak / 1e12, f"{device_name}'s dense {precision} peak (configs/devices/{profile.name}.json)"
     return measured_matmul_tflops(), "this CPU's measured fp32 matmul rate"
 
 
@@ -162,6 +166,8 @@ class StepMeter:
         # the full sequence length: under CP each rank attends over whole sequences for 1/CP of the heads, so the
         # step's FLOPs are those of the unsharded model, shared by all world_size ranks (per device: / world size)
         self.flops_per_step = training_flops_per_token(config.model, config.seq_length) * self.tokens_per_step
+        # hardware FLOPs: the model's and the forward passes recomputation repeats (HFU beside MFU)
+        self.hardware_flops_per_step = self.flops_per_step + recomputed_flops_per_token(config) * self.tokens_per_step
         self.peak, self.peak_source = mfu_peak(config.logging.peak_tflops, fp8=config.fp8 is not None)
         self.window_start = self.run_start = time.perf_counter()
         self.window_steps = 0
@@ -177,8 +183,9 @@ class StepMeter:
         tokens_per_s = self.tokens_per_step * self.window_steps / elapsed
         tflops = self.flops_per_step * self.window_steps / elapsed / 1e12 / self.world_size
         metrics: dict[str, Any] = {k: v for k, v in extras.items() if k.startswith("val_")}
+        hfu = self.hardware_flops_per_step / self.flops_per_step * tflops / self.peak if self.peak else None
         metrics.update(loss=report.loss, lr=lr, grad_norm=report.grad_norm, tokens_per_s=tokens_per_s,
-                       tflops_per_device=tflops, mfu=tflops / self.peak if self.peak else None,
+                       tflops_per_device=tflops, mfu=tflops / self.peak if self.peak else None, hfu=hfu,
                        consumed_samples=consumed)
         if report.bad:
             metrics["bad_step"] = "; ".join(report.reasons)
@@ -190,6 +197,8 @@ class StepMeter:
         if extras.get("fp8") is not None:
             metrics["fp8"] = extras["fp8"]
         mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
+        if hfu and self.hardware_flops_per_step != self.flops_per_step:  # recomputation: what the device did
+            mfu += f" (HFU {100 * hfu:.1f}%)"
         steps_left = self.config.train.steps - report.step
         line = (f"step {report.step}/{self.config.train.steps} | loss {_fmt(report.loss, 6)} | lr {lr:.3e} | grad "
                 f"norm {_fmt(report.grad_norm, 4)} | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s{mfu} | "

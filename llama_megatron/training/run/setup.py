@@ -35,7 +35,7 @@ from llama_megatron.parallel.process_groups import init_distributed
 from llama_megatron.parallel.zero3 import is_partitioned
 from llama_megatron.training import checkpointing as ckpt
 from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
-from llama_megatron.training.diagnostics.memory_estimate import moe_layers_per_pipeline_rank
+from llama_megatron.training.diagnostics.stage_census import moe_layers_per_pipeline_rank
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config, precision, zero_stage
 from llama_megatron.training.engine.training_engine import TrainingEngine
 from llama_megatron.training.pipeline.schedules import analytic_bubble

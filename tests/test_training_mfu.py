@@ -1,0 +1,74 @@
+"""MFU and HFU (training/run/metrics.py, training/diagnostics/flops.py): the peak MFU is against, found by the device's
+name in the shipped device profiles (configs/devices: each figure with its source), never a constant; hardware FLOPs
+add the forward passes recomputation repeats; an MoE model's FLOPs are its active parameters'."""
+
+from __future__ import annotations
+
+import pytest
+from launch_utils import PRETRAIN_CONFIG
+
+from llama_megatron.config import ModelConfig
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.flops import (
+    forward_flops_per_token,
+    recomputed_flops_per_token,
+    training_flops_per_token,
+)
+from llama_megatron.training.run.metrics import StepMeter, mfu_peak
+
+
+@pytest.mark.parametrize("device, fp8, peak, profile", [
+    ("NVIDIA H100 80GB HBM3", False, 989.4, "h100-sxm"),
+    ("NVIDIA H100 80GB HBM3", True, 1978.9, "h100-sxm"),
+    ("NVIDIA H100 PCIe", False, 756.5, "h100-pcie"),
+    ("NVIDIA H200", True, 1978.9, "h200"),
+    ("NVIDIA B200", False, 2250.0, "b200"),
+    ("NVIDIA A100-SXM4-80GB", False, 312.0, "a100-80gb"),
+    ("NVIDIA L40S", True, 733.0, "l40s"),
+    ("AMD Instinct MI300X", False, 1307.4, "mi300x"),
+])
+def test_the_peak_is_the_device_profiles(device, fp8, peak, profile) -> None:
+    got, source = mfu_peak(None, fp8, device)
+    assert got == pytest.approx(peak)
+    assert source == f"{device}'s dense {'fp8' if fp8 else 'bf16'} peak (configs/devices/{profile}.json)"
+
+
+def test_unknown_peaks_say_how_to_give_one() -> None:
+    assert mfu_peak(None, True, "NVIDIA A100-SXM4-80GB") == (
+        None, "no known dense fp8 peak for NVIDIA A100-SXM4-80GB: set logging.peak_tflops")
+    assert mfu_peak(None, False, "Tesla T4")[0] is None
+    assert mfu_peak(123.0, True, "NVIDIA H100 80GB HBM3") == (123.0, "logging.peak_tflops")
+
+
+def _config(*overrides: str) -> TrainingConfig:
+    return TrainingConfig.from_file(PRETRAIN_CONFIG, ['data={"synthetic": true}', "tokenizer=null", *overrides])
+
+
+@pytest.mark.parametrize("overrides, recomputed_layers", [
+    ((), 0),
+    (("activation_checkpointing.interval=1",), 4),
+    (("activation_checkpointing.interval=3",), 4),  # spans of 3 and 1 decoder layers
+    # PipelineModule's windows of 2 layers per stage: a window holding the embedding, the norm or the head is not
+    # recomputed, so some decoder layers are and some not
+    (("parallel.pipeline=2", "activation_checkpointing.interval=2"), None),
+])
+def test_hfu_adds_the_forward_passes_recomputation_repeats(overrides, recomputed_layers) -> None:
+    config = _config(*overrides)
+    meter = StepMeter(config, world_size=config.parallel.pipeline, start_step=0)
+    m = config.model
+    decoder_forward = forward_flops_per_token(m, config.seq_length) - 2 * m.hidden_size * m.vocab_size
+    extra = meter.hardware_flops_per_step - meter.flops_per_step
+    assert meter.flops_per_step == training_flops_per_token(m, config.seq_length) * meter.tokens_per_step
+    if recomputed_layers is not None:
+        assert extra == decoder_forward * recomputed_layers // m.num_hidden_layers * meter.tokens_per_step
+    else:  # whatever PipelineModule recomputes, some but not every layer here
+        assert 0 < extra < decoder_forward * meter.tokens_per_step
+        assert extra == recomputed_flops_per_token(config) * meter.tokens_per_step
+
+
+def test_moe_flops_are_the_active_parameters() -> None:
+    """Doubling the experts at a fixed top-k adds only the router's FLOPs (h x experts per token and MoE layer)."""
+    shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
+    few, many = (ModelConfig(**shape, model_type="mixtral", num_local_experts=e, num_experts_per_tok=2) for e in (8, 16))
+    assert forward_flops_per_token(many, 128) - forward_flops_per_token(few, 128) == 2 * 4 * 64 * 8
+    assert many.num_parameters() > 1.9 * few.num_parameters() - shape["vocab_size"] * 64 * 2

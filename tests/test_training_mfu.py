@@ -72,3 +72,39 @@ def test_moe_flops_are_the_active_parameters() -> None:
     few, many = (ModelConfig(**shape, model_type="mixtral", num_local_experts=e, num_experts_per_tok=2) for e in (8, 16))
     assert forward_flops_per_token(many, 128) - forward_flops_per_token(few, 128) == 2 * 4 * 64 * 8
     assert many.num_parameters() > 1.9 * few.num_parameters() - shape["vocab_size"] * 64 * 2
+
+
+FLOP_CASES = {
+    "llama": dict(num_key_value_heads=4),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=4),  # q/k/v biases: no matmul
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=48, mlp_only_layers=[0]),
+    "llama4": dict(model_type="llama4", num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=1,
+                   intermediate_size_mlp=80, attention_chunk_size=64),
+}
+
+
+@pytest.mark.parametrize("family", list(FLOP_CASES))
+def test_the_flop_formula_is_what_torch_counts(family) -> None:
+    """One training micro batch (forward and backward) of each family under torch.utils.flop_counter's
+    FlopCounterMode, SDPA on its math path (the CPU's fused kernel has no FLOP formula registered): the count equals
+    the formula's 3 x forward FLOPs exactly: GQA's k/v widths, the head, an MoE layer's router and the experts each
+    token visits (Qwen3-MoE's dense layer its own MLP). Windows and chunks are left out here: the formula counts the
+    keys a query attends (Megatron's convention), where the dense mask computes them all."""
+    import torch
+    from model_utils import tiny_config
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llama_megatron.model.build import build_model
+    from llama_megatron.parallel.context import ParallelContext
+    from llama_megatron.parallel.degrees import ParallelConfig
+
+    config = tiny_config(vocab_size=512, **FLOP_CASES[family])
+    model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single())
+    b, s = 4, 64
+    ids = torch.randint(0, config.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    assert counter.get_total_flops() == training_flops_per_token(config, s) * b * s

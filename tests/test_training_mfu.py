@@ -108,3 +108,54 @@ def test_the_flop_formula_is_what_torch_counts(family) -> None:
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(ids[:, :-1], labels=ids[:, 1:]).backward()
     assert counter.get_total_flops() == training_flops_per_token(config, s) * b * s
+
+
+def _layout_flops_worker(rank: int, world_size: int) -> None:
+    """Each layout's ranks count their own FLOPs of one micro batch (their data rank's rows); summed over the ranks
+    they are the formula's for the rows of every data rank."""
+    import torch
+    import torch.distributed as dist
+    from model_utils import tiny_config
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llama_megatron.data.batch import MicroBatch
+    from llama_megatron.model.build import build_model
+    from llama_megatron.parallel.context import ParallelContext
+    from llama_megatron.parallel.degrees import ParallelConfig
+    from llama_megatron.parallel.process_groups import init_distributed
+
+    init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
+    b, s = 2, 32
+    for family, layout in (("llama", dict(tensor=2, sequence_parallel=True)), ("mixtral", dict(tensor=2)),
+                           ("llama", dict(context=2)), ("mixtral", dict(expert=2)), ("llama4", dict(expert=2))):
+        config = tiny_config(vocab_size=512, **FLOP_CASES[family])
+        pctx = ParallelContext.build(**layout)
+        parallel = ParallelConfig(tensor=pctx.tp_size, context=pctx.cp_size, expert=pctx.ep_size,
+                                  sequence_parallel=pctx.sequence_parallel, make_vocab_size_divisible_by=8)
+        model = build_model(config, parallel, pctx)
+        gen = torch.Generator().manual_seed(pctx.dp_rank)  # each data rank its own rows
+        ids = torch.randint(0, config.vocab_size, (b, s + 1), generator=gen)
+        mb = MicroBatch(ids[:, :-1], torch.arange(s).expand(b, s), ids[:, 1:]).context_shard(pctx.cp_rank,
+                                                                                              pctx.cp_size)
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(mb.input_ids, mb.position_ids, labels=(mb.labels, torch.tensor(b * s / pctx.cp_size))).backward()
+        total = torch.tensor(float(counter.get_total_flops()), dtype=torch.float64)
+        dist.all_reduce(total)
+        tokens = b * s * pctx.dp_size
+        want = training_flops_per_token(config, s) * tokens
+        if config.family.moe is not None:  # the router is replicated over TP: every TP rank computes its logits
+            moe_layers = sum(map(config.is_moe_layer, range(config.num_hidden_layers)))
+            want += (pctx.tp_size - 1) * 3 * 2 * config.hidden_size * config.num_local_experts * tokens * moe_layers
+        assert total.item() == want, (family, layout, total.item(), want)
+
+
+@pytest.mark.launched
+def test_the_flop_formula_is_what_the_ranks_of_a_layout_count_together() -> None:
+    """TP2 with SP, TP2 on Mixtral, CP2 (Ulysses: each rank attends over whole sequences for half the heads), EP2 on
+    Mixtral and Llama 4 (two data ranks, the experts' tokens exchanged): the ranks' FlopCounterMode counts, summed,
+    are the formula's FLOPs of the step exactly, plus under TP the router's, which every TP rank computes (hardware
+    FLOPs the model FLOPs of MFU count once)."""
+    from dist_utils import run_distributed
+
+    run_distributed(_layout_flops_worker, 2)

@@ -65,6 +65,30 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
 }
 
 
+# A command run in this process (generate, a refused train) sets up a single-process rendezvous: DeepSpeed writes
+# RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* into os.environ and builds a gloo group. Left behind, they make the next
+# test in this worker a rank of a job (accelerate's state behind TRL's and transformers' trainers then builds a
+# group of its own; a check that a command builds no process group sees the last test's). Every test ends as it
+# began.
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _rendezvous_left_as_found():
+    import torch.distributed as dist
+
+    saved = {key: os.environ.get(key) for key in RENDEZVOUS_VARIABLES}
+    started = dist.is_available() and dist.is_initialized()
+    yield
+    if not started and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:

@@ -701,10 +701,8 @@ def _refused(capsys, argv: list[str], output: str, message: str) -> None:
 
 @pytest.fixture
 def in_repo(monkeypatch):
-    """Commands run in process from the repo root; the single-process rendezvous they set up is undone after."""
+    """Commands run in process from the repo root (conftest undoes the single-process rendezvous they set up)."""
     monkeypatch.chdir(ROOT)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
 
 
 def _train(out: str, *overrides: str) -> list[str]:

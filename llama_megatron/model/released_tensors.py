@@ -19,11 +19,14 @@ A released multimodal checkpoint (``Llama4ForConditionalGeneration``) holds the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.families import FAMILIES
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -52,40 +55,54 @@ def rope_rows(tensor: torch.Tensor, head_dim: int, to_file: bool) -> torch.Tenso
     return _permuted_rows(tensor, head_dim, torch.argsort(order) if to_file else order)
 
 
-def _rope_rows(config: ModelConfig) -> set[str]:
-    """The table's q and k tensors (weights and biases) of every layer."""
-    if not config.family.interleaved_rope:
-        return set()
-    kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
-    return {f"model.layers.{i}.self_attn.{p}_proj.{kind}" for i in range(config.num_hidden_layers) for p in "qk"
-            for kind in kinds}
+@dataclass(frozen=True)
+class _FileNames:
+    """Which table tensors the files hold otherwise: built once per model shape (a conversion asks per tensor)."""
+
+    rope_rows: frozenset[str]  # the table's q and k tensors (weights and biases) of every layer
+    experts: dict[str, tuple[str, int, str]]  # table name -> (file name, expert, part) of every routed expert
+    parts_of_file: dict[str, tuple[str, ...]]  # fused file name -> its table tensors, by expert then gate, up, down
 
 
-def _expert_tensors(config: ModelConfig) -> dict[str, tuple[str, int, str]]:
-    """table name -> (file name, expert, part) of every routed expert's linear, for fused expert files."""
-    moe = config.family.moe
-    if moe is None or not moe.fused_expert_files:
-        return {}
-    gate, up, down = moe.leaves
-    out = {}
-    for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):
-        prefix = f"model.layers.{i}.{moe.block}.experts"
-        for e in range(config.num_local_experts):
-            out[f"{prefix}.{e}.{gate}.weight"] = (f"{prefix}.gate_up_proj", e, "gate")
-            out[f"{prefix}.{e}.{up}.weight"] = (f"{prefix}.gate_up_proj", e, "up")
-            out[f"{prefix}.{e}.{down}.weight"] = (f"{prefix}.down_proj", e, "down")
-    return out
+@functools.lru_cache(maxsize=8)
+def _names_for(model_type: str, layers: int, qkv_bias: bool, experts: int, moe_layers: tuple[int, ...]) -> _FileNames:
+    family = FAMILIES[model_type]
+    rope_rows: frozenset[str] = frozenset()
+    if family.interleaved_rope:
+        kinds = ("weight", "bias") if qkv_bias else ("weight",)
+        rope_rows = frozenset(f"model.layers.{i}.self_attn.{p}_proj.{kind}" for i in range(layers) for p in "qk"
+                              for kind in kinds)
+    fused: dict[str, tuple[str, int, str]] = {}
+    parts_of_file: dict[str, list[str]] = {}
+    moe = family.moe
+    if moe is not None and moe.fused_expert_files:
+        gate, up, down = moe.leaves
+        for i in moe_layers:
+            prefix = f"model.layers.{i}.{moe.block}.experts"
+            for e in range(experts):
+                for leaf, file, part in ((gate, "gate_up_proj", "gate"), (up, "gate_up_proj", "up"),
+                                         (down, "down_proj", "down")):
+                    fused[f"{prefix}.{e}.{leaf}.weight"] = (f"{prefix}.{file}", e, part)
+                    parts_of_file.setdefault(f"{prefix}.{file}", []).append(f"{prefix}.{e}.{leaf}.weight")
+    return _FileNames(rope_rows, fused, {file: tuple(tables) for file, tables in parts_of_file.items()})
+
+
+def _file_names(config: ModelConfig) -> _FileNames:
+    moe_layers = tuple(filter(config.is_moe_layer, range(config.num_hidden_layers))) if config.family.moe else ()
+    return _names_for(config.model_type, config.num_hidden_layers, config.qkv_bias, config.num_local_experts or 0,
+                      moe_layers)
 
 
 def file_name_of(name: str, config: ModelConfig) -> str:
     """The file tensor that the table's tensor ``name`` is read from."""
-    fused = _expert_tensors(config).get(name)
+    fused = _file_names(config).experts.get(name)
     return name if fused is None else fused[0]
 
 
 def table_tensor(name: str, get_file: Getter, config: ModelConfig) -> torch.Tensor:
     """The table's tensor ``name`` from the file tensors ``get_file`` hands out (views where no permutation)."""
-    fused = _expert_tensors(config).get(name)
+    names = _file_names(config)
+    fused = names.experts.get(name)
     if fused is not None:
         file, e, part = fused
         ffn = config.expert_intermediate_size
@@ -93,12 +110,12 @@ def table_tensor(name: str, get_file: Getter, config: ModelConfig) -> torch.Tens
         return {"gate": lambda: tensor[:, :ffn].t(), "up": lambda: tensor[:, ffn:].t(),
                 "down": lambda: tensor.t()}[part]()
     tensor = get_file(name)
-    return rope_rows(tensor, config.head_dim, to_file=False) if name in _rope_rows(config) else tensor
+    return rope_rows(tensor, config.head_dim, to_file=False) if name in names.rope_rows else tensor
 
 
 def file_shapes(table_shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The file's tensors and shapes for the table's ``table_shapes`` (in its order)."""
-    experts = _expert_tensors(config)
+    experts = _file_names(config).experts
     out: dict[str, tuple[int, ...]] = {}
     h, ffn, count = config.hidden_size, config.expert_intermediate_size, config.num_local_experts
     for name, shape in table_shapes.items():
@@ -112,24 +129,23 @@ def file_shapes(table_shapes: dict[str, tuple[int, ...]], config: ModelConfig) -
 
 def file_tensor(name: str, get_table: Getter, config: ModelConfig) -> torch.Tensor:
     """The file's tensor ``name`` assembled from the table's tensors (the inverse of :func:`table_tensor`)."""
-    if name in _rope_rows(config):
+    names = _file_names(config)
+    if name in names.rope_rows:
         return rope_rows(get_table(name), config.head_dim, to_file=True)
-    parts = sorted(((e, part, table) for table, (file, e, part) in _expert_tensors(config).items() if file == name),
-                   key=lambda item: (item[0], ["gate", "up", "down"].index(item[1])))
-    if not parts:
+    parts = names.parts_of_file.get(name)
+    if parts is None:
         return get_table(name)
     if name.endswith("down_proj"):
-        return torch.stack([get_table(table).t() for _, _, table in parts])
-    count = config.num_local_experts
-    return torch.stack([torch.cat([get_table(parts[2 * e][2]).t(), get_table(parts[2 * e + 1][2]).t()], dim=1)
-                        for e in range(count)])
+        return torch.stack([get_table(table).t() for table in parts])
+    return torch.stack([torch.cat([get_table(gate).t(), get_table(up).t()], dim=1)
+                        for gate, up in zip(parts[0::2], parts[1::2])])
 
 
 def table_tensors(state: dict, config: ModelConfig, names_only: bool = False) -> dict:
     """A transformers model's state dict (or its gradients) under the table's names: every tensor the table can
     read from what ``state`` holds (a tied model's state lacks ``lm_head.weight``); ``names_only``: the names, each
     mapped to None."""
-    experts = _expert_tensors(config)
+    experts = _file_names(config).experts
     consumed = {file for file, _, _ in experts.values()}
     names = [name for name in state if name not in consumed]
     names += [name for name, (file, _, _) in experts.items() if file in state]

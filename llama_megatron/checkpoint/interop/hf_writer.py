@@ -20,6 +20,7 @@ from llama_megatron.checkpoint.sources import TensorSource
 from llama_megatron.config import ModelConfig
 from llama_megatron.model import released_tensors
 from llama_megatron.model.param_layout import ParamLayout
+from llama_megatron.model.released_tensors import Getter
 from llama_megatron.progress import TaskProgress
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,17 +47,27 @@ def _write_json(path: str, data: dict) -> None:
         fh.write("\n")
 
 
+def _file_tensors(source: TensorSource, config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], Getter]:
+    """The HF files' tensors (name -> shape, in the table's order) and how each is made from ``source``: the
+    table's own, or the family's file tensors (Llama 4's fused experts, its interleaved q/k rows)."""
+    shapes = ParamLayout(config).hf_shapes()
+    if not released_tensors.differs(config):
+        return shapes, source.get
+    return (released_tensors.file_shapes(shapes, config),
+            lambda name: released_tensors.file_tensor(name, source.get, config))
+
+
 def write_hf_directory(source: TensorSource, config: ModelConfig, out_dir: str, dtype: torch.dtype,
                        assets_dir: str | None = None, max_shard_bytes: int = 5 * 2**30,
                        progress: TaskProgress | None = None) -> list[str]:
     """Fill ``out_dir``; returns the tokenizer/generation files copied from ``assets_dir``."""
     layout = ParamLayout(config)
     if released_tensors.differs(config):  # the family's own file tensors (Llama 4's fused experts)
-        shapes = released_tensors.file_shapes(layout.hf_shapes(), config)
+        shapes, get = _file_tensors(source, config)
         writer = SafetensorsShardWriter(out_dir, [(name, shape, dtype) for name, shape in shapes.items()],
                                         max_shard_bytes)
         for name, shape in shapes.items():
-            writer.write(name, released_tensors.file_tensor(name, source.get, config))
+            writer.write(name, get(name))
             source.release()
             if progress:
                 progress.advance(0, torch.Size(shape).numel() * dtype.itemsize)
@@ -95,13 +106,7 @@ def write_into_release(source: TensorSource, config: ModelConfig, original_dir: 
     if files.kind != "safetensors":
         raise CheckpointError(f"--into {original_dir}: the release must be safetensors (it holds .bin files)")
     prefix, _ = released_tensors.text_model_names(files.names(), config)
-    layout = ParamLayout(config)
-    shapes = layout.hf_shapes()
-    if released_tensors.differs(config):
-        shapes = released_tensors.file_shapes(shapes, config)
-        get = lambda name: released_tensors.file_tensor(name, source.get, config)  # noqa: E731
-    else:
-        get = source.get
+    shapes, get = _file_tensors(source, config)
     for name, shape in shapes.items():
         if prefix + name not in files.names():
             raise CheckpointError(f"--into {original_dir} holds no {prefix + name}: is it this model's release?")

@@ -31,8 +31,10 @@ from llama_megatron.model.lora_layout import (
     adapter_layout,
     from_peft,
     is_adapter_parameter,
+    peft_target_parameters,
     saved_module_specs,
     ties_embeddings,
+    to_peft,
     trained_module_names,
 )
 from llama_megatron.model.param_layout import as_checkpoint_tensors
@@ -96,6 +98,11 @@ CASES = {
                                            no_rope_layer_interval=2, use_qk_norm=True, attn_temperature_tuning=True,
                                            floor_scale=4),
                                       LoraConfig(rank=2, alpha=4.0, dropout=0.1)),
+    # and on its routed experts: PEFT adapts its [E, in, out] expert tensors as [E, out, in] (A on the outputs, B on
+    # the inputs: ours transposed and swapped), both parameters (nested wrappers) beside the shared expert's MLP
+    "llama4-experts": (dict(model_type="llama4", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
+                            intermediate_size_mlp=80, attention_chunk_size=6, use_qk_norm=True),
+                       LoraConfig(rank=3, alpha=6.0, targets=("k_proj", "down_proj", *EXPERT_TARGETS))),
     # modules trained in full beside the adapters (PEFT's modules_to_save): both vocab tables over a vocab the TP
     # degrees pad (250), and "norm", which PEFT matches as a suffix: every norm of the class
     "saved-tables-norms": (dict(num_key_value_heads=2, vocab_size=250),
@@ -121,7 +128,7 @@ def peft_config(config, lora: LoraConfig) -> peft.LoraConfig:
     """PEFT's config of ``lora`` on the class of ``config``: a tied table trained as one (``ensure_weight_tying``)."""
     return peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.module_targets,
-        target_parameters=lora.expert_targets or None, modules_to_save=list(lora.modules_to_save) or None,
+        target_parameters=peft_target_parameters(config, lora), modules_to_save=list(lora.modules_to_save) or None,
         ensure_weight_tying=ties_embeddings(config, lora))
 
 
@@ -175,6 +182,10 @@ def check_peft_parity(overrides: dict, lora: LoraConfig, pctx: ParallelContext, 
     config = tiny_config(**overrides)
     ref = peft_model(config, lora)
     model = our_model(config, lora, pctx, peft_base_state(ref), from_peft(peft_state(ref), config, lora))
+    if pctx.tp_size == 1:  # what an export writes (the experts' per-expert rows fused back): PEFT's own tensors
+        back = to_peft(from_peft(peft_state(ref), config, lora), config, lora)
+        assert back.keys() == peft_state(ref).keys()
+        assert all(torch.equal(back[k], v) for k, v in peft_state(ref).items())
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, config.vocab_size, (2, seq), generator=gen)
     labels = ids.clone()
@@ -226,7 +237,7 @@ def test_peft_parity_tp1(name: str) -> None:
 
 # the Qwen MoE cases add nothing TP-specific to Mixtral's but the shared expert (tests/test_model_moe.py has both families
 # at TP2 with SP): one of them, with SP only, keeps the launch short
-TP1_ONLY, SP_ONLY = {"qwen3-moe-experts"}, {"qwen2-moe-experts", "qwen2-moe-shared-dropout"}
+TP1_ONLY, SP_ONLY = {"qwen3-moe-experts"}, {"qwen2-moe-experts", "qwen2-moe-shared-dropout", "llama4-experts"}
 
 
 def _parity_worker(rank: int, world_size: int) -> None:

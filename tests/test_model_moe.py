@@ -273,7 +273,13 @@ def test_expert_lora_targets_need_experts() -> None:
 def test_lora_mlp_targets_are_the_modules_peft_adapts_on_the_class() -> None:
     """gate_proj/up_proj/down_proj: on Qwen2-MoE the shared expert's and the dense layers' linears (PEFT's name match);
     refused on Mixtral (w1/w3/w2) and Qwen3-MoE, where PEFT maps them onto the experts and no module takes them."""
-    from llama_megatron.model.lora_layout import LoraConfig, adapter_layout, check_targets
+    from llama_megatron.model.lora_layout import (
+        LoraConfig,
+        adapter_layout,
+        check_targets,
+        peft_key,
+        peft_target_parameters,
+    )
 
     lora = LoraConfig(rank=2, targets=("q_proj", "up_proj", "down_proj"))
     qwen2 = tiny_config(**CASES["qwen2-moe"], num_hidden_layers=3, mlp_only_layers=[1])
@@ -285,15 +291,18 @@ def test_lora_mlp_targets_are_the_modules_peft_adapts_on_the_class() -> None:
         with pytest.raises(ConfigError, match=f"lora.targets up_proj, down_proj: the {config.model_type} model has "
                                               "no MLP module PEFT adapts under these names"):
             check_targets(config, lora)
-    # Llama 4: under feed_forward, the shared expert's (MoE layer 1) and the dense layer's (0); its fused experts
-    # are refused as targets
+    # Llama 4: under feed_forward, the shared expert's (MoE layer 1) and the dense layer's (0); its experts' adapters
+    # under PEFT's keys and target_parameters of its class (feed_forward.experts)
     llama4 = tiny_config(**{**CASES["llama4-chunked-nope-moe"], "num_hidden_layers": 2})
     mlp = sorted(n for spec in adapter_layout(llama4, lora) for n in spec.hf_names if ".feed_forward." in n)
     assert mlp == sorted(f"base_model.model.model.layers.{i}.feed_forward.{m}.lora_{ab}.weight" for i, m in
                          ((0, "up_proj"), (0, "down_proj"), (1, "shared_expert.up_proj"),
                           (1, "shared_expert.down_proj")) for ab in "AB")
-    with pytest.raises(ConfigError, match="adapters on the llama4 experts .* are not built yet"):
-        check_targets(llama4, LoraConfig(rank=2, targets=("q_proj", "mlp.experts.down_proj")))
+    experts = LoraConfig(rank=2, targets=("q_proj", "mlp.experts.down_proj"))
+    check_targets(llama4, experts)
+    assert peft_target_parameters(llama4, experts) == ["feed_forward.experts.down_proj"]
+    assert peft_key(llama4, 1, "mlp.experts.down_proj", "A", experts.targets) == (
+        "base_model.model.model.layers.1.feed_forward.experts.lora_A.weight")
 
 
 def test_deepspeed_settings_expert_parallelism_refuses() -> None:

@@ -5,7 +5,8 @@ our linear is fused (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), so an 
 renaming. A mixture of experts' MLP has no modules for PEFT to target: its experts are two parameters per layer,
 which PEFT adapts with ``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), one
 (A, B) pair per expert (gate and up share A, as they share the fused weight); the table holds one row per expert and
-matrix, which :func:`to_peft` / :func:`from_peft` fuse into PEFT's per-layer tensors and back. ``A`` is
+matrix, which :func:`to_peft` / :func:`from_peft` fuse into PEFT's per-layer tensors and back (Llama 4's experts,
+stored ``[E, in, out]``, PEFT adapts as if they were ``[E, out, in]``: its A and B are ours transposed and swapped). ``A`` is
 ``[rank, in]``, ``B`` is ``[out, rank]``, ``delta W = B @ A * alpha / rank`` (PEFT's convention). The MLP targets
 (``gate_proj``, ``up_proj``, ``down_proj``) are what PEFT adapts under those names on the transformers class: a dense
 model's MLP; on Qwen2-MoE the dense layers' MLPs and the MoE layers' shared expert; nothing on Mixtral or Qwen3-MoE
@@ -103,9 +104,7 @@ def layer_target(config: ModelConfig, layer: int, name: str) -> Target | None:
         return None
     if moe is not None and config.is_moe_layer(layer):
         target = SHARED_EXPERT_TARGETS[name] if moe.shared_expert else None
-    mlp = config.family.mlp_name  # Llama 4's feed_forward
-    return target if target is None or mlp == "mlp" else dataclasses.replace(
-        target, hf_module=target.hf_module.replace("mlp.", f"{mlp}.", 1))
+    return target if target is None else dataclasses.replace(target, hf_module=_hf_mlp_path(config, target.hf_module))
 
 
 @dataclass(frozen=True)
@@ -228,9 +227,22 @@ def peft_key(config: ModelConfig, layer: int, target: str, matrix: str, targets:
     if t is not None:
         wrappers = ".base_layer" * sum(1 for later in EXPERT_TARGETS[EXPERT_TARGETS.index(target) + 1:]
                                        if later in targets)
+        module = _hf_mlp_path(config, t.hf_module)
     else:
-        t = layer_target(config, layer, target)
-    return f"{PEFT_PREFIX}model.layers.{layer}.{t.hf_module}{wrappers}.lora_{matrix}.weight"
+        module = layer_target(config, layer, target).hf_module
+    return f"{PEFT_PREFIX}model.layers.{layer}.{module}{wrappers}.lora_{matrix}.weight"
+
+
+def _hf_mlp_path(config: ModelConfig, path: str) -> str:
+    """An ``mlp.`` path of ours under the family's HF name for the MLP (Llama 4's ``feed_forward.``)."""
+    mlp = config.family.mlp_name
+    return path if mlp == "mlp" else path.replace("mlp", mlp, 1)
+
+
+def peft_target_parameters(config: ModelConfig, lora: LoraConfig) -> list[str] | None:
+    """PEFT's ``target_parameters`` for the expert targets on the family's class (Llama 4's
+    ``feed_forward.experts.gate_up_proj``), or None."""
+    return [_hf_mlp_path(config, t) for t in lora.expert_targets] or None
 
 
 def expert_adapter_names(layer: int, target: str, matrix: str, expert: int) -> tuple[str, ...]:
@@ -358,10 +370,6 @@ def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
     if not config.family.moe and lora.expert_targets:
         raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: the {config.model_type} model has no "
                           f"experts; its targets are {', '.join(LORA_TARGETS)}")
-    if lora.expert_targets and config.family.moe.fused_expert_files:
-        raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: adapters on the {config.model_type} "
-                          "experts (held as [experts, in, out], the transpose of Mixtral's) are not built yet; its "
-                          f"targets are {', '.join(LORA_TARGETS)} (the shared expert's and the dense layers' MLP)")
 
 
 def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
@@ -382,6 +390,8 @@ def to_peft(tensors: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
                 continue
             a = [tensors[expert_adapter_names(i, target, "A", e)[0]] for e in experts]
             b = [torch.cat([tensors[n] for n in expert_adapter_names(i, target, "B", e)]) for e in experts]
+            if config.family.moe.fused_expert_files:  # [E, in, out] experts: PEFT's A and B are ours transposed
+                a, b = [t.t() for t in b], [t.t() for t in a]
             out[peft_key(config, i, target, "A", lora.targets)] = torch.cat(a)
             out[peft_key(config, i, target, "B", lora.targets)] = torch.stack(b, dim=-1).flatten(1)
     return out
@@ -400,10 +410,12 @@ def from_peft(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraCon
         for target in lora.expert_targets:
             a = state[peft_key(config, i, target, "A", lora.targets)].view(experts, lora.rank, -1)
             b = state[peft_key(config, i, target, "B", lora.targets)].view(-1, lora.rank, experts)
+            transposed = config.family.moe.fused_expert_files
             for e in range(experts):
-                out[expert_adapter_names(i, target, "A", e)[0]] = a[e]
+                ours_a, ours_b = (b[:, :, e].t(), a[e].t()) if transposed else (a[e], b[:, :, e])
+                out[expert_adapter_names(i, target, "A", e)[0]] = ours_a
                 names = expert_adapter_names(i, target, "B", e)
-                out.update(zip(names, b[:, :, e].chunk(len(names))))
+                out.update(zip(names, ours_b.chunk(len(names))))
     return out
 
 

@@ -37,6 +37,7 @@ from llama_megatron.model.lora_layout import (
     expert_adapter_names,
     peft_key,
     peft_modules_to_save,
+    peft_target_parameters,
     saved_module_specs,
     ties_embeddings,
     to_peft,
@@ -52,7 +53,7 @@ def peft_adapter_config(config: ModelConfig, lora: LoraConfig, base_model: str |
     the rest)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "target_modules": lora.module_targets,
-            "target_parameters": lora.expert_targets or None, "bias": "none",
+            "target_parameters": peft_target_parameters(config, lora), "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_rslora": False,
             "use_dora": False, "modules_to_save": peft_modules_to_save(config, lora),
             "ensure_weight_tying": ties_embeddings(config, lora), "layers_to_transform": None,

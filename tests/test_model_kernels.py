@@ -28,6 +28,7 @@ from llama_megatron.model.kernels.attention import (
     document_causal_mask,
     fast_attention_route,
 )
+from llama_megatron.model.kv_cache import KVCache
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llama_megatron.parallel.linear_cross_entropy import linear_cross_entropy_sum
@@ -126,6 +127,30 @@ def test_cached_decoding_masks_match_the_full_sequence(window, chunk) -> None:
         for tail in (1, 4):
             torch.testing.assert_close(kernel.after(q[:, -tail:], k, v, window, chunk), whole[:, -tail:],
                                        **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("calls", [[7, 1, 1, 1, 1, 1], [3, 2, 1, 1, 1, 1, 1, 1, 1], [12], [5, 1, 6]],
+                         ids=["prompt-across-chunks", "prompt-in-chunk", "one-call", "later-call-across"])
+def test_a_chunked_layer_cache_holds_one_chunk_and_decodes_as_the_whole_sequence(calls) -> None:
+    """Decoding call by call through a chunked layer's cache (a prompt, then tokens one at a time; a call may cross
+    chunk starts) gives each query what chunked attention over the whole sequence gives it, in both kernels, while
+    the cache holds one chunk of keys, not the sequence's."""
+    b, s, kv, groups, d, chunk = 2, 12, 2, 2, 8, 4
+    q, k, v = (t.detach() for t in _leaves((b, s, kv * groups, d), (b, s, kv, d), (b, s, kv, d),
+                                           dtype=torch.float32))
+    whole = ReferenceAttention()(q, k, v, chunk_segment_ids(None, torch.arange(s).expand(b, s), chunk))
+    for kernel in (ReferenceAttention(), FastAttention()):
+        cache, whole_cache = (KVCache(1, b, s, kv, d, torch.float32, torch.device("cpu"), chunks)
+                              for chunks in ([chunk], None))
+        at = 0
+        for n in calls:
+            keys, values, first = cache.layers[0].append(k[:, at:at + n], v[:, at:at + n])
+            assert first == at // chunk * chunk and keys.shape[1] == at + n - first
+            torch.testing.assert_close(kernel.after(q[:, at:at + n], keys, values, None, chunk, first),
+                                       whole[:, at:at + n], **TOL[torch.float32])
+            whole_cache.layers[0].append(k[:, at:at + n], v[:, at:at + n])
+            at += n
+        assert cache.held_bytes() * s == whole_cache.held_bytes() * chunk
 
 
 def test_chunks_and_windows_are_different_masks() -> None:

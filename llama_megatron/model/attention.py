@@ -93,7 +93,8 @@ class ParallelAttention(nn.Module):
                 segment_ids = chunk_segment_ids(segment_ids, position_ids, self.chunk)
             out = self.attention(q, k, v, segment_ids, self.window)
         else:
-            out = self.kernels.attention.after(q, *kv_cache.append(k, v), self.window, self.chunk)
+            keys, values, first_key = kv_cache.append(k, v)
+            out = self.kernels.attention.after(q, keys, values, self.window, self.chunk, first_key)
         return self.o_proj(out.reshape(b, s, -1))
 
 

@@ -59,7 +59,7 @@ def generate(model: LlamaCausalLM, prompt: list[int], max_new_tokens: int, stop_
     if use_cache:
         dtype = next(model.parameters()).dtype
         cache = KVCache(config.num_hidden_layers, 1, len(prompt) + max_new_tokens, model.shapes.kv_heads,
-                        config.head_dim, dtype, device)
+                        config.head_dim, dtype, device, config.layer_chunks())
     new: list[int] = []
     step_input, start = tokens, 0
     for _ in range(max_new_tokens):

@@ -1,7 +1,9 @@
 """Keys and values of earlier positions, per decoder layer, for incremental decoding (generation).
 
 Preallocated for the longest sequence the caller will decode, so each step writes in place instead of
-concatenating; every layer's entry holds this TP rank's KV heads.
+concatenating; every layer's entry holds this TP rank's KV heads. A chunked-attention layer (Llama 4: a query sees
+the keys of its own chunk up to itself) holds one chunk: no later query sees an earlier chunk's keys, so a step
+that starts a chunk starts the layer's cache anew, and its memory is the chunk's, not the sequence's.
 """
 
 from __future__ import annotations
@@ -11,29 +13,58 @@ import torch
 
 class LayerKVCache:
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.keys = torch.empty(batch, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+                 device: torch.device, chunk: int | None = None) -> None:
+        self.chunk = chunk if chunk is not None and chunk < max_len else None
+        self.max_len = max_len
+        size = max_len if self.chunk is None else self.chunk
+        self.keys = torch.empty(batch, size, kv_heads, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
-        self.length = 0
+        self.length = 0  # positions seen
+        self.start = 0  # the position of keys[:, 0]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v`` [b, s, kv_heads, d] after the cached positions; all keys and values so far."""
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store ``k``/``v`` [b, s, kv_heads, d] of the next positions; the keys and values the call's queries may
+        see (every position so far; in a chunked layer those from the start of the first query's chunk) and the
+        position of the first of them."""
         end = self.length + k.shape[1]
-        if end > self.keys.shape[1]:
-            raise ValueError(f"KV cache holds {self.keys.shape[1]} positions, {end} asked")
-        self.keys[:, self.length:end] = k
-        self.values[:, self.length:end] = v
-        self.length = end
-        return self.keys[:, :end], self.values[:, :end]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, {end} asked")
+        if self.chunk is None:
+            self.keys[:, self.length:end] = k
+            self.values[:, self.length:end] = v
+            self.length = end
+            return self.keys[:, :end], self.values[:, :end], 0
+        # held: positions start .. length - 1, the chunk of position length - 1; the first query's chunk starts at
+        # `first`, which is `start` (the same chunk) or `length` (a new one: nothing held is seen again)
+        first = self.length // self.chunk * self.chunk
+        kept = self.length - first
+        if end - first <= self.chunk:  # the call stays in that chunk: in place
+            self.keys[:, kept:kept + k.shape[1]] = k
+            self.values[:, kept:kept + k.shape[1]] = v
+            self.start, self.length = first, end
+            return self.keys[:, :end - first], self.values[:, :end - first], first
+        # a call across chunks (a prompt): everything it sees, then the last position's chunk held
+        keys, values = torch.cat([self.keys[:, :kept], k], dim=1), torch.cat([self.values[:, :kept], v], dim=1)
+        last = (end - 1) // self.chunk * self.chunk
+        self.keys[:, :end - last] = keys[:, last - first:]
+        self.values[:, :end - last] = values[:, last - first:]
+        self.start, self.length = last, end
+        return keys, values, first
 
 
 class KVCache:
-    """One :class:`LayerKVCache` per decoder layer of the model (in layer order)."""
+    """One :class:`LayerKVCache` per decoder layer of the model (in layer order); ``chunks``: each layer's attention
+    chunk (None where it attends to every earlier position)."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.layers = [LayerKVCache(batch, max_len, kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, chunks: list[int | None] | None = None) -> None:
+        chunks = chunks or [None] * num_layers
+        self.layers = [LayerKVCache(batch, max_len, kv_heads, head_dim, dtype, device, chunk) for chunk in chunks]
 
     @property
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
+
+    def held_bytes(self) -> int:
+        """Bytes of the keys and values every layer holds allocated."""
+        return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)

@@ -109,13 +109,14 @@ class ReferenceAttention:
         return _sdpa(q, k, v, _dense_mask(segment_ids, q.shape[1], window, q.device), enable_gqa=False)
 
     def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
-              chunk: int | None = None) -> torch.Tensor:
-        """The last ``q.shape[1]`` positions of a sequence attending to its keys (cached decoding)."""
+              chunk: int | None = None, first_key: int = 0) -> torch.Tensor:
+        """The last ``q.shape[1]`` positions of a sequence attending to its keys (cached decoding): keys of positions
+        ``first_key`` onwards (a chunked layer's cache holds its current chunk only)."""
         groups = q.shape[2] // k.shape[2]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=2)
             v = v.repeat_interleave(groups, dim=2)
-        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window, chunk), enable_gqa=False, causal=False)
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window, chunk, first_key), enable_gqa=False, causal=False)
 
 
 def fast_attention_route(device_type: str, dtype: torch.dtype, packed: bool, have_flash: bool = HAVE_FLASH_ATTN) -> str:
@@ -153,24 +154,24 @@ class FastAttention:
         return _sdpa(q, k, v, _dense_mask(segment_ids, q.shape[1], window, q.device), enable_gqa=True)
 
     def after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
-              chunk: int | None = None) -> torch.Tensor:
+              chunk: int | None = None, first_key: int = 0) -> torch.Tensor:
         """As :meth:`ReferenceAttention.after`, without K/V copies."""
-        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window, chunk), enable_gqa=True, causal=False)
+        return _sdpa(q, k, v, _trailing_causal_mask(q, k, window, chunk, first_key), enable_gqa=True, causal=False)
 
 
-def _trailing_causal_mask(q: torch.Tensor, k: torch.Tensor, window: int | None,
-                          chunk: int | None = None) -> torch.Tensor | None:
+def _trailing_causal_mask(q: torch.Tensor, k: torch.Tensor, window: int | None, chunk: int | None = None,
+                          first_key: int = 0) -> torch.Tensor | None:
     """Query i (of the last sq positions of sk) sees keys up to sk - sq + i (and, with ``window``, from
-    sk - sq + i - window + 1; with ``chunk``, from the start of its chunk: keys are positions 0 .. sk - 1, the
-    cache holding every earlier position); None when that is every key."""
+    sk - sq + i - window + 1; with ``chunk``, from the start of its chunk: keys are positions first_key ..
+    first_key + sk - 1, first_key the start of a chunk); None when that is every key."""
     sq, sk = q.shape[1], k.shape[1]
     window = _windowed(window, sk)
-    chunk = None if chunk is None or chunk >= sk else chunk
+    chunk = None if chunk is None or chunk >= sk else chunk  # sk keys from a chunk's start: all in that chunk
     if sq == 1 and window is None and chunk is None:
         return None
     mask = causal_mask(sq, sk, window, q.device)
     if chunk is not None:
-        keys = torch.arange(sk, device=q.device) // chunk
+        keys = (first_key + torch.arange(sk, device=q.device)) // chunk
         mask = mask & (keys[sk - sq:].unsqueeze(1) == keys.unsqueeze(0))
     return mask
 

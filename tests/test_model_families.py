@@ -97,9 +97,10 @@ BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_rou
 # DP2 (its shared expert replicated over EP, reduced over the whole data-parallel group)
 QWEN_MOE_RUNS = [("qwen3_moe", "ep2-pp2"), ("qwen2_moe", "tp2-pp2-sp-recompute"), ("qwen2_moe", "ep2-dp2-zero1")]
 # Llama 4 (chunks, NoPE, top-1 sigmoid routing, the shared expert, MoE on alternate layers): TP2 x PP2 with SP and
-# recomputation (1F1B), EP2 x DP2, and EP2 x PP2 under ZB-H1, interleaved 1F1B (ZeRO-0: above) and ZB-V
-LLAMA4_RUNS = [("llama4", name) for name in ("tp2-pp2-sp-recompute", "ep2-dp2-zero1", "ep2-pp2-zb-h1",
-                                             "ep2-pp2-interleaved-zero0", "ep2-pp2-zb-v")]
+# recomputation (1F1B), CP2 x PP2 (chunks across the CP shards), EP2 x DP2, EP2 x PP2 under ZB-H1, interleaved 1F1B
+# (ZeRO-0: above) and ZB-V, and EP2 x PP2 in bf16 against the bf16 TP1-PP1 run
+LLAMA4_RUNS = [("llama4", name) for name in ("tp2-pp2-sp-recompute", "cp2-pp2", "ep2-dp2-zero1", "ep2-pp2-zb-h1",
+                                             "ep2-pp2-interleaved-zero0", "ep2-pp2-zb-v", "ep2-pp2-bf16")]
 RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
         if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))
         and (family, name) != ("mistral", "tp2-pp2-sp-recompute")  # Mistral at TP2 x PP2 SP: its SFT run below
@@ -195,11 +196,13 @@ def _dpo(work, name: str, layout: list[str], family: str = "llama4") -> list[str
 
 
 def _llama4_round_trip(prefix: str, work, base: str) -> list[str]:
-    """The converted Llama 4 (TP1) loaded at EP2 x PP2 (its experts split over the EP ranks, the stages over the
-    pipeline), one step at learning rate 0, saved: its expert files and layer files hold the release's weights."""
-    out = work / "llama4-ep2-pp2-round-trip"
+    """The converted Llama 4 (TP2) loaded at TP2 x PP2 x EP2 (8 processes: its experts split over the EP ranks, every
+    linear over TP, the stages over the pipeline), one step at learning rate 0, saved: its expert files and layer
+    files hold the release's weights."""
+    out = work / "llama4-tp2-pp2-ep2-round-trip"
     return train_args(CONFIG, _overrides(prefix, out, "llama4", [
-        "parallel.expert=2", "parallel.pipeline=2", "deepspeed_config=ds_configs/zero1_fp32.json",
+        "parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
+        "deepspeed_config=ds_configs/zero1_fp32.json",
         f"checkpoint.load={base}", "checkpoint.finetune=true", "optimizer.lr=0", "optimizer.min_lr=0",
         "train.steps=1", f"checkpoint.save={out}/ckpt", "checkpoint.interval=1"]))
 
@@ -208,7 +211,7 @@ def _llama4_round_trip(prefix: str, work, base: str) -> list[str]:
 def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
     work = tmp_path_factory.mktemp("families")
     bases, moe_bases = _converted_bases(work, "qwen3"), _converted_bases(work, EXPERT_LORA_FAMILY)
-    llama4_base = _converted_bases(work, "llama4")[1]
+    llama4_base = _converted_bases(work, "llama4")[2]
 
     def pretrain(family: str, name: str, layout: list[str]) -> list[str]:
         out = work / f"{family}-{name}"
@@ -234,9 +237,11 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp1-pp1", bases[1], []),
                     _expert_lora(shakespeare_prefix, work, "tp1-pp1", moe_bases[1]),
                     _sft(work, "mistral-sft-tp1-pp1", []), _sft(work, "llama4-sft-tp1-pp1", [], "llama4"),
-                    _dpo(work, "llama4-dpo-tp1-pp1", [])], str(work / "runs-1.json"))
+                    _dpo(work, "llama4-dpo-tp1-pp1", []), pretrain("llama4", "tp1-pp1-bf16", BF16_TP1_PP1)],
+                str(work / "runs-1.json"))
     launch_many(8, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
-                    pretrain("mixtral", "ep2-dp4-zero1", EP2_DP4)], str(work / "runs-8.json"))
+                    pretrain("mixtral", "ep2-dp4-zero1", EP2_DP4),
+                    _llama4_round_trip(shakespeare_prefix, work, llama4_base)], str(work / "runs-8.json"))
     launch_many(4, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name not in EIGHT_PROCESSES],
                     *[resume(name) for name in EXPERT_RESUMES], *filter(None, (recut(name, 4) for name in RECUT)),
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp2-pp2-sp", bases[2], TP2_PP2_SP),
@@ -244,8 +249,7 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
                     _expert_lora(shakespeare_prefix, work, "ep2-tp2-sp", moe_bases[2]),
                     _sft(work, "mistral-sft-tp2-pp2-sp", TP2_PP2_SP),
                     _sft(work, "llama4-sft-ep2-dp2", LAYOUTS["ep2-dp2-zero1"], "llama4"),
-                    _dpo(work, "llama4-dpo-ep2-dp2", LAYOUTS["ep2-dp2-zero1"]),
-                    _llama4_round_trip(shakespeare_prefix, work, llama4_base)], str(work / "runs-4.json"))
+                    _dpo(work, "llama4-dpo-ep2-dp2", LAYOUTS["ep2-dp2-zero1"])], str(work / "runs-4.json"))
     launch_many(2, [*filter(None, (recut(name, 2) for name in RECUT)), _expert_lora_recut(shakespeare_prefix, work)],
                 str(work / "runs-2.json"))
     return work
@@ -280,14 +284,15 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
 
 
 def test_llama4_release_through_an_expert_parallel_checkpoint_and_back_is_exact(runs, tmp_path) -> None:
-    """HF (Llama4ForCausalLM: fused 3-D experts, interleaved q/k rows) -> TP1 checkpoint -> an EP2 x PP2 run's save
-    (expert files per EP rank) -> HF: every tensor bit for bit, loaded back as the class."""
+    """HF (Llama4ForCausalLM: fused 3-D experts, interleaved q/k rows) -> TP2 checkpoint -> a TP2 x PP2 x EP2 run's
+    save (expert files per EP and TP rank) -> HF: every tensor bit for bit, loaded back as the class."""
     from safetensors.torch import load_file as load_safetensors
     from transformers import AutoModelForCausalLM
 
-    saved = runs / "llama4-ep2-pp2-round-trip" / "ckpt"
+    saved = runs / "llama4-tp2-pp2-ep2-round-trip" / "ckpt"
     assert sorted(p.name for p in (saved / "global_step1").glob("expert_*")) == [
-        f"expert_{e:03d}-layer_{i:02d}-model_00-model_states.pt" for e in range(4) for i in (2, 4)]
+        f"expert_{e:03d}-layer_{i:02d}-model_{tp:02d}-model_states.pt" for e in range(4) for i in (2, 4)
+        for tp in range(2)]
     out = tmp_path / "hf"
     assert cli_main(["export", "--input", str(saved), "--output", str(out)]) == 0
     read = lambda d: {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")  # noqa: E731

@@ -14,6 +14,7 @@ from llama_megatron.training.diagnostics.flops import (
     recomputed_flops_per_token,
     training_flops_per_token,
 )
+from llama_megatron.training.planner.devices import load_device
 from llama_megatron.training.run.metrics import StepMeter, mfu_peak
 
 
@@ -159,3 +160,27 @@ def test_the_flop_formula_is_what_the_ranks_of_a_layout_count_together() -> None
     from dist_utils import run_distributed
 
     run_distributed(_layout_flops_worker, 2)
+
+
+def test_the_documented_hand_examples_are_the_formula() -> None:
+    """docs/training-loop.md's table of every family's preset: forward and training FLOPs per token at sequence 8192
+    and the tokens/s per H100 SXM that make 40% MFU, each recomputed here."""
+    import json
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "training-loop.md"), encoding="utf-8") as fh:
+        rows = re.findall(r"^\| `([\w.-]+)` \| (\w+)[^|]* \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", fh.read(), re.M)
+    families = set()
+    peak = load_device("h100-sxm").peak("bf16")
+    for preset, family, forward, training, tokens in rows:
+        with open(os.path.join(root, "configs", "models", f"{preset}.json"), encoding="utf-8") as fh:
+            config = ModelConfig.from_dict(json.load(fh))
+        number = lambda text: int(text.replace(",", ""))  # noqa: E731
+        assert config.model_type == family
+        assert number(forward) == forward_flops_per_token(config, 8192), preset
+        assert number(training) == training_flops_per_token(config, 8192), preset
+        assert number(tokens) == round(0.4 * peak / training_flops_per_token(config, 8192)), preset
+        families.add(family)
+    assert families == {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "llama4"}

@@ -20,6 +20,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "evaluate": ("llama_megatron.commands.evaluate", "validation loss of a checkpoint (same setup as train)"),
     "generate": ("llama_megatron.commands.generate", "text from a checkpoint: chat template, greedy or sampled, KV cache"),
     "doctor": ("llama_megatron.commands.doctor", "check a multi-node setup under its launcher: ranks, files, bandwidth"),
+    "profile": ("llama_megatron.commands.profile", "where a step's time goes: per-rank torch.profiler traces, time by "
+                "category (launched as train)"),
     "estimate": ("llama_megatron.commands.estimate", "per-rank memory estimate and the largest micro batch that fits"),
     "plan": ("llama_megatron.commands.plan", "rank every parallel layout of a model on a cluster: memory, step time"),
     "plot": ("llama_megatron.commands.plot", "PNG of loss, validation loss, lr and tokens/s of one or more runs"),

@@ -7,7 +7,8 @@ Every run builds its own process groups, model, DeepSpeed engine and data, exact
 `llama_megatron.train` does; only the launcher start-up, the imports and the default process group are shared,
 which is what makes a matrix of layouts affordable on a 2-core CI machine.
 
-A run given as ``{"args": [...], "loaded_state": DIR}`` also writes, once its setup has loaded ``checkpoint.load``
+A run given as ``{"verb": "profile", "args": [...]}`` is that `llama-megatron` verb's run instead (its own entry point,
+in the same processes). A run given as ``{"args": [...], "loaded_state": DIR}`` also writes, once its setup has loaded ``checkpoint.load``
 and before its first step, this rank's share of the state it holds to ``DIR/rank{R}.pt`` (:func:`dump_state`).
 """
 
@@ -53,6 +54,15 @@ def main(path: str) -> int:
     open_session = loop.open_session
     for run in runs:
         argv = run["args"] if isinstance(run, dict) else run
+        if isinstance(run, dict) and "verb" in run:
+            from llama_megatron.cli import main as cli_main
+
+            rc = cli_main([run["verb"], *argv])
+            if rc:
+                print(f"run failed ({rc}): {run['verb']} {' '.join(argv)}", file=sys.stderr, flush=True)
+                return rc
+            gc.collect()
+            continue
         if isinstance(run, dict):
             def opened(*args, out=run["loaded_state"], **kwargs):
                 session = open_session(*args, **kwargs)

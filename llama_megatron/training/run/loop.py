@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ from llama_megatron.parallel.placement import launcher_chain, placement
 from llama_megatron.parallel.process_groups import barrier
 from llama_megatron.training.checkpointer import Checkpointer
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.profiling import StepProfiler
 from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.faults.guard import StepGuard
 from llama_megatron.training.faults.preemption import StopRequests
@@ -48,7 +50,9 @@ def run_evaluation(config: TrainingConfig, ds_source=None) -> dict:
     return result
 
 
-def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = False) -> dict:
+def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = False,
+                    profiler: StepProfiler | None = None) -> dict:
+    """Train ``config``'s run; ``profiler`` (``llama-megatron profile``) records the steps it was asked for."""
     if eval_only:
         return run_evaluation(config, ds_source)
     finished = finished_run(config)
@@ -60,19 +64,22 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
         return {"step": finished.step}
     session = open_session(config, ds_source)
     try:
-        return _train(session, config)
+        return _train(session, config, profiler)
     finally:
         session.close()
 
 
-def _train(session: Session, config: TrainingConfig) -> dict:
+def _train(session: Session, config: TrainingConfig, profiler: StepProfiler | None = None) -> dict:
     run = _TrainingRun(session, config)
     try:
         run.prepare()
-        for micro_batches in step_batches(run.train_ds, config, session.pctx, run.consumed,
-                                          config.train.steps - run.step):
-            if not run.train_step(micro_batches):
-                break
+        batches = step_batches(run.train_ds, config, session.pctx, run.consumed, config.train.steps - run.step)
+        while True:
+            with profiler.step(run.step + 1) if profiler else contextlib.nullcontext():
+                with profiler.data() if profiler else contextlib.nullcontext():
+                    micro_batches = next(batches, None)
+                if micro_batches is None or not run.train_step(micro_batches):
+                    break
         run.finish()
     finally:
         run.close()

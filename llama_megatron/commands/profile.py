@@ -1,0 +1,71 @@
+"""``llama-megatron profile``: where a training step's time goes, per rank (torch.profiler traces and a summary).
+
+    deepspeed --num_gpus N --module llama_megatron profile --config X.json --steps 3:5 --output prof/
+    llama-megatron profile --config X.json --steps 2 --ranks 0 --output prof/      # one process
+
+The run trains as ``train`` would (same launchers, layouts and numbers; no checkpoint saved, no evaluation) up to
+the last step asked; the steps asked are recorded on the ranks asked: ``rank{R}.trace.json`` for
+ui.perfetto.dev, chrome://tracing or TensorBoard, ``summary.json`` and a table of time by category
+(``training/diagnostics/profiling.py``), beside the run's ``metrics.jsonl`` in the same directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from llama_megatron.commands.train import add_config_arguments
+from llama_megatron.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--steps", default="2:3",
+                        help="the run's steps to record, FIRST:LAST or one step, counted from 1 (default 2:3: step 1 "
+                             "warms up)")
+    parser.add_argument("--ranks", default="all", help="global ranks to record: 'all' (default) or e.g. 0,3")
+    parser.add_argument("--output", required=True, help="directory for the traces, summary.json and the run's logs")
+    parser.add_argument("--overwrite", action="store_true", help="replace what --output holds")
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+
+    from llama_megatron.parallel.placement import adopt_launcher_env, placement
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.diagnostics.profiling import ProfileRequest
+
+    adopt_launcher_env()
+    request = ProfileRequest.parse(args.steps, args.ranks, os.path.abspath(args.output))
+    where = placement()
+    if os.path.exists(request.output) and os.listdir(request.output) and not args.overwrite:
+        raise ConfigError(f"--output {args.output} exists and is not empty: pass --overwrite to replace it")
+    overrides = [*args.overrides, f"output_dir={request.output}", "checkpoint.save=null", "eval.interval=0"]
+    request.check(TrainingConfig.from_file(args.config, overrides).train.steps, where.world_size)
+    config = TrainingConfig.from_file(args.config, [*overrides, f"train.steps={request.last}"])
+    if args.overwrite and where.rank == 0 and os.path.isdir(request.output):
+        shutil.rmtree(request.output)  # before any rank writes: the launcher's ranks start together, rank 0 first
+    return _profile(config, request, args.deepspeed_config or config.deepspeed_config, args.config)
+
+
+def _profile(config, request, ds_source, config_path: str) -> int:
+    import torch.distributed as dist
+
+    from llama_megatron.parallel.placement import placement
+    from llama_megatron.training.diagnostics.profiling import StepProfiler, summary_table, write_summary
+    from llama_megatron.training.run.loop import run_pretraining
+
+    profiler = StepProfiler(request, placement().rank)
+    run_pretraining(config, ds_source, profiler=profiler)
+    mine = profiler.finish()
+    gathered = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    ranks = [r for r in gathered if r is not None]
+    if placement().rank == 0:
+        path = write_summary(request.output, ranks, {"config": os.path.abspath(config_path),
+                                                     "world_size": placement().world_size})
+        print(summary_table(ranks), flush=True)
+        print(f"profile: {len(ranks)} rank(s), steps {request.first}-{request.last}: {path}", flush=True)
+    return 0

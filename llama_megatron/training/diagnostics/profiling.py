@@ -1,0 +1,216 @@
+"""Where a step's time goes: torch.profiler over the steps asked, per rank, and its time by category.
+
+``llama-megatron profile`` trains the run up to the last step asked (the same setup, layout and numbers as
+``train``: profiling changes no value) and, on the ranks asked, records the steps asked with torch.profiler (CPU
+and CUDA activities, shapes, Python stacks). Each such rank writes ``rank{R}.trace.json`` (Chrome / Perfetto JSON:
+ui.perfetto.dev, chrome://tracing, TensorBoard's profiler plugin) and its share of ``summary.json``: the time of
+the profiled steps by category, from each operator's own (self) time, so nothing counts twice:
+
+- ``gemm``: matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``);
+- ``attention``: the fused attention kernels (SDPA's, flash-attn, FlexAttention);
+- ``collective:<kind>``: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send/recv (the pipeline's
+  activations; a stage waiting for its neighbour waits here), barrier;
+- ``optimizer``: the operators inside torch's ``Optimizer.step`` (the update itself);
+- ``elementwise, norms, copies``: every other aten operator (and ``other operators``: the rest with a ``::`` name);
+- ``data``: reading and collating the step's micro batches (all of it, Python included);
+- ``host (Python, launches)``: what is left of the steps' wall time: Python between operators, DeepSpeed's and our
+  bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from llama_megatron.errors import ConfigError
+
+DATA_RANGE = "llama_megatron: data"  # the record_function around reading a step's micro batches
+COLLECTIVE_KINDS = (  # (kind, what an event's name holds for it: c10d's op names and the gloo / NCCL ranges)
+    ("all_to_all", ("alltoall", "all_to_all")),
+    ("reduce_scatter", ("reduce_scatter", "reducescatter", "_reduce_scatter_base")),
+    ("all_gather", ("allgather", "all_gather", "_allgather_base")),
+    ("all_reduce", ("allreduce", "all_reduce")),
+    ("broadcast", ("broadcast",)),
+    ("send_recv", ("send", "recv")),
+    ("barrier", ("barrier",)),
+)
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::addbmm",
+            "aten::_grouped_mm", "aten::_scaled_grouped_mm"}
+ATTENTION_PATTERN = re.compile(r"scaled_dot_product|flash_attn|flash_attention|efficient_attention|flex_attention|"
+                               r"_cudnn_attention")
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """The steps (first..last, 1-based, inclusive) and ranks (None: every rank) to profile, and where to write."""
+
+    first: int
+    last: int
+    ranks: frozenset[int] | None
+    output: str
+
+    @classmethod
+    def parse(cls, steps: str, ranks: str, output: str) -> ProfileRequest:
+        match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", steps)
+        if not match:
+            raise ConfigError(f"--steps {steps!r}: give a step (3) or a range of steps (3:5), counted from 1")
+        first = int(match.group(1))
+        last = int(match.group(2) or first)
+        if first < 1 or last < first:
+            raise ConfigError(f"--steps {steps}: the first step must be >= 1 and <= the last")
+        chosen = None
+        if ranks.strip() != "all":
+            try:
+                chosen = frozenset(int(r) for r in ranks.split(","))
+            except ValueError:
+                raise ConfigError(f"--ranks {ranks!r}: 'all' or global ranks separated by commas (0,3)") from None
+        return cls(first, last, chosen, output)
+
+    def check(self, train_steps: int, world_size: int) -> None:
+        """One line (exit 2) for steps outside the run or ranks outside the world."""
+        if self.last > train_steps:
+            raise ConfigError(f"--steps {self.first}:{self.last} lies outside the run: train.steps is {train_steps}")
+        outside = sorted(r for r in self.ranks or () if not 0 <= r < world_size)
+        if outside:
+            raise ConfigError(f"--ranks {','.join(map(str, outside))} outside the world of {world_size} processes "
+                              f"(ranks 0-{world_size - 1})")
+
+    def profiles(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+def is_operator(name: str) -> bool:
+    """Whether a profiler event is an operator (aten, c10d, a collective's range), not a Python function's."""
+    return "::" in name or name.lower().startswith(("gloo:", "nccl:", "record_param_comms"))
+
+
+def category(name: str, ancestors: tuple[str, ...]) -> str:
+    """The summary's category of the operator ``name`` under the ranges ``ancestors`` (innermost first)."""
+    lowered = name.lower()
+    if name in GEMM_OPS:
+        return "gemm"
+    if ATTENTION_PATTERN.search(lowered):
+        return "attention"
+    if lowered.startswith(("c10d::", "gloo:", "nccl:", "record_param_comms")):
+        for kind, needles in COLLECTIVE_KINDS:
+            if any(n in lowered for n in needles):
+                return f"collective:{kind}"
+        return "collective:other"
+    if any(outer.startswith("Optimizer.step#") for outer in ancestors):
+        return "optimizer"
+    return "elementwise, norms, copies" if lowered.startswith("aten::") else "other operators"
+
+
+def time_by_category(events, wall_seconds: float) -> dict[str, float]:
+    """Seconds per category of the profiled steps (``wall_seconds`` long) from torch.profiler's ``events``: each
+    operator's self time, ``data`` the whole time spent reading batches, and ``host (Python, launches)`` what is
+    left of the wall time (Python between operators, the launcher's and DeepSpeed's bookkeeping). CUDA kernels'
+    device time is under ``device:<category>`` of the operator that launched them."""
+    out: dict[str, float] = {}
+
+    def add(kind: str, seconds: float) -> None:
+        out[kind] = out.get(kind, 0.0) + seconds
+
+    for event in events:
+        if event.name == DATA_RANGE:
+            add("data", event.cpu_time_total / 1e6)
+            continue
+        if not is_operator(event.name):
+            continue
+        ancestors, parent = [], event.cpu_parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        if DATA_RANGE in ancestors:
+            continue
+        kind = category(event.name, tuple(ancestors))
+        add(kind, event.self_cpu_time_total / 1e6)
+        device = getattr(event, "self_device_time_total", 0)
+        if device:
+            add(f"device:{kind}", device / 1e6)
+    host = sum(seconds for kind, seconds in out.items() if not kind.startswith("device:"))
+    out["host (Python, launches)"] = max(0.0, wall_seconds - host)
+    return dict(sorted(out.items(), key=lambda item: -item[1]))
+
+
+class StepProfiler:
+    """torch.profiler over the steps ``request`` names, on this rank if it is asked for."""
+
+    def __init__(self, request: ProfileRequest, rank: int) -> None:
+        self.request, self.rank = request, rank
+        self.active = request.profiles(rank)
+        self._profiler: torch.profiler.profile | None = None
+        self.seconds: dict[int, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around everything step ``step`` does (reading its batches included)."""
+        if not self.active or not self.request.first <= step <= self.request.last:
+            yield
+            return
+        if self._profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True)
+            self._profiler.__enter__()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[step] = time.perf_counter() - start
+
+    def data(self) -> contextlib.AbstractContextManager:
+        """Around reading one step's micro batches: ``data`` in the summary."""
+        return torch.profiler.record_function(DATA_RANGE) if self._profiler is not None else contextlib.nullcontext()
+
+    def finish(self) -> dict | None:
+        """Stop, write this rank's trace; this rank's summary (None where nothing was profiled)."""
+        if self._profiler is None:
+            return None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._profiler.__exit__(None, None, None)
+        os.makedirs(self.request.output, exist_ok=True)
+        trace = os.path.join(self.request.output, f"rank{self.rank}.trace.json")
+        self._profiler.export_chrome_trace(trace)
+        times = time_by_category(self._profiler.events(), sum(self.seconds.values()))
+        return {"rank": self.rank, "trace": os.path.basename(trace), "steps": list(range(self.request.first,
+                                                                                          self.request.last + 1)),
+                "step_seconds": {str(s): self.seconds[s] for s in sorted(self.seconds)},
+                "seconds_by_category": times}
+
+
+def write_summary(output: str, ranks: list[dict], extra: dict) -> str:
+    """``summary.json`` (atomically) from every profiled rank's summary; its path."""
+    path = os.path.join(output, "summary.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({**extra, "ranks": sorted(ranks, key=lambda r: r["rank"])}, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def summary_table(ranks: list[dict]) -> str:
+    """The categories' seconds per profiled rank (and their share of the rank's total), as printed at the end."""
+    kinds: list[str] = []
+    for rank in ranks:
+        kinds += [k for k in rank["seconds_by_category"] if k not in kinds]
+    head = f"{'category':<28}" + "".join(f"{'rank ' + str(r['rank']):>18}" for r in ranks)
+    lines = [head]
+    for kind in kinds:
+        cells = []
+        for rank in ranks:
+            total = sum(rank["seconds_by_category"].values()) or 1.0
+            seconds = rank["seconds_by_category"].get(kind, 0.0)
+            cells.append(f"{seconds:>10.3f} s {100 * seconds / total:>4.0f}%")
+        lines.append(f"{kind:<28}" + "".join(f"{c:>18}" for c in cells))
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""`llama-megatron profile`: per-rank torch.profiler traces and time by category (training/diagnostics/profiling.py).
+
+One launch of 2 processes (tests/scripts/train_many.py) runs the same PP2 run under `profile` (steps 2-3) and under
+`train`: the losses are equal bit for bit (profiling changes no number), each rank writes a trace that parses as
+Chrome trace JSON, and the summary names the pipeline's send/recv and the GEMMs. Bad input is one line, exit 2,
+before any process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from launch_utils import PRETRAIN_CONFIG, launch_many, losses, train_args
+
+from llama_megatron.cli import main as cli_main
+from llama_megatron.training.diagnostics.profiling import ProfileRequest, category, time_by_category
+
+SYNTHETIC = ['data={"type": "synthetic"}', "tokenizer=null", "train.steps=4"]
+PP2 = ["parallel.pipeline=2", "batch.micro_batch_size=1"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    work = tmp_path_factory.mktemp("profile")
+    profile = {"verb": "profile", "args": [*train_args(PRETRAIN_CONFIG, [*SYNTHETIC, *PP2]), "--steps", "2:3",
+                                          "--output", str(work / "profile")]}
+    train = train_args(PRETRAIN_CONFIG, [*SYNTHETIC, *PP2, "train.steps=3", f"output_dir={work / 'train'}"])
+    launch_many(2, [profile, train], str(work / "runs.json"))
+    return work
+
+
+def test_profiling_changes_no_number(profiled) -> None:
+    got, want = losses(str(profiled / "profile")), losses(str(profiled / "train"))
+    assert list(got) == [1, 2, 3] and got == want
+
+
+def test_every_rank_writes_a_trace_and_the_summary_says_where_time_went(profiled) -> None:
+    out = profiled / "profile"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and [r["rank"] for r in summary["ranks"]] == [0, 1]
+    for rank in summary["ranks"]:
+        trace = json.loads((out / rank["trace"]).read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert "aten::mm" in names or "aten::addmm" in names
+        assert rank["steps"] == [2, 3] and set(rank["step_seconds"]) == {"2", "3"}
+        seconds = rank["seconds_by_category"]
+        assert seconds["gemm"] > 0 and seconds["collective:send_recv"] > 0, seconds
+        total = sum(v for k, v in seconds.items() if not k.startswith("device:"))
+        assert total == pytest.approx(sum(rank["step_seconds"].values()), rel=0.05)  # the steps' wall time, split
+
+
+@pytest.mark.parametrize("name, ancestors, kind", [
+    ("aten::mm", (), "gemm"), ("aten::addmm", ("Optimizer.step#AdamW.step",), "gemm"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", (), "attention"),
+    ("c10d::allreduce_", (), "collective:all_reduce"), ("c10d::_allgather_base_", (), "collective:all_gather"),
+    ("c10d::_reduce_scatter_base_", (), "collective:reduce_scatter"), ("c10d::alltoall_base_", (), "collective:all_to_all"),
+    ("c10d::send", (), "collective:send_recv"), ("c10d::recv_", (), "collective:send_recv"),
+    ("aten::add_", ("Optimizer.step#AdamW.step", "x"), "optimizer"), ("aten::mul", (), "elementwise, norms, copies"),
+])
+def test_categories(name: str, ancestors: tuple, kind: str) -> None:
+    assert category(name, ancestors) == kind
+
+
+def test_the_categories_split_the_wall_time_and_count_nothing_twice() -> None:
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        a = torch.randn(64, 64, requires_grad=True)
+        with torch.profiler.record_function("llama_megatron: data"):
+            b = torch.randn(64, 64) * 2
+        (a @ b).relu().sum().backward()
+    seconds = time_by_category(prof.events(), 10.0)
+    assert sum(seconds.values()) == pytest.approx(10.0)
+    assert seconds["gemm"] > 0 and seconds["data"] > 0 and seconds["host (Python, launches)"] > 9
+
+
+@pytest.mark.parametrize("args, environment, message", [
+    (["--steps", "3:9"], {}, "--steps 3:9 lies outside the run: train.steps is 4"),
+    (["--steps", "0:2"], {}, "--steps 0:2: the first step must be >= 1 and <= the last"),
+    (["--steps", "two"], {}, "--steps 'two': give a step (3) or a range of steps (3:5), counted from 1"),
+    (["--ranks", "1,4"], {"WORLD_SIZE": "2", "RANK": "0"}, "--ranks 4 outside the world of 2 processes (ranks 0-1)"),
+    (["--ranks", "x"], {}, "--ranks 'x': 'all' or global ranks separated by commas (0,3)"),
+    (["--output", "EXISTING"], {}, "--output EXISTING exists and is not empty: pass --overwrite to replace it"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_process_group(args, environment, message, tmp_path,
+                                                                   monkeypatch, capsys) -> None:
+    import torch.distributed as dist
+
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "rank0.trace.json").write_text("{}")
+    args = [a.replace("EXISTING", str(existing)) for a in args]
+    message = message.replace("EXISTING", str(existing))
+    base = ["--output", str(tmp_path / "out")] if "--output" not in args else []
+    code = cli_main(["profile", *train_args(PRETRAIN_CONFIG, SYNTHETIC), *base, *args])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(errors) == 1 and errors[0] == f"error: {message}", errors
+    assert not dist.is_initialized() and not os.path.exists(tmp_path / "out")
+    assert (existing / "rank0.trace.json").read_text() == "{}"
+
+
+def test_request_parse() -> None:
+    assert ProfileRequest.parse("3", "all", "o") == ProfileRequest(3, 3, None, "o")
+    assert ProfileRequest.parse("2:5", "0,3", "o") == ProfileRequest(2, 5, frozenset({0, 3}), "o")
+    assert not ProfileRequest.parse("2", "1", "o").profiles(0) and ProfileRequest.parse("2", "all", "o").profiles(7)

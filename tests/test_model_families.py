@@ -273,14 +273,18 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
     bf16 = layout.endswith("bf16")
     variant = next((v for v in ("-bf16", "-documents") if layout.endswith(v)), "")
     reference_run = runs / f"{family}-tp1-pp1{variant}"
-    for key, rel in (("loss", 1e-4 if bf16 else 1e-5), ("grad_norm", 1e-2 if bf16 else 1e-4)):
+    # Llama 4's top-1 routing moves a token's whole MLP path when a near tie flips in bf16, and its tiny run sends 98%
+    # of the tokens to one expert by step 6: gradient norms 5e-2 (observed 3.1e-2 at step 6; the bf16 TP1-PP1 run is
+    # 1.4e-2 off the fp32 one there), loads 3e-2 (observed 2.1e-2); its losses hold 1e-4 (observed 5e-5)
+    norm_rel, load_abs = (5e-2, 3e-2) if bf16 and family == "llama4" else (1e-2, 2e-2)
+    for key, rel in (("loss", 1e-4 if bf16 else 1e-5), ("grad_norm", norm_rel if bf16 else 1e-4)):
         assert_losses_close(losses(runs / f"{family}-{layout}", key), losses(reference_run, key), rel,
                             range(1, STEPS + 1))
     if family in MOE_FAMILIES:  # the same routing, logged as each expert's share of the step's assignments
         for step, (ours, reference) in enumerate(zip(losses(runs / f"{family}-{layout}", "expert_load").values(),
                                                      losses(reference_run, "expert_load").values()), start=1):
             assert len(ours) == 4 and abs(sum(ours) - 1) < 1e-5, step
-            assert max(abs(a - b) for a, b in zip(ours, reference)) < (2e-2 if bf16 else 1e-6), step
+            assert max(abs(a - b) for a, b in zip(ours, reference)) < (load_abs if bf16 else 1e-6), step
 
 
 def test_llama4_release_through_an_expert_parallel_checkpoint_and_back_is_exact(runs, tmp_path) -> None:

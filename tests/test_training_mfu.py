@@ -149,12 +149,53 @@ def _layout_flops_worker(rank: int, world_size: int) -> None:
             moe_layers = sum(map(config.is_moe_layer, range(config.num_hidden_layers)))
             want += (pctx.tp_size - 1) * 3 * 2 * config.hidden_size * config.num_local_experts * tokens * moe_layers
         assert total.item() == want, (family, layout, total.item(), want)
+    _pipeline_flops(b, s)
+
+
+def _pipeline_flops(b: int, s: int) -> None:
+    """PP2: stage 0 runs the embedding and its layers, stage 1 the rest and the loss; the activations and their
+    gradient cross between the ranks (objects over gloo, outside the counted regions). Summed: the formula's."""
+    import torch
+    import torch.distributed as dist
+    from model_utils import tiny_config
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llama_megatron.model.build import build_model
+    from llama_megatron.parallel.context import ParallelContext
+    from llama_megatron.parallel.degrees import ParallelConfig
+
+    config = tiny_config(vocab_size=512, **FLOP_CASES["mixtral"])
+    pctx = ParallelContext.build(pipeline=2)
+    model = build_model(config, ParallelConfig(pipeline=2, make_vocab_size_divisible_by=8), pctx)
+    ids = torch.randint(0, config.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    if pctx.pp_rank == 0:  # one counted region (entering a FlopCounterMode again starts its count anew)
+        with counter:
+            with sdpa_kernel(SDPBackend.MATH):
+                outputs = model((ids[:, :-1], torch.arange(s).expand(b, s)))
+            dist.send_object_list([tuple(t.detach() for t in outputs)], dst=1)
+            grads = [None]
+            dist.recv_object_list(grads, src=1)
+            torch.autograd.backward([t for t in outputs if t.is_floating_point()], grads[0])
+    else:
+        received = [None]
+        dist.recv_object_list(received, src=0)
+        inputs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in received[0])
+        with sdpa_kernel(SDPBackend.MATH), counter:
+            loss = model.loss_fn(model(inputs), (ids[:, 1:], torch.tensor(float(b * s))))
+            loss.backward()
+        dist.send_object_list([[t.grad for t in inputs if t.is_floating_point()]], dst=0)
+    total = torch.tensor(float(counter.get_total_flops()), dtype=torch.float64)
+    dist.all_reduce(total)
+    assert total.item() == training_flops_per_token(config, s) * b * s, (total.item(), pctx.pp_rank)
 
 
 @pytest.mark.launched
 def test_the_flop_formula_is_what_the_ranks_of_a_layout_count_together() -> None:
     """TP2 with SP, TP2 on Mixtral, CP2 (Ulysses: each rank attends over whole sequences for half the heads), EP2 on
-    Mixtral and Llama 4 (two data ranks, the experts' tokens exchanged): the ranks' FlopCounterMode counts, summed,
+    Mixtral and Llama 4 (two data ranks, the experts' tokens exchanged), PP2 on Mixtral (the stages' passes, the
+    activations and their gradient sent between them): the ranks' FlopCounterMode counts, summed,
     are the formula's FLOPs of the step exactly, plus under TP the router's, which every TP rank computes (hardware
     FLOPs the model FLOPs of MFU count once)."""
     from dist_utils import run_distributed

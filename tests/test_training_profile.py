@@ -26,14 +26,14 @@ def profiled(tmp_path_factory):
     work = tmp_path_factory.mktemp("profile")
     profile = {"verb": "profile", "args": [*train_args(PRETRAIN_CONFIG, [*SYNTHETIC, *PP2]), "--steps", "2:3",
                                           "--output", str(work / "profile")]}
-    train = train_args(PRETRAIN_CONFIG, [*SYNTHETIC, *PP2, "train.steps=3", f"output_dir={work / 'train'}"])
+    train = train_args(PRETRAIN_CONFIG, [*SYNTHETIC, *PP2, f"output_dir={work / 'train'}"])
     launch_many(2, [profile, train], str(work / "runs.json"))
     return work
 
 
 def test_profiling_changes_no_number(profiled) -> None:
     got, want = losses(str(profiled / "profile")), losses(str(profiled / "train"))
-    assert list(got) == [1, 2, 3] and got == want
+    assert list(got) == [1, 2, 3, 4] and got == want  # steps 2-3 traced, step 4 under the call graph's recorder
 
 
 def test_every_rank_writes_a_trace_and_the_summary_says_where_time_went(profiled) -> None:
@@ -49,6 +49,33 @@ def test_every_rank_writes_a_trace_and_the_summary_says_where_time_went(profiled
         assert seconds["gemm"] > 0 and seconds["collective:send_recv"] > 0, seconds
         total = sum(v for k, v in seconds.items() if not k.startswith("device:"))
         assert total == pytest.approx(sum(rank["step_seconds"].values()), rel=0.05)  # the steps' wall time, split
+
+
+def test_the_call_graph_names_the_layers_operators_and_collectives(profiled) -> None:
+    """Step 4 under the call-graph recorder: on every rank its layers' attention and MLP linears with their GEMMs and
+    FLOPs, the stages' activations sent between them (a collective of the PP group with its bytes), an SVG that
+    parses as XML and names them; the ranks' FLOPs summed against the formula's."""
+    import xml.etree.ElementTree as ElementTree
+
+    out = profiled / "profile"
+    summary = json.loads((out / "summary.json").read_text())
+    for rank in summary["ranks"]:
+        graph = rank["call_graph"]
+        assert graph["step"] == 4 and graph["flops"] > 0
+        modules = graph["modules"]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            assert any(m.endswith(name) and modules[m]["flops"] > 0 for m in modules), (name, sorted(modules))
+        # 8 micro batches of [1, 32, 64] fp32 activations forward, their gradients back (and DeepSpeed's shape
+        # header once): 65,536 bytes each way at least
+        for kind in ("send PP", "recv PP"):
+            assert 8 * 32 * 64 * 4 <= graph["collectives"][kind]["bytes"] < 8 * 32 * 64 * 4 + 4096, graph["collectives"]
+        dot = (out / graph["dot"]).read_text()
+        assert "aten.mm" in dot and "qkv_proj" in dot
+        svg = ElementTree.parse(out / graph["svg"]).getroot()
+        text = " ".join(t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+        assert "aten.mm" in text and "qkv_proj" in text
+    counted, formula = summary["flops_of_a_step"]["counted"], summary["flops_of_a_step"]["formula"]
+    assert 0.9 * formula < counted < 1.1 * formula  # exact with SDPA's math kernel: tests/test_training_mfu.py
 
 
 @pytest.mark.parametrize("name, ancestors, kind", [
@@ -77,7 +104,8 @@ def test_the_categories_split_the_wall_time_and_count_nothing_twice() -> None:
 
 
 @pytest.mark.parametrize("args, environment, message", [
-    (["--steps", "3:9"], {}, "--steps 3:9 lies outside the run: train.steps is 4"),
+    (["--steps", "3:4"], {}, "--steps 3:4 lies outside the run: train.steps is 4, and the call graph takes the step "
+                             "after the last asked (ask up to step 3)"),
     (["--steps", "0:2"], {}, "--steps 0:2: the first step must be >= 1 and <= the last"),
     (["--steps", "two"], {}, "--steps 'two': give a step (3) or a range of steps (3:5), counted from 1"),
     (["--ranks", "1,4"], {"WORLD_SIZE": "2", "RANK": "0"}, "--ranks 4 outside the world of 2 processes (ranks 0-1)"),

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--output {args.output} exists and is not empty: pass --overwrite to replace it")
     overrides = [*args.overrides, f"output_dir={request.output}", "checkpoint.save=null", "eval.interval=0"]
     request.check(TrainingConfig.from_file(args.config, overrides).train.steps, where.world_size)
-    config = TrainingConfig.from_file(args.config, [*overrides, f"train.steps={request.last}"])
+    config = TrainingConfig.from_file(args.config, [*overrides, f"train.steps={request.last + 1}"])
     if args.overwrite and where.rank == 0 and os.path.isdir(request.output):
         shutil.rmtree(request.output)  # before any rank writes: the launcher's ranks start together, rank 0 first
     return _profile(config, request, args.deepspeed_config or config.deepspeed_config, args.config)
@@ -52,6 +52,7 @@ def _profile(config, request, ds_source, config_path: str) -> int:
     import torch.distributed as dist
 
     from llama_megatron.parallel.placement import placement
+    from llama_megatron.training.diagnostics.flops import training_flops_per_token
     from llama_megatron.training.diagnostics.profiling import StepProfiler, summary_table, write_summary
     from llama_megatron.training.run.loop import run_pretraining
 
@@ -64,8 +65,13 @@ def _profile(config, request, ds_source, config_path: str) -> int:
         dist.all_gather_object(gathered, mine)
     ranks = [r for r in gathered if r is not None]
     if placement().rank == 0:
-        path = write_summary(request.output, ranks, {"config": os.path.abspath(config_path),
-                                                     "world_size": placement().world_size})
+        extra = {"config": os.path.abspath(config_path), "world_size": placement().world_size}
+        if len(ranks) == placement().world_size and all("call_graph" in r for r in ranks):
+            # every rank's count of the call graph's step against the MFU formula's FLOPs of a step
+            tokens = config.batch.global_batch_size * config.seq_length
+            extra["flops_of_a_step"] = {"counted": sum(r["call_graph"]["flops"] for r in ranks),
+                                        "formula": training_flops_per_token(config.model, config.seq_length) * tokens}
+        path = write_summary(request.output, ranks, extra)
         print(summary_table(ranks), flush=True)
         print(f"profile: {len(ranks)} rank(s), steps {request.first}-{request.last}: {path}", flush=True)
     return 0

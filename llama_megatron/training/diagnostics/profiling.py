@@ -75,8 +75,10 @@ class ProfileRequest:
 
     def check(self, train_steps: int, world_size: int) -> None:
         """One line (exit 2) for steps outside the run or ranks outside the world."""
-        if self.last > train_steps:
-            raise ConfigError(f"--steps {self.first}:{self.last} lies outside the run: train.steps is {train_steps}")
+        if self.last >= train_steps:  # the call graph takes the step after the last one asked
+            raise ConfigError(f"--steps {self.first}:{self.last} lies outside the run: train.steps is {train_steps}, "
+                              f"and the call graph takes the step after the last asked (ask up to step "
+                              f"{train_steps - 1})")
         outside = sorted(r for r in self.ranks or () if not 0 <= r < world_size)
         if outside:
             raise ConfigError(f"--ranks {','.join(map(str, outside))} outside the world of {world_size} processes "
@@ -141,17 +143,38 @@ def time_by_category(events, wall_seconds: float) -> dict[str, float]:
 
 
 class StepProfiler:
-    """torch.profiler over the steps ``request`` names, on this rank if it is asked for."""
+    """torch.profiler over the steps ``request`` names, on this rank if it is asked for; then the call graph
+    (:class:`~llama_megatron.training.diagnostics.call_graph.CallGraphRecorder`) over the step after them."""
 
     def __init__(self, request: ProfileRequest, rank: int) -> None:
         self.request, self.rank = request, rank
         self.active = request.profiles(rank)
         self._profiler: torch.profiler.profile | None = None
         self.seconds: dict[int, float] = {}
+        self.groups: dict[int, str] = {}
+        self.peers: frozenset[int] = frozenset()
+        self.call_graph = None
+
+    def attach(self, pctx) -> None:
+        """The run's process groups, by which the call graph names each collective's (TP, CP, EP, DP, PP)."""
+        from llama_megatron.training.diagnostics.call_graph import group_names, pipeline_peers
+
+        self.groups, self.peers = group_names(pctx), pipeline_peers(pctx)
+
+    @property
+    def call_graph_step(self) -> int:
+        return self.request.last + 1
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Around everything step ``step`` does (reading its batches included)."""
+        if self.active and step == self.call_graph_step:
+            from llama_megatron.training.diagnostics.call_graph import CallGraphRecorder
+
+            self.call_graph = CallGraphRecorder(self.groups, self.peers)
+            with self.call_graph:
+                yield
+            return
         if not self.active or not self.request.first <= step <= self.request.last:
             yield
             return
@@ -166,6 +189,8 @@ class StepProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds[step] = time.perf_counter() - start
+        if step == self.request.last:  # stopped here: the call graph's step and the run's end stay out of it
+            self._profiler.__exit__(None, None, None)
 
     def data(self) -> contextlib.AbstractContextManager:
         """Around reading one step's micro batches: ``data`` in the summary."""
@@ -175,17 +200,29 @@ class StepProfiler:
         """Stop, write this rank's trace; this rank's summary (None where nothing was profiled)."""
         if self._profiler is None:
             return None
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._profiler.__exit__(None, None, None)
         os.makedirs(self.request.output, exist_ok=True)
         trace = os.path.join(self.request.output, f"rank{self.rank}.trace.json")
         self._profiler.export_chrome_trace(trace)
         times = time_by_category(self._profiler.events(), sum(self.seconds.values()))
-        return {"rank": self.rank, "trace": os.path.basename(trace), "steps": list(range(self.request.first,
-                                                                                          self.request.last + 1)),
-                "step_seconds": {str(s): self.seconds[s] for s in sorted(self.seconds)},
-                "seconds_by_category": times}
+        out = {"rank": self.rank, "trace": os.path.basename(trace),
+               "steps": list(range(self.request.first, self.request.last + 1)),
+               "step_seconds": {str(s): self.seconds[s] for s in sorted(self.seconds)},
+               "seconds_by_category": times}
+        if self.call_graph is not None:
+            out["call_graph"] = self._write_call_graph()
+        return out
+
+    def _write_call_graph(self) -> dict:
+        """``rank{R}.callgraph.dot`` (and ``.svg`` where a Graphviz program is installed); what it counted."""
+        from llama_megatron.training.diagnostics.call_graph import render_svg, to_dot
+
+        stem = os.path.join(self.request.output, f"rank{self.rank}.callgraph")
+        graph = to_dot(list(self.call_graph.rows.values()), f"rank {self.rank}, step {self.call_graph_step}")
+        with open(stem + ".dot", "w", encoding="utf-8") as fh:
+            fh.write(graph.source)
+        drawn = render_svg(stem + ".dot", stem + ".svg")
+        return {"step": self.call_graph_step, "dot": os.path.basename(stem) + ".dot",
+                "svg": os.path.basename(stem) + ".svg" if drawn else None, **self.call_graph.summary()}
 
 
 def write_summary(output: str, ranks: list[dict], extra: dict) -> str:

@@ -20,7 +20,6 @@ class LayerKVCache:
         self.keys = torch.empty(batch, size, kv_heads, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.length = 0  # positions seen
-        self.start = 0  # the position of keys[:, 0]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Store ``k``/``v`` [b, s, kv_heads, d] of the next positions; the keys and values the call's queries may
@@ -34,21 +33,21 @@ class LayerKVCache:
             self.values[:, self.length:end] = v
             self.length = end
             return self.keys[:, :end], self.values[:, :end], 0
-        # held: positions start .. length - 1, the chunk of position length - 1; the first query's chunk starts at
-        # `first`, which is `start` (the same chunk) or `length` (a new one: nothing held is seen again)
+        # held: the chunk of position length - 1, from its start; the first query's chunk starts at `first`, that
+        # chunk's start (held keys[:, :kept]) or `length` (a new chunk: nothing held is seen again, kept = 0)
         first = self.length // self.chunk * self.chunk
         kept = self.length - first
         if end - first <= self.chunk:  # the call stays in that chunk: in place
             self.keys[:, kept:kept + k.shape[1]] = k
             self.values[:, kept:kept + k.shape[1]] = v
-            self.start, self.length = first, end
+            self.length = end
             return self.keys[:, :end - first], self.values[:, :end - first], first
         # a call across chunks (a prompt): everything it sees, then the last position's chunk held
         keys, values = torch.cat([self.keys[:, :kept], k], dim=1), torch.cat([self.values[:, :kept], v], dim=1)
         last = (end - 1) // self.chunk * self.chunk
         self.keys[:, :end - last] = keys[:, last - first:]
         self.values[:, :end - last] = values[:, last - first:]
-        self.start, self.length = last, end
+        self.length = end
         return keys, values, first
 
 

@@ -3,8 +3,9 @@
     deepspeed --num_gpus N --module llama_megatron profile --config X.json --steps 3:5 --output prof/
     llama-megatron profile --config X.json --steps 2 --ranks 0 --output prof/      # one process
 
-The run trains as ``train`` would (same launchers, layouts and numbers; no checkpoint saved, no evaluation) up to
-the last step asked; the steps asked are recorded on the ranks asked: ``rank{R}.trace.json`` for
+The run trains as ``train`` would (same launchers, layouts and numbers, the learning-rate schedule over the
+config's ``train.steps``; no checkpoint saved, no evaluation) and stops after the step that follows the last one
+asked (the call graph's); the steps asked are recorded on the ranks asked: ``rank{R}.trace.json`` for
 ui.perfetto.dev, chrome://tracing or TensorBoard, ``summary.json`` and a table of time by category
 (``training/diagnostics/profiling.py``), beside the run's ``metrics.jsonl`` in the same directory.
 """
@@ -41,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(request.output) and os.listdir(request.output) and not args.overwrite:
         raise ConfigError(f"--output {args.output} exists and is not empty: pass --overwrite to replace it")
     overrides = [*args.overrides, f"output_dir={request.output}", "checkpoint.save=null", "eval.interval=0"]
-    request.check(TrainingConfig.from_file(args.config, overrides).train.steps, where.world_size)
-    config = TrainingConfig.from_file(args.config, [*overrides, f"train.steps={request.last + 1}"])
+    config = TrainingConfig.from_file(args.config, overrides)  # train.steps kept: the LR schedule spans it
+    request.check(config.train.steps, where.world_size)
     if args.overwrite and where.rank == 0 and os.path.isdir(request.output):
         shutil.rmtree(request.output)  # before any rank writes: the launcher's ranks start together, rank 0 first
     return _profile(config, request, args.deepspeed_config or config.deepspeed_config, args.config)

@@ -28,14 +28,32 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COLLECTIVES = {  # c10d's operators -> the kind the summary and the graph name
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
-    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
-    "broadcast_": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier",
-    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
-}
+COLLECTIVE_KINDS = (  # (kind, what a name holds for it), first match wins: c10d's operators ("c10d::alltoall_base_")
+    # and the profiler's ranges of gloo / NCCL ("gloo:all_to_all") name a collective alike; read by the call graph and
+    # by the profile's time categories
+    ("all_to_all", ("alltoall", "all_to_all")),
+    ("reduce_scatter", ("reduce_scatter", "reducescatter")),
+    ("all_gather", ("allgather", "all_gather")),
+    ("all_reduce", ("allreduce", "all_reduce")),
+    ("broadcast", ("broadcast",)),
+    ("send", ("send",)),
+    ("recv", ("recv",)),
+    ("barrier", ("barrier",)),
+    ("reduce", ("reduce",)),
+    ("gather", ("gather",)),
+    ("scatter", ("scatter",)),
+)
+
+
+def collective_kind(name: str) -> str | None:
+    """The kind of the collective a c10d operator or a profiler range is named for, or None."""
+    lowered = name.lower()
+    for kind, needles in COLLECTIVE_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return None
+
+
 # a group serving several roles (EP 1's expert-data group is the data group) takes its first name here
 GROUP_NAMES = (("tp_group", "TP"), ("cp_group", "CP"), ("dp_group", "DP"), ("dp_cp_group", "DP x CP"),
                ("pp_group", "PP"), ("ep_group", "EP"), ("edp_group", "EDP"))
@@ -134,7 +152,7 @@ class CallGraphRecorder(TorchDispatchMode):
         seconds = time.perf_counter() - start
         packet = func._overloadpacket
         namespace, _, name = str(packet).partition(".")
-        collective = COLLECTIVES.get(name) if namespace == "c10d" else None
+        collective = collective_kind(name) if namespace == "c10d" else None
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         module = max(self.tracker.parents, key=len)
         backward = self.tracker.is_bw

@@ -8,8 +8,9 @@ the profiled steps by category, from each operator's own (self) time, so nothing
 
 - ``gemm``: matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``);
 - ``attention``: the fused attention kernels (SDPA's, flash-attn, FlexAttention);
-- ``collective:<kind>``: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send/recv (the pipeline's
-  activations; a stage waiting for its neighbour waits here), barrier;
+- ``collective:<kind>``: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send and recv (the pipeline's
+  activations; a stage waiting for its neighbour waits in recv), barrier (the kinds of
+  :data:`~llama_megatron.training.diagnostics.call_graph.COLLECTIVE_KINDS`, which the call graph names too);
 - ``optimizer``: the operators inside torch's ``Optimizer.step`` (the update itself);
 - ``elementwise, norms, copies``: every other aten operator (and ``other operators``: the rest with a ``::`` name);
 - ``data``: reading and collating the step's micro batches (all of it, Python included);
@@ -30,17 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from llama_megatron.errors import ConfigError
+from llama_megatron.training.diagnostics.call_graph import collective_kind
 
 DATA_RANGE = "llama_megatron: data"  # the record_function around reading a step's micro batches
-COLLECTIVE_KINDS = (  # (kind, what an event's name holds for it: c10d's op names and the gloo / NCCL ranges)
-    ("all_to_all", ("alltoall", "all_to_all")),
-    ("reduce_scatter", ("reduce_scatter", "reducescatter", "_reduce_scatter_base")),
-    ("all_gather", ("allgather", "all_gather", "_allgather_base")),
-    ("all_reduce", ("allreduce", "all_reduce")),
-    ("broadcast", ("broadcast",)),
-    ("send_recv", ("send", "recv")),
-    ("barrier", ("barrier",)),
-)
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::addbmm",
             "aten::_grouped_mm", "aten::_scaled_grouped_mm"}
 ATTENTION_PATTERN = re.compile(r"scaled_dot_product|flash_attn|flash_attention|efficient_attention|flex_attention|"
@@ -101,10 +94,7 @@ def category(name: str, ancestors: tuple[str, ...]) -> str:
     if ATTENTION_PATTERN.search(lowered):
         return "attention"
     if lowered.startswith(("c10d::", "gloo:", "nccl:", "record_param_comms")):
-        for kind, needles in COLLECTIVE_KINDS:
-            if any(n in lowered for n in needles):
-                return f"collective:{kind}"
-        return "collective:other"
+        return f"collective:{collective_kind(name) or 'other'}"
     if any(outer.startswith("Optimizer.step#") for outer in ancestors):
         return "optimizer"
     return "elementwise, norms, copies" if lowered.startswith("aten::") else "other operators"
@@ -164,6 +154,10 @@ class StepProfiler:
     @property
     def call_graph_step(self) -> int:
         return self.request.last + 1
+
+    def done(self, step: int) -> bool:
+        """Whether the run may stop after ``step``: every rank's answer is the same (the call graph's step is past)."""
+        return step >= self.call_graph_step
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:

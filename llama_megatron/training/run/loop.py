@@ -82,6 +82,8 @@ def _train(session: Session, config: TrainingConfig, profiler: StepProfiler | No
                     micro_batches = next(batches, None)
                 if micro_batches is None or not run.train_step(micro_batches):
                     break
+            if profiler and profiler.done(run.step):
+                break
         run.finish()
     finally:
         run.close()

@@ -26,8 +26,10 @@ from llama_megatron.config import ModelConfig
 from llama_megatron.data.batch import MicroBatch
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import build_model
+from llama_megatron.model.llama import logits_of
 from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
+from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 from llama_megatron.parallel.degrees import ParallelConfig
@@ -59,37 +61,69 @@ def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kern
 
     model = build_model(config, parallel, pctx, initialize=False, **({"kernels": kernels} if kernels else {}))
     hf_state = as_checkpoint_tensors(hf.state_dict(), config)
-    model.load_state_dict(hf_to_rank_state_dict(hf_state, config, pctx.tp_rank, pctx.tp_size,
-                                                parallel.padded_vocab_size(config.vocab_size), pctx.ep_rank,
-                                                pctx.ep_size))
+    state = hf_to_rank_state_dict(hf_state, config, pctx.tp_rank, pctx.tp_size,
+                                  parallel.padded_vocab_size(config.vocab_size), pctx.ep_rank, pctx.ep_size)
+    model.load_state_dict({name: state[name] for name in model.state_dict()})  # a pipeline stage: its layers'
     mine = labels[pctx.dp_rank]
     next_labels = torch.cat([mine[:, 1:], torch.full_like(mine[:, :1], IGNORE_INDEX)], dim=1)  # HF's shift
     positions = torch.arange(seq).expand(2, seq)
     mb = MicroBatch(ids[pctx.dp_rank], positions, next_labels).context_shard(pctx.cp_rank, pctx.cp_size)
     divisor = torch.tensor(int((next_labels != IGNORE_INDEX).sum()) / pctx.cp_size)  # the loss rule's N / CP
-    loss = model(mb.input_ids, mb.position_ids, labels=(mb.labels, divisor))
-    loss.backward()
+    if pctx.pp_size > 1:
+        loss, logits = _two_stages(model, pctx, (mb.input_ids, mb.position_ids), (mb.labels, divisor))
+    else:
+        loss = model(mb.input_ids, mb.position_ids, labels=(mb.labels, divisor))
+        loss.backward()
+        logits = model.full_logits(model(mb.input_ids, mb.position_ids)).detach()
 
     ref = refs[pctx.dp_rank]
     shard = seq // pctx.cp_size
-    logits = model.full_logits(model(mb.input_ids, mb.position_ids)).detach()
-    torch.testing.assert_close(logits, ref.logits[:, pctx.cp_rank * shard:(pctx.cp_rank + 1) * shard],
-                               rtol=0, atol=1e-4)
-    torch.testing.assert_close(_sum_over(loss.detach(), pctx.cp_group, pctx.cp_size) / pctx.cp_size, ref.loss,
-                               rtol=1e-5, atol=1e-6)
+    if pctx.is_last_stage:
+        torch.testing.assert_close(logits, ref.logits[:, pctx.cp_rank * shard:(pctx.cp_rank + 1) * shard],
+                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(_sum_over(loss.detach(), pctx.cp_group, pctx.cp_size) / pctx.cp_size, ref.loss,
+                                   rtol=1e-5, atol=1e-6)
 
     hf_grads = as_checkpoint_tensors({n: p.grad for n, p in hf.named_parameters()}, config)
     if config.tie_word_embeddings:
         hf_grads["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.grad
     params = dict(model.named_parameters())
     for spec in ParamLayout(config).held_by(pctx.ep_rank, pctx.ep_size):
+        if spec.module_name not in params:
+            continue  # held by the other pipeline stage
         group = pctx.edp_group if spec.expert is not None else pctx.dp_cp_group
         size = pctx.dp_cp_size // (pctx.ep_size if spec.expert is not None else 1)
         grad = _sum_over(params[spec.module_name].grad, group, size) / pctx.cp_size
+        if spec.module_name.startswith("tied_modules.") and pctx.pp_size > 1:  # both stages' uses of the embedding
+            grad = _sum_over(grad, pctx.pp_group, pctx.pp_size)
         for hf_name, merged in merge_shards(spec, gather_shards(grad, pctx), config).items():
             expected = hf_grads[hf_name]
             expected = torch.zeros_like(merged) if expected is None else expected  # an expert no token chose
             torch.testing.assert_close(merged, expected, **GRAD_TOL, msg=lambda m, n=hf_name: f"{n}: {m}")
+
+
+def _two_stages(model, pctx: ParallelContext, inputs: tuple, labels: tuple) -> tuple:
+    """Forward and backward of a two-stage PipelineModule by hand, as the pipeline engine runs a micro batch: the
+    first stage's output (hidden states, positions, router statistics) sent to the last, the gradients of its
+    floating-point tensors sent back. On the last stage: (loss, full logits); on the first: (None, None)."""
+    peer = dist.get_global_rank(pctx.pp_group, 1 - pctx.pp_rank)
+    if pctx.is_first_stage:
+        out = model(inputs)
+        dist.send_object_list([[t.detach() for t in out]], dst=peer)
+        received: list = [None]
+        dist.recv_object_list(received, src=peer)
+        sent = [t for t in out if t.is_floating_point()]
+        torch.autograd.backward(sent, received[0])
+        return None, None
+    received = [None]
+    dist.recv_object_list(received, src=peer)
+    stage_input = tuple(t.requires_grad_() if t.is_floating_point() else t for t in received[0])
+    loss = model.loss_fn(model(stage_input), labels)
+    loss.backward()
+    dist.send_object_list([[t.grad for t in stage_input if t.is_floating_point()]], dst=peer)
+    with torch.no_grad():
+        logits = gather_from_tp_region(logits_of(model(stage_input)), pctx)[..., :model.loss_fn.vocab_size]
+    return loss, logits
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -110,6 +144,8 @@ def _four_process_worker(rank: int, world_size: int) -> None:
         # chunks of 5 cross the CP shards of 8
         (("top2-of-4-window", "qwen3-moe", "qwen2-moe", *LLAMA4), dict(context=2, expert=2),
          (rank - rank % 2, rank - rank % 2 + 1)),
+        # Llama 4 in two stages (DP2): the layers' kinds (chunked or NoPE, MoE or dense) follow their global index
+        (LLAMA4, dict(pipeline=2), (rank,)),
     ]
     for names, layout, ep_ranks in layouts:
         pctx = ParallelContext.build(**layout)
@@ -119,9 +155,10 @@ def _four_process_worker(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.launched
-def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2() -> None:
+def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2_pp2() -> None:
     """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2; the
-    Qwen MoE families at TP2 with SP and CP2 x EP2; Llama 4 at TP2 with SP, EP2, TP2 x EP2 with SP, CP2 x EP2."""
+    Qwen MoE families at TP2 with SP and CP2 x EP2; Llama 4 at TP2 with SP, EP2, TP2 x EP2 with SP, CP2 x EP2 and
+    PP2 (two stages run by hand: activations sent forward, their gradients back)."""
     run_distributed(_four_process_worker, 4)
 
 

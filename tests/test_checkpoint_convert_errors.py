@@ -210,3 +210,22 @@ def test_llama4_release_without_a_text_model(release, tmp_path, capsys) -> None:
     fails(capsys, ["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(tmp_path / "o"),
                    "--tp", "1"], message)
     assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.parametrize("chunk, message", [
+    (0, "model.attention_chunk_size must be a positive integer or null, got 0"),
+    (None, "model.layer_types names chunked_attention layers and attention_chunk_size is null"),
+])
+def test_llama4_checkpoint_with_a_bad_chunk_size(chunk, message, tmp_path, capsys) -> None:
+    """A Llama 4 checkpoint whose config.json gives chunks of no size (0, or null beside chunked layers): one line
+    before any tensor is read. (No chunk size is wrong for context parallelism: CP is Ulysses, each rank attends over
+    whole sequences, and chunks crossing the CP shards are tested in tests/test_model_moe.py.)"""
+    config = tiny_config(model_type="llama4", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
+                         intermediate_size_mlp=80, attention_chunk_size=8)
+    hf_dir = save_hf(hf_model(config), str(tmp_path / "hf"))
+    path = os.path.join(hf_dir, "config.json")
+    data = json.load(open(path))
+    data["attention_chunk_size"] = chunk
+    json.dump(data, open(path, "w"))
+    fails(capsys, ["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", str(tmp_path / "o"), "--tp", "2"],
+          message)

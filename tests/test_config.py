@@ -199,6 +199,12 @@ def test_the_family_is_read_from_the_hf_config() -> None:
     ({"model_type": "qwen2", "attention_bias": True}, "unknown model config keys for the qwen2 family: attention_bias"),
     ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer or null"),
     ({"model_type": "qwen3", "layer_types": ["full_attention"]}, "layer_types must list 4 entries"),
+    ({"model_type": "llama4", "attention_chunk_size": 0}, "attention_chunk_size must be a positive integer or null, "
+                                                          "got 0"),
+    ({"model_type": "llama4", "attention_chunk_size": "8k"}, "attention_chunk_size must be a positive integer"),
+    ({"model_type": "llama4", "attention_chunk_size": None, "layer_types": ["chunked_attention"] * 4},
+     "layer_types names chunked_attention layers and attention_chunk_size is null"),
+    ({"model_type": "llama4", "no_rope_layers": [1, 0]}, "no_rope_layers must list 4 entries"),
 ])
 def test_family_keys_are_checked(data: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -12,9 +12,12 @@ import json
 import os
 
 import pytest
+from family_cases import RUNS
 from launch_utils import PRETRAIN_CONFIG, launch_many, losses, train_args
 
 from llama_megatron.cli import main as cli_main
+from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.collective_traffic import decoder_layer_transfers
 from llama_megatron.training.diagnostics.profiling import ProfileRequest, category, time_by_category
 
 # the cosine decay spans train.steps (6), of which profile runs 4 (steps 2-3 traced, step 4 the call graph's)
@@ -30,6 +33,81 @@ def profiled(tmp_path_factory):
     train = train_args(PRETRAIN_CONFIG, [*SYNTHETIC, *PP2, f"output_dir={work / 'train'}"])
     launch_many(2, [profile, train], str(work / "runs.json"))
     return work
+
+
+# one 4-process launch: TP2 x PP2 with and without SP, CP2 (x DP2) and Mixtral at EP2 (x DP4), the call graph's step
+# each (steps 2 traced, 3 under the recorder); fp32, micro batches of 1 row (4 per step at PP2, 2 at DP2 and DP4...)
+LAYOUTS = {
+    "tp2-pp2-sp": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
+    "tp2-pp2": ["parallel.tensor=2", "parallel.pipeline=2"],
+    "cp2": ["parallel.context=2"],
+    "mixtral-ep2": [*RUNS["mixtral"], "parallel.expert=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def profiled_layouts(tmp_path_factory):
+    work = tmp_path_factory.mktemp("profile-layouts")
+    runs = [{"verb": "profile", "args": [*train_args(PRETRAIN_CONFIG, [*SYNTHETIC, "batch.micro_batch_size=1",
+                                                                     *overrides]),
+                                         "--steps", "2", "--output", str(work / name)]}
+            for name, overrides in LAYOUTS.items()]
+    launch_many(4, runs, str(work / "runs.json"))
+    return {name: TrainingConfig.from_file(PRETRAIN_CONFIG, [*SYNTHETIC, "batch.micro_batch_size=1", *overrides])
+            for name, overrides in LAYOUTS.items()}, work
+
+
+def _layer_bytes(graph: dict, group: str) -> dict[int, int]:
+    """Decoder layer index -> the bytes of the collectives of ``group`` its modules issued (forward and backward)."""
+    out: dict[int, int] = {}
+    for module, entry in graph["modules"].items():  # PipelineModule.3.mlp..., LlamaEngine.module.3.mlp... at PP1
+        index = next((int(part) for part in module.split(".") if part.isdigit()), None)
+        if index is not None and entry.get("collective_bytes", {}).get(group):
+            out[index] = out.get(index, 0) + entry["collective_bytes"][group]
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp2-pp2-sp", "tp2-pp2", "cp2"])
+def test_each_layers_collectives_are_the_layouts_formula(profiled_layouts, name) -> None:
+    """Every decoder layer's TP (all-reduce; under SP all-gather, reduce-scatter and the norms' all-reduces) or CP
+    (Ulysses' all-to-alls) bytes in the call graph's step equal collective_traffic's formula exactly, per rank; the
+    summary sets each collective beside the formula, the pipeline's sends and recvs too."""
+    configs, work = profiled_layouts
+    config = configs[name]
+    group = "CP" if name == "cp2" else "TP"
+    micro_batches = config.gradient_accumulation_steps(4)
+    summary = json.loads((work / name / "summary.json").read_text())
+    assert len(summary["ranks"]) == 4
+    for rank in summary["ranks"]:
+        graph = rank["call_graph"]
+        layers = {i: b for i, b in _layer_bytes(graph, group).items() if 1 <= i <= config.model.num_hidden_layers}
+        held = 2 if config.parallel.pipeline == 2 else 4  # layers 1-2 on pipeline rank 0, 3-4 on rank 1
+        assert len(layers) == held, (rank["rank"], layers)
+        for index, counted in layers.items():  # module index 1..L: decoder layer index - 1
+            forward, backward = decoder_layer_transfers(config, index - 1, 1, 4)
+            assert counted == micro_batches * sum(t.bytes for t in forward + backward), (rank["rank"], index)
+        table = graph["bytes_vs_formula"]
+        for key, pair in table.items():
+            if key.endswith(f" {group}") and not key.startswith("all_reduce"):  # the loss's all-reduces aside
+                assert pair["counted"] == pair["formula"], (rank["rank"], key, pair)
+            if key in ("send PP", "recv PP"):  # and DeepSpeed's shape header (a few small tensors) once a step
+                assert 0 <= pair["counted"] - pair["formula"] < 4096, (rank["rank"], key, pair)
+
+
+def test_an_expert_parallel_call_graph_shows_the_expert_all_to_alls(profiled_layouts) -> None:
+    """Mixtral at EP2: each MoE layer's dispatch and combine all-to-alls of the EP group, each way; summed over an
+    EP group's two ranks their bytes are the formula's (a rank's share depends on where its tokens were routed)."""
+    configs, work = profiled_layouts
+    config = configs["mixtral-ep2"]
+    summary = json.loads((work / "mixtral-ep2" / "summary.json").read_text())
+    ranks = {r["rank"]: r["call_graph"] for r in summary["ranks"]}
+    per_step = config.gradient_accumulation_steps(4) * sum(
+        t.bytes for layer in range(config.model.num_hidden_layers)
+        for t in sum(decoder_layer_transfers(config, layer, 1, 4), []) if t.group == "EP")
+    for pair in ((0, 1), (2, 3)):  # the EP groups: consecutive data ranks
+        counted = [ranks[r]["collectives"]["all_to_all EP"]["bytes"] for r in pair]
+        assert min(counted) > 0 and sum(counted) == 2 * per_step, (pair, counted, per_step)
+        assert all(ranks[r]["bytes_vs_formula"]["all_to_all EP"]["formula"] == per_step for r in pair)
 
 
 def test_profiling_changes_no_number(profiled) -> None:

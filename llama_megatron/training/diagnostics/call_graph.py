@@ -166,8 +166,9 @@ class CallGraphRecorder(TorchDispatchMode):
         row.calls += 1
         row.flops += flops
         row.seconds += seconds
-        if collective:
-            row.bytes += sum(t.numel() * t.element_size() for t in _tensors(args[0]))
+        if collective:  # the whole tensor: a reduce-scatter's input, every other collective's first argument
+            payload = args[1] if collective == "reduce_scatter" else args[0]
+            row.bytes += sum(t.numel() * t.element_size() for t in _tensors(payload))
         elif flops:
             row.shapes.add(tuple(tuple(t.shape) for t in _tensors(args)[:2]))
         return out
@@ -184,7 +185,9 @@ class CallGraphRecorder(TorchDispatchMode):
             entry["flops"] += row.flops
             entry["seconds"] += row.seconds
             entry["calls"] += row.calls
-            if row.collective:
+            if row.collective:  # per group, the bytes of the collectives this module issued
+                by_group = entry.setdefault("collective_bytes", {})
+                by_group[row.group] = by_group.get(row.group, 0) + row.bytes
                 c = collectives.setdefault(f"{row.collective} {row.group}", {"calls": 0, "bytes": 0, "seconds": 0.0})
                 c["calls"] += row.calls
                 c["bytes"] += row.bytes

@@ -53,7 +53,7 @@ from llama_megatron.training.diagnostics.pipeline_held import held_peak
 from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
 
 GiB = 1024**3
-_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a parameter or activation element, by the run's precision
 
 
 @dataclass
@@ -335,7 +335,7 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
                           f"micro batch {b} x data parallel {dp}")
     micro_batches = batch.accumulation_steps(dp)
     prec = precision(ds)
-    e = _ELEMENT[prec]
+    e = ELEMENT_BYTES[prec]
     wrapper = optimizer_wrapper(ds, pp)
     layers = _layers(config.model, config.local_shapes.padded_vocab_size, tp, config.lora, par.expert)
     kernels = kernel_choice(config.kernels, "cuda")  # a GPU's kernels: what the estimate is for
@@ -417,7 +417,7 @@ def construction_bytes(config: TrainingConfig, ds: dict, world_size: int) -> int
         if par.pipeline == 1 and config.model.tie_word_embeddings:
             numels = [n for layer in layers[:-1] for n in layer.model_numels]
         if partitioned:
-            held = sum(math.ceil(n / partitions) for n in numels) * _ELEMENT[precision(ds)]
+            held = sum(math.ceil(n / partitions) for n in numels) * ELEMENT_BYTES[precision(ds)]
         else:
             held = sum(numels) * 4
         worst = max(worst, held + transient)

@@ -143,13 +143,17 @@ class StepProfiler:
         self.seconds: dict[int, float] = {}
         self.groups: dict[int, str] = {}
         self.peers: frozenset[int] = frozenset()
+        self.pipeline_rank = 0
+        self.precision = "fp32"
         self.call_graph = None
 
-    def attach(self, pctx) -> None:
-        """The run's process groups, by which the call graph names each collective's (TP, CP, EP, DP, PP)."""
+    def attach(self, pctx, precision: str) -> None:
+        """The run's process groups, by which the call graph names each collective's (TP, CP, EP, DP, PP), and its
+        precision (the activations' bytes, for the collectives' formula)."""
         from llama_megatron.training.diagnostics.call_graph import group_names, pipeline_peers
 
         self.groups, self.peers = group_names(pctx), pipeline_peers(pctx)
+        self.pipeline_rank, self.precision = pctx.pp_rank, precision
 
     @property
     def call_graph_step(self) -> int:
@@ -198,7 +202,7 @@ class StepProfiler:
         trace = os.path.join(self.request.output, f"rank{self.rank}.trace.json")
         self._profiler.export_chrome_trace(trace)
         times = time_by_category(self._profiler.events(), sum(self.seconds.values()))
-        out = {"rank": self.rank, "trace": os.path.basename(trace),
+        out = {"rank": self.rank, "pipeline_rank": self.pipeline_rank, "trace": os.path.basename(trace),
                "steps": list(range(self.request.first, self.request.last + 1)),
                "step_seconds": {str(s): self.seconds[s] for s in sorted(self.seconds)},
                "seconds_by_category": times}
@@ -230,8 +234,19 @@ def write_summary(output: str, ranks: list[dict], extra: dict) -> str:
     return path
 
 
+def bytes_against_formula(counted: dict[str, dict], formula: dict[str, float]) -> dict[str, dict]:
+    """Per ``"<kind> <group>"`` the bytes the call graph counted beside the layout's formula
+    (:func:`~llama_megatron.training.diagnostics.collective_traffic.rank_step_bytes`), for every collective the
+    formula names and every counted one of a group it names (the formula leaves the loss's and the optimizer's
+    few-byte collectives and the gradients' reduction out: those show with ``formula`` None)."""
+    groups = {key.rpartition(" ")[2] for key in formula}
+    keys = sorted(set(formula) | {k for k in counted if k.rpartition(" ")[2] in groups})
+    return {key: {"counted": counted.get(key, {}).get("bytes", 0), "formula": formula.get(key)} for key in keys}
+
+
 def summary_table(ranks: list[dict]) -> str:
-    """The categories' seconds per profiled rank (and their share of the rank's total), as printed at the end."""
+    """The categories' seconds per profiled rank (and their share of the rank's total), as printed at the end; then
+    each collective's bytes in the call graph's step beside the formula's."""
     kinds: list[str] = []
     for rank in ranks:
         kinds += [k for k in rank["seconds_by_category"] if k not in kinds]
@@ -244,4 +259,11 @@ def summary_table(ranks: list[dict]) -> str:
             seconds = rank["seconds_by_category"].get(kind, 0.0)
             cells.append(f"{seconds:>10.3f} s {100 * seconds / total:>4.0f}%")
         lines.append(f"{kind:<28}" + "".join(f"{c:>18}" for c in cells))
+    compared = [(r["rank"], r["call_graph"].get("bytes_vs_formula", {})) for r in ranks if "call_graph" in r]
+    if any(table for _, table in compared):
+        lines += ["", f"{'collective bytes (step)':<28}{'rank':>6}{'counted':>16}{'formula':>16}"]
+        for rank, table in compared:
+            for key, pair in table.items():
+                formula = "-" if pair["formula"] is None else f"{pair['formula']:,.0f}"
+                lines.append(f"{key:<28}{rank:>6}{pair['counted']:>16,}{formula:>16}")
     return "\n".join(lines)

@@ -9,9 +9,11 @@ Every figure is for one micro batch on one rank of a virtual stage (a TP x CP gr
   the eager reference kernels' operators move, counted by planner/traffic.py). The backward is split as the engine
   splits it: B (input gradients: a GEMM per forward GEMM, attention's backward, the elementwise backward) and W
   (weight gradients: a GEMM per forward GEMM). Recomputation adds the decoder layers' forward to B.
-- communication inside a pass, never overlapped by this engine: TP's all-reduces (under SP an all-gather and a
-  reduce-scatter, the same bytes) twice per layer each way; Ulysses CP's all-to-alls of Q, K, V and the attention
-  output; EP's dispatch and combine all-to-alls; each on the link its group crosses (rank order TP, CP, DP, PP).
+- communication inside a pass, never overlapped by this engine: each collective of
+  ``training/diagnostics/collective_traffic.py`` (the bytes ``profile`` compares with what it counts): TP's
+  all-reduces (under SP an all-gather and a reduce-scatter, the same time) twice per layer each way; Ulysses CP's
+  all-to-alls of Q, K, V and the attention output; EP's dispatch and combine all-to-alls; each on the link its
+  group crosses (rank order TP, CP, DP, PP).
 - pipeline: send/recv of a micro batch's activations (or their gradient) between stages, a delay on every
   dependency that crosses ranks; the replay (training/pipeline/schedules.replay) gives the span.
 - after the pipeline: gradient reduction over DP x CP (an all-reduce; ZeRO-1/2 a reduce-scatter and the
@@ -27,6 +29,12 @@ from dataclasses import dataclass
 
 from llama_megatron.model.kernels import kernel_choice
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.collective_traffic import (
+    Transfer,
+    boundary_bytes,
+    decoder_layer_transfers,
+    end_layer_transfers,
+)
 from llama_megatron.training.diagnostics.flops import training_flops_per_token
 from llama_megatron.training.diagnostics.memory_estimate import (
     offloaded,
@@ -177,15 +185,16 @@ class CostModel:
         forward = Pass(gemm_f + attention + dev.memory_seconds(forward_bytes))
         backward_input = Pass(gemm_b + ATTENTION_BACKWARD * attention + dev.memory_seconds(backward_bytes))
         weight = Pass(gemm_w)
-        comm = Pass()
-        comm.comm += 2 * ring("all_reduce", tp, n * h * a, self._link(1, tp))
-        comm.comm += (2 * ring("all_to_all", cp, n * (q + 2 * kv) * a, self._link(tp, cp))
-                      if cp > 1 else 0.0)
-        if m.is_moe_layer(layer) and ep > 1:
-            comm.comm += 2 * ring("all_to_all", ep, n * m.num_experts_per_tok * h * a, self._link(tp, ep))
-        forward.add(comm)
-        backward_input.add(comm)
+        sent_forward, sent_backward = decoder_layer_transfers(config, layer, rows, a)
+        forward.comm += self._comm(config, sent_forward)
+        backward_input.comm += self._comm(config, sent_backward)
         return forward, backward_input, weight
+
+    def _comm(self, config: TrainingConfig, transfers: list[Transfer]) -> float:
+        """Seconds of a pass's collectives, each on the link its group crosses (rank order TP, CP, DP, PP)."""
+        par = config.parallel
+        groups = {"TP": (1, par.tensor), "CP": (par.tensor, par.context), "EP": (par.tensor, par.expert)}
+        return sum(ring(t.kind, groups[t.group][1], t.bytes, self._link(*groups[t.group])) for t in transfers)
 
     def end_layer(self, config: TrainingConfig, kind: str, rows: int) -> tuple[Pass, Pass, Pass]:
         """F, B, W of the embedding, the final norm or the LM head (with the loss) for ``rows`` samples."""
@@ -201,11 +210,14 @@ class CostModel:
                                   self.device.memory_seconds(traced.backward(n, 0)))
             else:  # fp32 logits: written, read, gradient
                 loss_f = loss_b = self.device.memory_seconds(n * vocab * 4 * 3)
-            gather = ring("all_gather", tp, n * h * 2, self._link(1, tp)) if par.sequence_parallel else 0.0
-            return (Pass(f + loss_f, gather), Pass(b + loss_b, gather), Pass(w))
+            sent_forward, sent_backward = end_layer_transfers(config, kind, rows, 2)
+            return (Pass(f + loss_f, self._comm(config, sent_forward)),
+                    Pass(b + loss_b, self._comm(config, sent_backward)), Pass(w))
         if kind == "EmbeddingPipe":
             look = self.device.memory_seconds(n * h * 2 * 2)
-            return Pass(look, ring("all_reduce", tp, n * h * 2, self._link(1, tp))), Pass(look), Pass()
+            sent_forward, sent_backward = end_layer_transfers(config, kind, rows, 2)
+            return (Pass(look, self._comm(config, sent_forward)), Pass(look, self._comm(config, sent_backward)),
+                    Pass())
         norm = self.device.memory_seconds(n / (tp if par.sequence_parallel else 1) * h * 2 * 2)
         return Pass(norm), Pass(2 * norm), Pass()
 
@@ -248,8 +260,7 @@ class CostModel:
         costs = [{name: p.total for name, p in stage.items()} for stage in stages]
         comm = [sum(p.comm for p in stage.values()) for stage in stages]
         compute = [sum(p.compute for p in stage.values()) for stage in stages]
-        n = config.batch.micro_batch_size * config.rows_per_sample * config.seq_length / cp
-        boundary = (n / tp if par.sequence_parallel else n) * config.model.hidden_size * 2
+        boundary = boundary_bytes(config, 2)
         if pp > 1:
             link = self._link(tp * cp * dp, pp)
             transfer = boundary / link.bandwidth + link.latency

@@ -13,7 +13,7 @@ from llama_megatron.parallel.process_groups import barrier
 from llama_megatron.training.checkpointer import Checkpointer
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.diagnostics.profiling import StepProfiler
-from llama_megatron.training.engine.deepspeed_config import zero_stage
+from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
 from llama_megatron.training.faults.guard import StepGuard
 from llama_megatron.training.faults.preemption import StopRequests
 from llama_megatron.training.faults.watchdog import StallWatchdog, job_store
@@ -72,7 +72,7 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
 def _train(session: Session, config: TrainingConfig, profiler: StepProfiler | None = None) -> dict:
     run = _TrainingRun(session, config)
     if profiler:
-        profiler.attach(session.pctx)
+        profiler.attach(session.pctx, precision(session.pre.ds_config))
     try:
         run.prepare()
         batches = step_batches(run.train_ds, config, session.pctx, run.consumed, config.train.steps - run.step)

@@ -62,7 +62,7 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     "test_readme_tour.py": 720, "test_training_recipes.py": 110, "test_parallel_rendezvous.py": 60,
     "test_training_planner.py": 330,  # the listed layouts a step each, a calibration (2026-11-27's whole run)
     "test_training_fp8.py": 180, "test_parallel_float8.py": 60,  # FP8's three launches; its TP2 checks (alone)
-    "test_training_profile.py": 80,  # one launch: the same PP2 run under profile and under train
+    "test_training_profile.py": 140,  # two launches: PP2 under profile and train; 4 layouts profiled on 4 ranks
 }
 
 

@@ -18,6 +18,7 @@ from launch_utils import PRETRAIN_CONFIG, launch_many, losses, train_args
 from llama_megatron.cli import main as cli_main
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.diagnostics.collective_traffic import decoder_layer_transfers
+from llama_megatron.training.diagnostics.profile_plot import busy_share, pipeline_ranges
 from llama_megatron.training.diagnostics.profiling import ProfileRequest, category, time_by_category
 
 # the cosine decay spans train.steps (6), of which profile runs 4 (steps 2-3 traced, step 4 the call graph's)
@@ -156,6 +157,35 @@ def test_the_call_graph_names_the_layers_operators_and_collectives(profiled) -> 
         assert "aten.mm" in text and "qkv_proj" in text
     counted, formula = summary["flops_of_a_step"]["counted"], summary["flops_of_a_step"]["formula"]
     assert 0.9 * formula < counted < 1.1 * formula  # exact with SDPA's math kernel: tests/test_training_mfu.py
+
+
+def test_the_trace_shows_every_pipeline_pass_and_plot_draws_them(profiled, capsys) -> None:
+    """Each rank's trace holds a range per pipeline instruction of the profiled steps (2 steps x 8 micro batches of
+    F and B; the first stage sends activations, the last receives them), each rank's allocations over the steps are
+    a timeline with its peak; `plot --profile` draws both into one PNG, and refuses a directory without a profile."""
+    out = profiled / "profile"
+    summary = json.loads((out / "summary.json").read_text())
+    for rank in summary["ranks"]:
+        ranges = pipeline_ranges(str(out / rank["trace"]))
+        names = [name.split(" ")[0] for _, name, _, _ in ranges]
+        assert names.count("ForwardPass") == 16 and names.count("BackwardPass") == 16, sorted(set(names))
+        assert ("SendActivation" if rank["pipeline_rank"] == 0 else "RecvActivation") in names
+        assert all(end >= start for _, _, start, end in ranges)
+        memory = json.loads((out / rank["memory"]["timeline"]).read_text())
+        assert memory["device"] == "cpu" and rank["memory"]["peak_bytes"] == memory["peak_bytes"] > 0
+        assert max(b for _, b in memory["points"]) == memory["peak_bytes"]
+        # what the steps allocate on top of the states held before them (activations, gradients, the optimizer's
+        # temporaries) beside the estimate's gradients, activations and logits of the stage (1.8 / 3.2 MB here)
+        guess = rank["memory"]["estimate"]["gradients, activations and logits"]
+        assert 0.5 * guess < memory["peak_bytes"] < 5 * guess, (rank["rank"], memory["peak_bytes"], guess)
+        assert 0 < busy_share(ranges, ranges[0][2], ranges[-1][3]) < 1
+    assert cli_main(["plot", "--profile", str(out)]) == 0
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert cli_main(["plot", "--profile", str(profiled)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert errors == [f"error: {profiled} holds no summary.json: give the --output directory of llama-megatron "
+                      "profile"]
 
 
 @pytest.mark.parametrize("name, ancestors, kind", [

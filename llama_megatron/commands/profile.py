@@ -55,13 +55,14 @@ def _profile(config, request, ds_source, config_path: str) -> int:
     from llama_megatron.parallel.placement import placement
     from llama_megatron.training.diagnostics.collective_traffic import rank_step_bytes
     from llama_megatron.training.diagnostics.flops import training_flops_per_token
-    from llama_megatron.training.diagnostics.memory_estimate import ELEMENT_BYTES
+    from llama_megatron.training.diagnostics.memory_estimate import ELEMENT_BYTES, estimate
     from llama_megatron.training.diagnostics.profiling import (
         StepProfiler,
         bytes_against_formula,
         summary_table,
         write_summary,
     )
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
     from llama_megatron.training.run.loop import run_pretraining
 
     profiler = StepProfiler(request, placement().rank)
@@ -73,10 +74,15 @@ def _profile(config, request, ds_source, config_path: str) -> int:
         dist.all_gather_object(gathered, mine)
     ranks = [r for r in gathered if r is not None]
     element = ELEMENT_BYTES[profiler.precision]
+    world = placement().world_size
+    stages = estimate(config, build_deepspeed_config(config, ds_source, world), world).stages
     for rank in ranks:  # each collective's bytes beside the layout's formula for that pipeline rank
         if "call_graph" in rank:
-            formula = rank_step_bytes(config, placement().world_size, rank["pipeline_rank"], element)
+            formula = rank_step_bytes(config, world, rank["pipeline_rank"], element)
             rank["call_graph"]["bytes_vs_formula"] = bytes_against_formula(rank["call_graph"]["collectives"], formula)
+        stage = stages[rank["pipeline_rank"]]  # and its memory beside `estimate`'s for its stage
+        rank["memory"]["estimate"] = {"gradients, activations and logits": stage.gradients + stage.activations
+                                      + stage.logits, "total": stage.gpu_total}
     if placement().rank == 0:
         extra = {"config": os.path.abspath(config_path), "world_size": placement().world_size}
         if len(ranks) == placement().world_size and all("call_graph" in r for r in ranks):

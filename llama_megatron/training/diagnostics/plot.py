@@ -120,6 +120,13 @@ def plot_runs(run_dirs: list[str], output: str, x: str = "both") -> str:
                 ax.legend(fontsize=5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
             elif ax.has_data():
                 ax.legend(fontsize=7)
+    return save_figure(fig, output)
+
+
+def save_figure(fig, output: str) -> str:
+    """Write ``fig`` as a PNG at ``output`` atomically (a temp file renamed) and close it; the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out_dir = os.path.dirname(os.path.abspath(output))
     os.makedirs(out_dir, exist_ok=True)

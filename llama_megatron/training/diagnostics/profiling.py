@@ -32,8 +32,10 @@ import torch
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.training.diagnostics.call_graph import collective_kind
+from llama_megatron.training.pipeline.timeline import label_instructions
 
 DATA_RANGE = "llama_megatron: data"  # the record_function around reading a step's micro batches
+MEMORY_HISTORY_ENTRIES = 200_000  # CUDA allocations kept with their stacks for the snapshot (PyTorch's default 100k)
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::addbmm",
             "aten::_grouped_mm", "aten::_scaled_grouped_mm"}
 ATTENTION_PATTERN = re.compile(r"scaled_dot_product|flash_attn|flash_attention|efficient_attention|flex_attention|"
@@ -147,13 +149,16 @@ class StepProfiler:
         self.precision = "fp32"
         self.call_graph = None
 
-    def attach(self, pctx, precision: str) -> None:
-        """The run's process groups, by which the call graph names each collective's (TP, CP, EP, DP, PP), and its
-        precision (the activations' bytes, for the collectives' formula)."""
+    def attach(self, pctx, precision: str, pipeline_engine=None) -> None:
+        """The run's process groups, by which the call graph names each collective's (TP, CP, EP, DP, PP), its
+        precision (the activations' bytes, for the collectives' formula) and, under PP, its pipeline engine, whose
+        instructions then run in ranges the trace shows (``pipeline: ForwardPass mb 3``)."""
         from llama_megatron.training.diagnostics.call_graph import group_names, pipeline_peers
 
         self.groups, self.peers = group_names(pctx), pipeline_peers(pctx)
         self.pipeline_rank, self.precision = pctx.pp_rank, precision
+        if pipeline_engine is not None and self.active:
+            label_instructions(pipeline_engine)
 
     @property
     def call_graph_step(self) -> int:
@@ -180,7 +185,10 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True,
+                                                    profile_memory=True)
+            if torch.cuda.is_available():  # every allocation with its stack: PyTorch's memory viz reads the dump
+                torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self._profiler.__enter__()
         start = time.perf_counter()
         yield
@@ -189,6 +197,10 @@ class StepProfiler:
         self.seconds[step] = time.perf_counter() - start
         if step == self.request.last:  # stopped here: the call graph's step and the run's end stay out of it
             self._profiler.__exit__(None, None, None)
+            if torch.cuda.is_available():
+                os.makedirs(self.request.output, exist_ok=True)
+                torch.cuda.memory._dump_snapshot(os.path.join(self.request.output, f"rank{self.rank}.memory.pickle"))
+                torch.cuda.memory._record_memory_history(enabled=None)
 
     def data(self) -> contextlib.AbstractContextManager:
         """Around reading one step's micro batches: ``data`` in the summary."""
@@ -202,10 +214,16 @@ class StepProfiler:
         trace = os.path.join(self.request.output, f"rank{self.rank}.trace.json")
         self._profiler.export_chrome_trace(trace)
         times = time_by_category(self._profiler.events(), sum(self.seconds.values()))
+        memory = memory_timeline(trace)
+        with open(os.path.join(self.request.output, f"rank{self.rank}.memory.json"), "w", encoding="utf-8") as fh:
+            json.dump(memory, fh)
         out = {"rank": self.rank, "pipeline_rank": self.pipeline_rank, "trace": os.path.basename(trace),
                "steps": list(range(self.request.first, self.request.last + 1)),
                "step_seconds": {str(s): self.seconds[s] for s in sorted(self.seconds)},
-               "seconds_by_category": times}
+               "seconds_by_category": times,
+               "memory": {"timeline": f"rank{self.rank}.memory.json", "peak_bytes": memory["peak_bytes"],
+                          "device": memory["device"],
+                          **({"snapshot": f"rank{self.rank}.memory.pickle"} if torch.cuda.is_available() else {})}}
         if self.call_graph is not None:
             out["call_graph"] = self._write_call_graph()
         return out
@@ -234,6 +252,26 @@ def write_summary(output: str, ranks: list[dict], extra: dict) -> str:
     return path
 
 
+def memory_timeline(trace_path: str, points: int = 2000) -> dict:
+    """The bytes allocated over the profiled steps, from the trace's ``[memory]`` events (torch.profiler's
+    ``profile_memory``: every allocation and free of the device's allocator, or of the CPU's): ``points`` [ms from
+    the first event, bytes] at most (the timeline thinned evenly, its peak kept) and the peak. On a GPU the bytes are
+    the allocator's whole total; on a CPU those allocated since the profiler started (what the steps add on top of
+    the model states held before them)."""
+    with open(trace_path, encoding="utf-8") as fh:
+        events = [e for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+    gpu = [e for e in events if e["args"].get("Device Type") == 1]
+    events = sorted(gpu or [e for e in events if e["args"].get("Device Type") == 0], key=lambda e: e["ts"])
+    if not events:
+        return {"device": "cuda" if gpu else "cpu", "peak_bytes": 0, "points": []}
+    start = events[0]["ts"]
+    series = [[(e["ts"] - start) / 1e3, int(e["args"]["Total Allocated"])] for e in events]
+    peak = max(range(len(series)), key=lambda i: series[i][1])
+    stride = max(1, len(series) // points)
+    kept = sorted({*range(0, len(series), stride), peak, len(series) - 1})
+    return {"device": "cuda" if gpu else "cpu", "peak_bytes": series[peak][1], "points": [series[i] for i in kept]}
+
+
 def bytes_against_formula(counted: dict[str, dict], formula: dict[str, float]) -> dict[str, dict]:
     """Per ``"<kind> <group>"`` the bytes the call graph counted beside the layout's formula
     (:func:`~llama_megatron.training.diagnostics.collective_traffic.rank_step_bytes`), for every collective the
@@ -259,6 +297,14 @@ def summary_table(ranks: list[dict]) -> str:
             seconds = rank["seconds_by_category"].get(kind, 0.0)
             cells.append(f"{seconds:>10.3f} s {100 * seconds / total:>4.0f}%")
         lines.append(f"{kind:<28}" + "".join(f"{c:>18}" for c in cells))
+    lines += ["", f"{'memory (profiled steps)':<28}{'rank':>6}{'peak':>16}{'estimate':>16}"]
+    for r in ranks:
+        memory = r["memory"]
+        guess = memory.get("estimate", {})
+        # a GPU's peak is the allocator's total; a CPU's what the steps allocated on top of the states held before
+        guess = guess.get("total" if memory["device"] == "cuda" else "gradients, activations and logits")
+        lines.append(f"{memory['device'] + ' allocated':<28}{r['rank']:>6}{memory['peak_bytes']:>16,}"
+                     f"{'-' if guess is None else format(guess, ','):>16}")
     compared = [(r["rank"], r["call_graph"].get("bytes_vs_formula", {})) for r in ranks if "call_graph" in r]
     if any(table for _, table in compared):
         lines += ["", f"{'collective bytes (step)':<28}{'rank':>6}{'counted':>16}{'formula':>16}"]

@@ -72,7 +72,8 @@ def run_pretraining(config: TrainingConfig, ds_source=None, eval_only: bool = Fa
 def _train(session: Session, config: TrainingConfig, profiler: StepProfiler | None = None) -> dict:
     run = _TrainingRun(session, config)
     if profiler:
-        profiler.attach(session.pctx, precision(session.pre.ds_config))
+        engine = session.engine
+        profiler.attach(session.pctx, precision(session.pre.ds_config), engine.engine if engine.pipelined else None)
     try:
         run.prepare()
         batches = step_batches(run.train_ds, config, session.pctx, run.consumed, config.train.steps - run.step)

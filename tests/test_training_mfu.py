@@ -128,8 +128,10 @@ def _layout_flops_worker(rank: int, world_size: int) -> None:
 
     init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
     b, s = 2, 32
-    for family, layout in (("llama", dict(tensor=2, sequence_parallel=True)), ("mixtral", dict(tensor=2)),
-                           ("llama", dict(context=2)), ("mixtral", dict(expert=2)), ("llama4", dict(expert=2))):
+    cases = [(family, layout) for family in ("llama", "qwen2", "mixtral", "qwen3_moe")
+             for layout in (dict(tensor=2, sequence_parallel=True), dict(context=2), dict(expert=2))
+             if "expert" not in layout or family in ("mixtral", "qwen3_moe")]
+    for family, layout in [*cases, ("mixtral", dict(tensor=2)), ("llama4", dict(expert=2))]:
         config = tiny_config(vocab_size=512, **FLOP_CASES[family])
         pctx = ParallelContext.build(**layout)
         parallel = ParallelConfig(tensor=pctx.tp_size, context=pctx.cp_size, expert=pctx.ep_size,
@@ -149,10 +151,11 @@ def _layout_flops_worker(rank: int, world_size: int) -> None:
             moe_layers = sum(map(config.is_moe_layer, range(config.num_hidden_layers)))
             want += (pctx.tp_size - 1) * 3 * 2 * config.hidden_size * config.num_local_experts * tokens * moe_layers
         assert total.item() == want, (family, layout, total.item(), want)
-    _pipeline_flops(b, s)
+    for family in ("llama", "qwen2", "mixtral", "qwen3_moe"):
+        _pipeline_flops(family, b, s)
 
 
-def _pipeline_flops(b: int, s: int) -> None:
+def _pipeline_flops(family: str, b: int, s: int) -> None:
     """PP2: stage 0 runs the embedding and its layers, stage 1 the rest and the loss; the activations and their
     gradient cross between the ranks (objects over gloo, outside the counted regions). Summed: the formula's."""
     import torch
@@ -165,7 +168,7 @@ def _pipeline_flops(b: int, s: int) -> None:
     from llama_megatron.parallel.context import ParallelContext
     from llama_megatron.parallel.degrees import ParallelConfig
 
-    config = tiny_config(vocab_size=512, **FLOP_CASES["mixtral"])
+    config = tiny_config(vocab_size=512, **FLOP_CASES[family])
     pctx = ParallelContext.build(pipeline=2)
     model = build_model(config, ParallelConfig(pipeline=2, make_vocab_size_divisible_by=8), pctx)
     ids = torch.randint(0, config.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
@@ -177,7 +180,9 @@ def _pipeline_flops(b: int, s: int) -> None:
             dist.send_object_list([tuple(t.detach() for t in outputs)], dst=1)
             grads = [None]
             dist.recv_object_list(grads, src=1)
-            torch.autograd.backward([t for t in outputs if t.is_floating_point()], grads[0])
+            pairs = [(t, g) for t, g in zip([t for t in outputs if t.is_floating_point()], grads[0])
+                     if g is not None and t.requires_grad]  # a float the stage passes on unchanged: no graph
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
     else:
         received = [None]
         dist.recv_object_list(received, src=0)
@@ -188,14 +193,15 @@ def _pipeline_flops(b: int, s: int) -> None:
         dist.send_object_list([[t.grad for t in inputs if t.is_floating_point()]], dst=0)
     total = torch.tensor(float(counter.get_total_flops()), dtype=torch.float64)
     dist.all_reduce(total)
-    assert total.item() == training_flops_per_token(config, s) * b * s, (total.item(), pctx.pp_rank)
+    assert total.item() == training_flops_per_token(config, s) * b * s, (family, total.item(), pctx.pp_rank)
 
 
 @pytest.mark.launched
 def test_the_flop_formula_is_what_the_ranks_of_a_layout_count_together() -> None:
-    """TP2 with SP, TP2 on Mixtral, CP2 (Ulysses: each rank attends over whole sequences for half the heads), EP2 on
-    Mixtral and Llama 4 (two data ranks, the experts' tokens exchanged), PP2 on Mixtral (the stages' passes, the
-    activations and their gradient sent between them): the ranks' FlopCounterMode counts, summed,
+    """Llama, Qwen2, Mixtral and Qwen3-MoE at TP2 with SP, CP2 (Ulysses: each rank attends over whole sequences for
+    half the heads) and PP2 (the stages' passes, the activations and their gradient sent between them), the MoE
+    families and Llama 4 at EP2 (two data ranks, the experts' tokens exchanged), Mixtral at TP2 without SP: the
+    ranks' FlopCounterMode counts, summed,
     are the formula's FLOPs of the step exactly, plus under TP the router's, which every TP rank computes (hardware
     FLOPs the model FLOPs of MFU count once)."""
     from dist_utils import run_distributed

@@ -179,6 +179,9 @@ def test_the_trace_shows_every_pipeline_pass_and_plot_draws_them(profiled, capsy
         guess = rank["memory"]["estimate"]["gradients, activations and logits"]
         assert 0.5 * guess < memory["peak_bytes"] < 5 * guess, (rank["rank"], memory["peak_bytes"], guess)
         assert 0 < busy_share(ranges, ranges[0][2], ranges[-1][3]) < 1
+        pipeline = rank["pipeline"]  # the two steps' schedules: passes, sends and receives, idle
+        assert 0 < pipeline["passes_s"] < pipeline["span_s"] <= sum(rank["step_seconds"].values())
+        assert pipeline["send_recv_s"] > 0 and 0 < pipeline["idle_share"] < 1
     assert cli_main(["plot", "--profile", str(out)]) == 0
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()

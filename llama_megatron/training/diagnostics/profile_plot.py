@@ -14,33 +14,9 @@ import json
 import os
 
 from llama_megatron.errors import ConfigError
-from llama_megatron.training.pipeline.timeline import RANGE_PREFIX
+from llama_megatron.training.diagnostics.profiling import busy_share, pipeline_ranges
 
-# instruction name -> the pass it is (ours and DeepSpeed's); the rest are communication or bookkeeping
-PASS_OF = {"ForwardPass": "F", "ChunkForward": "F", "BackwardPass": "B", "ChunkBackward": "B",
-           "ChunkBackwardInput": "B", "ChunkWeight": "W"}
 COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "comm": "#b0b0b0"}
-
-
-def pipeline_ranges(trace_path: str) -> list[tuple[str, str, float, float]]:
-    """(pass F/B/W or ``comm`` or ``other``, the range's name, start, end) in ms on the trace's clock, in order."""
-    with open(trace_path, encoding="utf-8") as fh:
-        events = json.load(fh)["traceEvents"]
-    out = []
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") != "X" or not name.startswith(RANGE_PREFIX):
-            continue
-        instruction = name[len(RANGE_PREFIX):].split(" ")[0]
-        kind = PASS_OF.get(instruction, "comm" if instruction.startswith(("Send", "Recv")) else "other")
-        out.append((kind, name[len(RANGE_PREFIX):], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3))
-    return sorted(out, key=lambda r: r[2])
-
-
-def busy_share(ranges: list[tuple[str, str, float, float]], start: float, end: float) -> float:
-    """The share of [start, end] a rank spends in F, B and W passes."""
-    busy = sum(min(e, end) - max(s, start) for kind, _, s, e in ranges if kind in "FBW" and e > start and s < end)
-    return busy / (end - start) if end > start else 0.0
 
 
 def plot_profile(profile_dir: str, output: str) -> str:

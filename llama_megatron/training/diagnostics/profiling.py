@@ -32,7 +32,7 @@ import torch
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.training.diagnostics.call_graph import collective_kind
-from llama_megatron.training.pipeline.timeline import label_instructions
+from llama_megatron.training.pipeline.timeline import RANGE_PREFIX, label_instructions
 
 DATA_RANGE = "llama_megatron: data"  # the record_function around reading a step's micro batches
 MEMORY_HISTORY_ENTRIES = 200_000  # CUDA allocations kept with their stacks for the snapshot (PyTorch's default 100k)
@@ -215,12 +215,14 @@ class StepProfiler:
         self._profiler.export_chrome_trace(trace)
         times = time_by_category(self._profiler.events(), sum(self.seconds.values()))
         memory = memory_timeline(trace)
+        pipeline = pipeline_time(pipeline_ranges(trace), self.request.last - self.request.first + 1)
         with open(os.path.join(self.request.output, f"rank{self.rank}.memory.json"), "w", encoding="utf-8") as fh:
             json.dump(memory, fh)
         out = {"rank": self.rank, "pipeline_rank": self.pipeline_rank, "trace": os.path.basename(trace),
                "steps": list(range(self.request.first, self.request.last + 1)),
                "step_seconds": {str(s): self.seconds[s] for s in sorted(self.seconds)},
                "seconds_by_category": times,
+               **({"pipeline": pipeline} if pipeline else {}),
                "memory": {"timeline": f"rank{self.rank}.memory.json", "peak_bytes": memory["peak_bytes"],
                           "device": memory["device"],
                           **({"snapshot": f"rank{self.rank}.memory.pickle"} if torch.cuda.is_available() else {})}}
@@ -250,6 +252,49 @@ def write_summary(output: str, ranks: list[dict], extra: dict) -> str:
         fh.write("\n")
     os.replace(tmp, path)
     return path
+
+
+# instruction name -> the pass it is (ours and DeepSpeed's); the rest are communication or bookkeeping
+PASS_OF = {"ForwardPass": "F", "ChunkForward": "F", "BackwardPass": "B", "ChunkBackward": "B",
+           "ChunkBackwardInput": "B", "ChunkWeight": "W"}
+
+
+def pipeline_ranges(trace_path: str) -> list[tuple[str, str, float, float]]:
+    """(pass F/B/W or ``comm`` or ``other``, the range's name, start, end) in ms on the trace's clock, in order."""
+    with open(trace_path, encoding="utf-8") as fh:
+        events = json.load(fh)["traceEvents"]
+    out = []
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or not name.startswith(RANGE_PREFIX):
+            continue
+        instruction = name[len(RANGE_PREFIX):].split(" ")[0]
+        kind = PASS_OF.get(instruction, "comm" if instruction.startswith(("Send", "Recv")) else "other")
+        out.append((kind, name[len(RANGE_PREFIX):], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3))
+    return sorted(out, key=lambda r: r[2])
+
+
+def busy_share(ranges: list[tuple[str, str, float, float]], start: float, end: float) -> float:
+    """The share of [start, end] a rank spends in F, B and W passes."""
+    busy = sum(min(e, end) - max(s, start) for kind, _, s, e in ranges if kind in "FBW" and e > start and s < end)
+    return busy / (end - start) if end > start else 0.0
+
+
+def pipeline_time(ranges: list[tuple[str, str, float, float]], steps: int) -> dict:
+    """A pipeline rank's time over the profiled steps, from its instruction ranges: the span of each step's
+    schedule (first instruction to last; ranges of one step lie closer together than the optimizer step between
+    steps), the F/B/W passes in it, the sends and receives (a rank waiting for its neighbour waits in a receive), and
+    the idle share (the span not spent in passes)."""
+    if not ranges:
+        return {}
+    gaps = sorted(range(1, len(ranges)), key=lambda i: ranges[i][2] - ranges[i - 1][3], reverse=True)
+    cuts = sorted(gaps[:steps - 1])  # the widest gaps separate the steps
+    bounds = [0, *cuts, len(ranges)]
+    span = sum(ranges[b - 1][3] - ranges[a][2] for a, b in zip(bounds, bounds[1:]))
+    passes = sum(e - s for kind, _, s, e in ranges if kind in "FBW") / 1e3
+    comm = sum(e - s for kind, _, s, e in ranges if kind == "comm") / 1e3
+    return {"span_s": span / 1e3, "passes_s": passes, "send_recv_s": comm,
+            "idle_share": 1 - passes / (span / 1e3) if span else 0.0}
 
 
 def memory_timeline(trace_path: str, points: int = 2000) -> dict:
@@ -297,6 +342,13 @@ def summary_table(ranks: list[dict]) -> str:
             seconds = rank["seconds_by_category"].get(kind, 0.0)
             cells.append(f"{seconds:>10.3f} s {100 * seconds / total:>4.0f}%")
         lines.append(f"{kind:<28}" + "".join(f"{c:>18}" for c in cells))
+    if any("pipeline" in r for r in ranks):  # the schedule's span: its passes, sends/receives, idle share
+        lines += ["", f"{'pipeline (schedule span)':<28}{'rank':>6}{'passes':>12}{'send/recv':>12}{'idle':>8}"]
+        for r in ranks:
+            if "pipeline" in r:
+                p = r["pipeline"]
+                lines.append(f"{'':<28}{r['rank']:>6}{p['passes_s']:>10.3f} s{p['send_recv_s']:>10.3f} s"
+                             f"{100 * p['idle_share']:>7.0f}%")
     lines += ["", f"{'memory (profiled steps)':<28}{'rank':>6}{'peak':>16}{'estimate':>16}"]
     for r in ranks:
         memory = r["memory"]

@@ -41,7 +41,8 @@ def profiled(tmp_path_factory):
 LAYOUTS = {
     "tp2-pp2-sp": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
     "tp2-pp2": ["parallel.tensor=2", "parallel.pipeline=2"],
-    "cp2": ["parallel.context=2"],
+    # and the quickstart's checkpoint section: "auto" resumes nothing under profile, which saves nothing
+    "cp2": ["parallel.context=2", 'checkpoint={"load": "auto", "save": "SAVES", "interval": 1}'],
     "mixtral-ep2": [*RUNS["mixtral"], "parallel.expert=2"],
 }
 
@@ -49,13 +50,15 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def profiled_layouts(tmp_path_factory):
     work = tmp_path_factory.mktemp("profile-layouts")
+    layouts = {name: [o.replace("SAVES", str(work / "saves")) for o in overrides] for name, overrides in LAYOUTS.items()}
     runs = [{"verb": "profile", "args": [*train_args(PRETRAIN_CONFIG, [*SYNTHETIC, "batch.micro_batch_size=1",
                                                                      *overrides]),
                                          "--steps", "2", "--output", str(work / name)]}
-            for name, overrides in LAYOUTS.items()]
+            for name, overrides in layouts.items()]
     launch_many(4, runs, str(work / "runs.json"))
+    assert not (work / "saves").exists()
     return {name: TrainingConfig.from_file(PRETRAIN_CONFIG, [*SYNTHETIC, "batch.micro_batch_size=1", *overrides])
-            for name, overrides in LAYOUTS.items()}, work
+            for name, overrides in layouts.items()}, work
 
 
 def _layer_bytes(graph: dict, group: str) -> dict[int, int]:

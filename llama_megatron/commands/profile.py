@@ -4,7 +4,8 @@
     llama-megatron profile --config X.json --steps 2 --ranks 0 --output prof/      # one process
 
 The run trains as ``train`` would (same launchers, layouts and numbers, the learning-rate schedule over the
-config's ``train.steps``; no checkpoint saved, no evaluation) and stops after the step that follows the last one
+config's ``train.steps``; no checkpoint saved, no evaluation; from the start, or from the checkpoint
+``checkpoint.load`` names: ``auto`` is read as none) and stops after the step that follows the last one
 asked (the call graph's); the steps asked are recorded on the ranks asked: ``rank{R}.trace.json`` for
 ui.perfetto.dev, chrome://tracing or TensorBoard, ``summary.json`` and a table of time by category
 (``training/diagnostics/profiling.py``), beside the run's ``metrics.jsonl`` in the same directory.
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     import shutil
 
     from llama_megatron.parallel.placement import adopt_launcher_env, placement
-    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
     from llama_megatron.training.diagnostics.profiling import ProfileRequest
 
     adopt_launcher_env()
@@ -41,8 +42,13 @@ def run(args: argparse.Namespace) -> int:
     where = placement()
     if os.path.exists(request.output) and os.listdir(request.output) and not args.overwrite:
         raise ConfigError(f"--output {args.output} exists and is not empty: pass --overwrite to replace it")
-    overrides = [*args.overrides, f"output_dir={request.output}", "checkpoint.save=null", "eval.interval=0"]
-    config = TrainingConfig.from_file(args.config, overrides)  # train.steps kept: the LR schedule spans it
+    overrides = [*args.overrides, f"output_dir={request.output}", "eval.interval=0"]
+    data = TrainingConfig.read_data(args.config, overrides)  # train.steps kept: the LR schedule spans it
+    checkpoint = data.setdefault("checkpoint", {})
+    if checkpoint.get("load") == AUTO_LOAD:  # a run profiled from its start (a checkpoint named is loaded)
+        checkpoint["load"] = None
+    checkpoint["save"], checkpoint["interval"] = None, 0
+    config = TrainingConfig.from_dict(data)
     request.check(config.train.steps, where.world_size)
     if args.overwrite and where.rank == 0 and os.path.isdir(request.output):
         shutil.rmtree(request.output)  # before any rank writes: the launcher's ranks start together, rank 0 first

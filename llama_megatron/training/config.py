@@ -261,10 +261,15 @@ class TrainingConfig:
 
     @classmethod
     def from_file(cls, path: str, overrides: list[str] | None = None) -> TrainingConfig:
+        return cls.from_dict(cls.read_data(path, overrides))
+
+    @staticmethod
+    def read_data(path: str, overrides: list[str] | None = None) -> dict:
+        """The training config file's JSON with the ``--set`` overrides applied, not yet checked."""
         data = read_json(path, "training config")
         for item in overrides or []:
             apply_override(data, item)
-        return cls.from_dict(data)
+        return data
 
     def validate(self) -> None:
         """Everything that does not depend on the world size; run once, when the config is read."""

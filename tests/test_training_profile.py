@@ -87,6 +87,8 @@ def test_each_layers_collectives_are_the_layouts_formula(profiled_layouts, name)
         layers = {i: b for i, b in _layer_bytes(graph, group).items() if 1 <= i <= config.model.num_hidden_layers}
         held = 2 if config.parallel.pipeline == 2 else 4  # layers 1-2 on pipeline rank 0, 3-4 on rank 1
         assert len(layers) == held, (rank["rank"], layers)
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):  # with GEMMs
+            assert sum(m.endswith(name) and e["flops"] > 0 for m, e in graph["modules"].items()) == held, name
         for index, counted in layers.items():  # module index 1..L: decoder layer index - 1
             forward, backward = decoder_layer_transfers(config, index - 1, 1, 4)
             assert counted == micro_batches * sum(t.bytes for t in forward + backward), (rank["rank"], index)

@@ -359,9 +359,11 @@ def summary_table(ranks: list[dict]) -> str:
                      f"{'-' if guess is None else format(guess, ','):>16}")
     compared = [(r["rank"], r["call_graph"].get("bytes_vs_formula", {})) for r in ranks if "call_graph" in r]
     if any(table for _, table in compared):
-        lines += ["", f"{'collective bytes (step)':<28}{'rank':>6}{'counted':>16}{'formula':>16}"]
+        lines += ["", f"{'collectives (call graph step)':<28}{'rank':>6}{'bytes':>16}{'formula':>16}{'ms':>10}"]
         for rank, table in compared:
+            seconds = next(r for r in ranks if r["rank"] == rank)["call_graph"]["collectives"]
             for key, pair in table.items():
                 formula = "-" if pair["formula"] is None else f"{pair['formula']:,.0f}"
-                lines.append(f"{key:<28}{rank:>6}{pair['counted']:>16,}{formula:>16}")
+                ms = 1e3 * seconds.get(key, {}).get("seconds", 0.0)
+                lines.append(f"{key:<28}{rank:>6}{pair['counted']:>16,}{formula:>16}{ms:>10.2f}")
     return "\n".join(lines)

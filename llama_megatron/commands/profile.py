@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from llama_megatron.parallel.placement import adopt_launcher_env, placement
     from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
+    from llama_megatron.training.config_sections import read_config_data
     from llama_megatron.training.diagnostics.profiling import ProfileRequest
 
     adopt_launcher_env()
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(request.output) and os.listdir(request.output) and not args.overwrite:
         raise ConfigError(f"--output {args.output} exists and is not empty: pass --overwrite to replace it")
     overrides = [*args.overrides, f"output_dir={request.output}", "eval.interval=0"]
-    data = TrainingConfig.read_data(args.config, overrides)  # train.steps kept: the LR schedule spans it
+    data = read_config_data(args.config, overrides)  # train.steps kept: the LR schedule spans it
     checkpoint = data.setdefault("checkpoint", {})
     if checkpoint.get("load") == AUTO_LOAD:  # a run profiled from its start (a checkpoint named is loaded)
         checkpoint["load"] = None

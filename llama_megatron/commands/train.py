@@ -13,9 +13,9 @@ import sys
 from llama_megatron.errors import exit_code_of
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool = True) -> None:
     """The arguments of every command that starts from a training JSON (train, evaluate, ...)."""
-    parser.add_argument("--config", required=True, help="training JSON (model, parallel, data, batch, ...)")
+    parser.add_argument("--config", required=config_required, help="training JSON (model, parallel, data, batch, ...)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a training-config key, e.g. --set train.steps=50 --set parallel.tensor=2")
     parser.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,

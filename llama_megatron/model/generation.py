@@ -9,6 +9,7 @@ rank 0 is broadcast, so all ranks continue with the same sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,10 @@ class Sampling:
 
 @torch.no_grad()
 def generate(model: LlamaCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
-             sampling: Sampling | None = None, use_cache: bool = True) -> list[int]:
-    """The new tokens after ``prompt`` (a stop id, when reached, is the last one returned)."""
+             sampling: Sampling | None = None, use_cache: bool = True,
+             stop_when: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """The new tokens after ``prompt`` (a stop id, when reached, is the last one returned; so is the token after
+    which ``stop_when(new tokens)`` holds: a stop sequence in their text). Every TP rank returns the same tokens."""
     sampling = sampling or Sampling()
     config, pctx = model.config, model.pctx
     device = next(model.parameters()).device
@@ -70,7 +73,7 @@ def generate(model: LlamaCausalLM, prompt: list[int], max_new_tokens: int, stop_
         if pctx.tp_size > 1:  # one choice for every TP rank, whatever their sampling does
             dist.broadcast(token, src=dist.get_global_rank(pctx.tp_group, 0), group=pctx.tp_group)
         new.append(int(token))
-        if new[-1] in stop_ids:
+        if new[-1] in stop_ids or (stop_when is not None and stop_when(new)):
             break
         tokens = torch.cat([tokens, token.view(1, 1)], dim=1)
         step_input, start = (token.view(1, 1), tokens.shape[1] - 1) if cache else (tokens, 0)

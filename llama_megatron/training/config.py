@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_megatron.checkpoint.directory import check_tag_name
-from llama_megatron.config import ModelConfig, read_json
+from llama_megatron.config import ModelConfig
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
 from llama_megatron.data.sft.config import PreferenceData
 from llama_megatron.errors import ConfigError
@@ -26,7 +26,7 @@ from llama_megatron.model.preference import PreferenceLossConfig
 from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
-from llama_megatron.training.config_sections import apply_override, typed_section
+from llama_megatron.training.config_sections import read_config_data, typed_section
 from llama_megatron.training.pipeline.schedules import (
     SCHEDULES,
     micro_batch_rule,
@@ -261,15 +261,7 @@ class TrainingConfig:
 
     @classmethod
     def from_file(cls, path: str, overrides: list[str] | None = None) -> TrainingConfig:
-        return cls.from_dict(cls.read_data(path, overrides))
-
-    @staticmethod
-    def read_data(path: str, overrides: list[str] | None = None) -> dict:
-        """The training config file's JSON with the ``--set`` overrides applied, not yet checked."""
-        data = read_json(path, "training config")
-        for item in overrides or []:
-            apply_override(data, item)
-        return data
+        return cls.from_dict(read_config_data(path, overrides))
 
     def validate(self) -> None:
         """Everything that does not depend on the world size; run once, when the config is read."""

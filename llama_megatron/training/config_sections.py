@@ -87,3 +87,13 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             raise ConfigError(f"--set {key}: {part!r} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def read_config_data(path: str, overrides: list[str] | None = None) -> dict:
+    """A training config file's JSON with the ``--set`` overrides applied, not yet checked (``from_dict`` checks)."""
+    from llama_megatron.config import read_json
+
+    data = read_json(path, "training config")
+    for item in overrides or []:
+        apply_override(data, item)
+    return data

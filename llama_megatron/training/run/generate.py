@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from llama_megatron.checkpoint.directory import read_meta
 from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.generation import Sampling, generate
+from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.placement import placement
 from llama_megatron.parallel.process_groups import end_process_groups
 from llama_megatron.training.config import TrainingConfig
@@ -109,27 +111,61 @@ def _encode(request: GenerationRequest, prompt, encoder, tokenizer) -> list[int]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def run_generation(request: GenerationRequest) -> list[dict] | None:
-    """Completions of every prompt (on global rank 0; None on the others)."""
+@dataclass
+class InferenceModel:
+    """A checkpoint's model loaded on this rank for inference, with what decoding it needs."""
+
+    config: TrainingConfig
+    pctx: ParallelContext
+    model: torch.nn.Module
+    tokenizer_dir: str
+    tokenizer: object
+
+    @property
+    def stop_ids(self) -> set[int]:
+        return _stop_ids(self.config, self.tokenizer, self.tokenizer_dir)
+
+
+def open_checkpoint(request: GenerationRequest, before_groups: Callable[[TrainingConfig, object], None] | None = None,
+                    ) -> InferenceModel:
+    """The setup path up to the weights: config from the checkpoint, preflight, the tokenizer, then (after
+    ``before_groups(config, tokenizer)``, the caller's checks that need no process group) process groups, the
+    checksums and the model at ``request.dtype`` (bf16 on CUDA, else fp32) in eval mode."""
     from deepspeed.accelerator import get_accelerator
 
-    from llama_megatron.data.sft.chat_template import ChatEncoder, load_hf_tokenizer
+    from llama_megatron.data.sft.chat_template import load_hf_tokenizer
 
     tokenizer_dir = _tokenizer_dir(request)
     config = generation_config(request, tokenizer_dir)
     pre = preflight(config, mode="generate")
     tokenizer = load_hf_tokenizer(tokenizer_dir)
-    encoder = None if request.raw else ChatEncoder(tokenizer_dir, request.chat_template)
-    prompts = [_encode(request, p, encoder, tokenizer) for p in request.prompts]
-    budgets = _new_token_budgets(prompts, request.max_new_tokens, config.model.max_position_embeddings)
+    if before_groups is not None:
+        before_groups(config, tokenizer)
     pctx = start_process_groups(pre)
     pre = verify_checkpoint_files(pre, pctx, None)
     device = torch.device(get_accelerator().current_device_name())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[request.dtype or ("bf16" if device.type == "cuda"
                                                                                else "fp32")]
     model = load_model(pre, pctx).to(device=device, dtype=dtype).eval()
+    return InferenceModel(config, pctx, model, tokenizer_dir, tokenizer)
+
+
+def run_generation(request: GenerationRequest) -> list[dict] | None:
+    """Completions of every prompt (on global rank 0; None on the others)."""
+    from llama_megatron.data.sft.chat_template import ChatEncoder
+
+    prompts: list[list[int]] = []
+    budgets: list[int] = []
+
+    def encode_prompts(config: TrainingConfig, tokenizer) -> None:  # bad prompts fail before any process group
+        encoder = None if request.raw else ChatEncoder(config.tokenizer, request.chat_template)
+        prompts.extend(_encode(request, p, encoder, tokenizer) for p in request.prompts)
+        budgets.extend(_new_token_budgets(prompts, request.max_new_tokens, config.model.max_position_embeddings))
+
+    loaded = open_checkpoint(request, encode_prompts)
+    pctx, model, tokenizer = loaded.pctx, loaded.model, loaded.tokenizer
     sampling = Sampling(request.temperature, request.top_k, request.top_p, request.seed)
-    stop = _stop_ids(config, tokenizer, tokenizer_dir)
+    stop = loaded.stop_ids
     results = []
     for prompt, ids, budget in zip(request.prompts, prompts, budgets):
         new = generate(model, ids, budget, stop, sampling, request.use_cache)

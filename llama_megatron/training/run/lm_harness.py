@@ -1,0 +1,218 @@
+"""lm-evaluation-harness on a checkpoint where it lives: :class:`LlamaMegatronLM`, an lm-eval model backend
+(registered as ``llama_megatron``), and :func:`evaluate_tasks`, what ``llama-megatron evaluate --tasks`` runs.
+
+The backend *is* lm-eval's HF backend (``lm_eval.models.huggingface.HFLM``) over our sharded model: tokenisation
+(BOS, the context/continuation split), request ordering and batching, the one-token-continuation logits cache, the
+rolling windows of ``loglikelihood_rolling`` and the post-processing of ``generate_until`` are lm-eval's own code,
+unchanged. Only the two calls into a model are ours:
+
+- ``_model_call``: the full-vocabulary logits of a right-padded batch, from our model at the checkpoint's TP (the
+  TP shards gathered; causal attention, so the padding after a row changes none of its logits);
+- ``_model_generate``: our KV-cache decoding (:func:`~llama_megatron.model.generation.generate`) row by row, from
+  each row's tokens without its left padding, stopping at EOS or at the first token after which a stop sequence
+  appears in the decoded text (lm-eval cuts the text at the sequence afterwards, as it does HF's).
+
+So the results are those of ``lm_eval --model hf`` on the exported model, within the two models' arithmetic
+(``tests/test_training_lm_eval.py``). Layouts: every process is one TP rank of the checkpoint, and a checkpoint of
+any PP is read as one stage (as ``generate`` reads it); lm-eval sees one process: the TP ranks run every request
+together and global rank 0 writes the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# nothing is downloaded at run time (a task's data must be on this machine): set before datasets and the hub read it
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+
+from llama_megatron.errors import ConfigError  # noqa: E402
+from llama_megatron.model.generation import Sampling, generate  # noqa: E402
+from llama_megatron.parallel.placement import adopt_launcher_env  # noqa: E402
+from llama_megatron.training.run.generate import GenerationRequest, InferenceModel, open_checkpoint  # noqa: E402
+
+TASK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))), "data", "eval", "tasks")  # the tasks shipped with the repository (data/eval/README.md)
+
+
+class _ShardedCausalLM(transformers.PreTrainedModel):
+    """Our model as the ``PreTrainedModel`` HFLM is given: its HF config (the checkpoint's, as exported) and a
+    forward that returns the full logits. HFLM reads the config, the device and the dtype from it."""
+
+    config_class = transformers.PretrainedConfig
+    base_model_prefix = "inner"
+
+    def __init__(self, hf_config: transformers.PretrainedConfig, inner: torch.nn.Module) -> None:
+        super().__init__(hf_config)
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> CausalLMOutputWithPast:
+        with torch.no_grad():
+            return CausalLMOutputWithPast(logits=self.inner.full_logits(self.inner(input_ids)).float())
+
+
+@register_model("llama_megatron")
+class LlamaMegatronLM(HFLM):
+    """``lm_eval.simple_evaluate(model="llama_megatron", model_args="checkpoint=DIR")`` or an instance: a checkpoint
+    (converted, trained or LoRA) loaded through the setup path ``generate`` uses; the rest of the arguments are
+    HFLM's (``batch_size``, ``max_length``, ``add_bos_token``, ...)."""
+
+    def __init__(self, checkpoint: str | None = None, tag: str | None = None, tokenizer: str | None = None,
+                 kernels: str = "auto", dtype: str | None = None, loaded: InferenceModel | None = None,
+                 **kwargs: Any) -> None:
+        if loaded is None:
+            if checkpoint is None:
+                raise ConfigError("the llama_megatron lm-eval model needs checkpoint=DIR")
+            adopt_launcher_env()  # one process, or a rank of the deepspeed launcher / torchrun
+            loaded = open_checkpoint(GenerationRequest(checkpoint=checkpoint, prompts=[], tag=tag,
+                                                       tokenizer=tokenizer, kernels=kernels, dtype=dtype))
+        self.loaded = loaded
+        model = loaded.config.model.to_hf_dict()
+        hf_config = transformers.AutoConfig.for_model(**model)
+        kwargs.setdefault("max_length", loaded.config.model.max_position_embeddings)
+        super().__init__(pretrained=_ShardedCausalLM(hf_config, loaded.model), tokenizer=loaded.tokenizer_dir,
+                         **kwargs)
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
+                        **generation_kwargs: Any) -> torch.Tensor:
+        """[rows, max_length at most] tokens: each row's context as given (left padding kept) and its new tokens,
+        rows padded at the end with the pad token (which lm-eval's decoding skips), as HF's ``generate`` returns."""
+        mask = generation_kwargs.pop("attention_mask", None)
+        temperature = float(generation_kwargs.pop("temperature", 0.0) or 0.0)
+        sampling = Sampling(temperature if generation_kwargs.pop("do_sample", False) else 0.0,
+                            int(generation_kwargs.pop("top_k", 0) or 0),
+                            float(generation_kwargs.pop("top_p", 1.0) or 1.0))
+
+        def stop_when(new: list[int]) -> bool:
+            text = self.tokenizer.decode(new, skip_special_tokens=False)
+            return any(sequence in text for sequence in stop)
+
+        stop_ids = {self.tokenizer.eos_token_id}
+        rows = []
+        for row in range(context.shape[0]):
+            ids = context[row] if mask is None else context[row][mask[row].bool()]
+            new = generate(self.loaded.model, ids.tolist(), max_length - context.shape[1], stop_ids, sampling,
+                           stop_when=stop_when)
+            rows.append(context[row].tolist() + new)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def task_configs(names: list[str | dict]) -> list[str | dict]:
+    """lm-eval task names, and the shipped tasks (``data/eval/tasks/*.yaml``) as configs whose ``data_files`` are
+    made absolute (the YAML names them relative to itself), so they load from any directory, offline."""
+    import yaml
+
+    out: list[str | dict] = []
+    for name in names:
+        if isinstance(name, dict):  # a config already (what check_tasks returns)
+            out.append(name)
+            continue
+        path = name if name.endswith((".yaml", ".yml")) else os.path.join(TASK_DIR, f"{name}.yaml")
+        if not os.path.isfile(path):
+            out.append(name)  # a task of lm-eval's own (its YAML names its dataset: local copies, see the docs)
+            continue
+        with open(path, encoding="utf-8") as fh:
+            config = yaml.safe_load(fh)
+        files = config.get("dataset_kwargs", {}).get("data_files", {})
+        for split, file in files.items():
+            resolved = file if os.path.isabs(file) else os.path.join(os.path.dirname(os.path.abspath(path)), file)
+            if not os.path.isfile(resolved):
+                raise ConfigError(f"task {name}: its {split} data {resolved} is missing")
+            files[split] = resolved
+        out.append(config)
+    return out
+
+
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # datasets' builders that read data_files
+
+
+def check_tasks(names: list[str]) -> list[str | dict]:
+    """The tasks' configs (:func:`task_configs`), each known to lm-eval and with its data on this machine: an
+    unknown task, or one whose dataset is neither a local directory, nor local ``data_files``, nor in the datasets
+    cache, is one line (``ConfigError``) before any model is loaded, and nothing is downloaded."""
+    from lm_eval.tasks import TaskManager
+
+    configs = task_configs(names)
+    manager = TaskManager(include_path=TASK_DIR)
+    known = {*manager.all_tasks, *manager.all_groups, *manager.all_tags}
+    for config in configs:
+        if isinstance(config, dict):  # a YAML of ours or the user's
+            _check_local(config.get("task", "?"), config)
+            continue
+        if config not in known:
+            raise ConfigError(f"unknown lm-eval task {config!r} (`lm_eval ls tasks` lists lm-eval's; the shipped "
+                              f"ones are in {TASK_DIR})")
+        entry = manager.task_index[config]
+        if entry.cfg is None or "dataset_path" not in entry.cfg:
+            continue  # a group or tag: its tasks are checked when lm-eval loads them (offline)
+        _check_local(config, entry.cfg)
+    return configs
+
+
+def _check_local(name: str, config: dict) -> None:
+    path, files = config["dataset_path"], (config.get("dataset_kwargs") or {}).get("data_files")
+    if os.path.isdir(path):
+        return
+    if files:
+        listed = files.values() if isinstance(files, dict) else files if isinstance(files, list) else [files]
+        missing = [f for group in listed for f in (group if isinstance(group, list) else [group])
+                   if not os.path.isfile(f)]
+        if missing:
+            raise ConfigError(f"task {name}: its data files are missing: {', '.join(map(str, missing))}")
+        return
+    if path in LOCAL_BUILDERS:
+        raise ConfigError(f"task {name}: dataset_path {path} names no data_files")
+    import datasets
+
+    try:  # the datasets cache only: HF_DATASETS_OFFLINE is set
+        datasets.load_dataset_builder(path, config.get("dataset_name"))
+    except Exception:  # noqa: BLE001 - whatever datasets raises offline, the answer is that it is not here
+        raise ConfigError(f"task {name}: its dataset {path}{'/' + config['dataset_name'] if config.get('dataset_name') else ''} "
+                          "is not on this machine and nothing is downloaded: copy it here and point the task's "
+                          "dataset_path or data_files at it (docs/evaluation.md)") from None
+
+
+def evaluate_tasks(lm: LlamaMegatronLM, tasks: list[str | dict], limit: int | None, num_fewshot: int | None,
+                   seed: int = 1234, log_samples: bool = False) -> dict:
+    """lm-eval's ``simple_evaluate`` of ``tasks`` on ``lm`` (its results dict: ``results``, ``configs``, ...)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(model=lm, tasks=task_configs(tasks), limit=limit, num_fewshot=num_fewshot,
+                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                           log_samples=log_samples, task_manager=TaskManager(include_path=TASK_DIR))
+
+
+def results_table(results: dict) -> str:
+    """lm-eval's own table of the results."""
+    from lm_eval.utils import make_table
+
+    return make_table(results)
+
+
+def write_results(results: dict, path: str) -> None:
+    """The results JSON, written atomically (lm-eval's dict without the per-sample records)."""
+    from llama_megatron.checkpoint.atomic import write_text_atomic
+
+    kept = {k: v for k, v in results.items() if k != "samples"}
+    write_text_atomic(path, json.dumps(kept, indent=2, default=str) + "\n")
+
+
+def write_samples(results: dict, path: str) -> None:
+    """Every document's record (lm-eval's ``samples``: its requests' arguments, responses, filtered responses and
+    metrics), one JSON line each with its task, written atomically."""
+    from llama_megatron.checkpoint.atomic import write_text_atomic
+
+    lines = [json.dumps({"task": task, **sample}, default=str) for task, samples in results["samples"].items()
+             for sample in samples]
+    write_text_atomic(path, "".join(line + "\n" for line in lines))

@@ -63,7 +63,7 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     "test_training_planner.py": 330,  # the listed layouts a step each, a calibration (2026-11-27's whole run)
     "test_training_fp8.py": 180, "test_parallel_float8.py": 60,  # FP8's three launches; its TP2 checks (alone)
     "test_training_profile.py": 140,  # two launches: PP2 under profile and train; 4 layouts profiled on 4 ranks
-    "test_training_lm_eval.py": 100,  # HF reference in process, TP1 in process, one 2-process launch (TP2, TP2 x PP2)
+    "test_training_lm_eval.py": 220,  # HF reference and TP1 in process; 2-process launches: TP2, TP2 x PP2; eval.tasks runs
 }
 
 
@@ -106,7 +106,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 # (``@pytest.mark.launched``, or ``pytestmark`` for a file). Both are enforced below: a fixture not listed here, or a
 # test without the mark, that starts a process fails, so the quick loop stays quick and starts nothing.
 LAUNCHING_FIXTURES = {
-    "checkpoints", "eight_rank_runs", "faults", "four_rank", "launched", "layout_matrix", "layouts", "lora_runs", "profiled", "profiled_layouts",
+    "checkpoints", "eight_rank_runs", "faults", "four_rank", "launched", "layout_matrix", "layouts", "lora_runs", "profiled", "profiled_layouts", "in_training",
     "fp8_runs", "gpu_runs", "reference", "reference_per_document", "reference_tied", "references", "restarted", "resumes", "runs", "single",
     "single_source", "stalled", "stopped", "tour", "trl_case", "two_rank", "two_rank_resumed", "two_rank_runs",
     "universal_resumed",

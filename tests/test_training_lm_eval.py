@@ -17,7 +17,7 @@ import os
 import shutil
 
 import pytest
-from launch_utils import ROOT, launch_many
+from launch_utils import PRETRAIN_CONFIG, ROOT, launch_many, train_args
 from model_utils import hf_model, tiny_config
 
 from llama_megatron.cli import main as cli_main
@@ -146,4 +146,70 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys) -> No
     assert cli_main(["evaluate", *args, *checkpoint]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+    assert not dist.is_initialized()
+
+
+IN_TRAINING = ['data={"type": "synthetic"}', "parallel.tensor=2", "eval.interval=2", "train.steps=4",
+               'eval.tasks=["shakespeare_play", "shakespeare_continue"]', "eval.tasks_limit=4"]
+
+
+@pytest.fixture(scope="module")
+def in_training(tmp_path_factory) -> dict:
+    """One 2-process launch: a 4-step TP2 run with eval.tasks at steps 2 and 4; the same run stopped at step 2 with
+    a save and resumed to step 4 (the LR schedule's decay_steps fixed: the two runs' steps are alike); the step-2
+    save evaluated by `evaluate --tasks`."""
+    root = tmp_path_factory.mktemp("lm-eval-training")
+    save = ["checkpoint.save=" + str(root / "saves"), "checkpoint.interval=2", "checkpoint.load=auto"]
+    runs = [train_args(PRETRAIN_CONFIG, [*IN_TRAINING, f"output_dir={root / 'whole'}"]),
+            train_args(PRETRAIN_CONFIG, [*IN_TRAINING, *save, "train.steps=2", f"output_dir={root / 'first'}"]),
+            train_args(PRETRAIN_CONFIG, [*IN_TRAINING, *save, f"output_dir={root / 'resumed'}"]),
+            {"verb": "evaluate", "args": ["--tasks", "shakespeare_play,shakespeare_continue", "--checkpoint",
+                                          str(root / "saves"), "--tag", "global_step2", "--tokenizer", TOKENIZER,
+                                          "--limit", "4", "--output", str(root / "step2.json")]}]
+    launch_many(2, runs, str(root / "runs.json"))
+    return {"root": root}
+
+
+def _task_records(run_dir) -> dict[int, dict]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        tasks = {k: v for k, v in record.items() if k.startswith("tasks/")}
+        if tasks:
+            assert record["tasks_s"] > 0
+            out[record["step"]] = tasks
+    return out
+
+
+def test_tasks_during_training_resume_exactly_and_equal_evaluate(in_training) -> None:
+    """The tasks' metrics at each evaluation in metrics.jsonl; the resumed run's equal the whole run's, and the
+    step-2 save evaluated offline gives the step-2 figures."""
+    root = in_training["root"]
+    whole = _task_records(root / "whole")
+    assert sorted(whole) == [2, 4]
+    assert set(whole[2]) == {"tasks/shakespeare_play/acc", "tasks/shakespeare_continue/exact_match"}
+    assert 0 <= whole[2]["tasks/shakespeare_play/acc"] <= 1
+    assert _task_records(root / "first") == {2: whole[2]}
+    assert _task_records(root / "resumed") == {4: whole[4]}
+    offline = json.loads((root / "step2.json").read_text())["results"]
+    assert offline["shakespeare_play"]["acc,none"] == whole[2]["tasks/shakespeare_play/acc"]
+    assert offline["shakespeare_continue"]["exact_match,none"] == whole[2]["tasks/shakespeare_continue/exact_match"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['eval.tasks=["no_such_task"]', "eval.interval=2"], "unknown lm-eval task 'no_such_task'"),
+    (['eval.tasks=["shakespeare_play"]'], "eval.tasks run at the evaluations, and eval.interval is 0"),
+    (['eval.tasks=["shakespeare_play"]', "eval.interval=2", "parallel.pipeline=2"],
+     "eval.tasks runs on a one-stage model without context parallelism"),
+    (['eval.tasks=["shakespeare_play"]', "eval.interval=2", "tokenizer=null"],
+     "eval.tasks tokenises lm-eval's requests with the run's tokenizer"),
+])
+def test_bad_eval_tasks_are_one_line_before_launch(overrides, message, tmp_path, capsys) -> None:
+    import torch.distributed as dist
+
+    capsys.readouterr()
+    code = cli_main(["train", *train_args(PRETRAIN_CONFIG, ['data={"type": "synthetic"}', *overrides,
+                                                           f"output_dir={tmp_path / 'out'}"])])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
     assert not dist.is_initialized()

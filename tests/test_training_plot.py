@@ -62,6 +62,26 @@ def test_a_preference_run_adds_its_reward_panels(tmp_path) -> None:
     assert matplotlib.image.imread(out).shape[0] == matplotlib.image.imread(plain).shape[0] * 6 // 4
 
 
+def test_a_run_with_eval_tasks_adds_their_panel(tmp_path) -> None:
+    """eval.tasks' metrics (tasks/<task>/<metric>): one more panel, a line per task and metric."""
+    import matplotlib.image
+
+    from llama_megatron.training.diagnostics.plot import series
+
+    plain = str(tmp_path / "plain.png")
+    plot_runs([_run_dir(tmp_path / "plain", INFO)], plain, "step")
+    run = _run_dir(tmp_path / "tasks", INFO)
+    with open(os.path.join(run, "metrics.jsonl"), "a") as fh:
+        for step in (7, 9):
+            fh.write(json.dumps({"step": step, "loss": 7.0, "tasks/arc/acc": step / 8, "tasks_s": 2.0,
+                                 "tasks/gen/exact_match": 0.0}) + "\n")
+    assert series(read_run(run), "tasks:") == {"tasks arc/acc": [(7, 0.875, None), (9, 1.125, None)],
+                                               "tasks gen/exact_match": [(7, 0.0, None), (9, 0.0, None)]}
+    out = str(tmp_path / "tasks.png")
+    plot_runs([run], out, "step")
+    assert matplotlib.image.imread(out).shape[0] == matplotlib.image.imread(plain).shape[0] * 5 // 4
+
+
 def test_bad_inputs_are_one_line_errors_and_write_nothing(tmp_path) -> None:
     with pytest.raises(ConfigError, match="has no metrics.jsonl"):
         plot_runs([str(tmp_path / "missing")], str(tmp_path / "x.png"))

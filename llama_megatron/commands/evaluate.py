@@ -77,17 +77,18 @@ def _run_tasks(args: argparse.Namespace) -> int:
     if not names:
         raise ConfigError("--tasks names no task")
     from llama_megatron.parallel.placement import adopt_launcher_env, placement
+    from llama_megatron.training.run.lm_tasks import check_tasks
+
+    adopt_launcher_env()
+    tasks = check_tasks(names)  # before lm-eval's model code is imported, as before any process group
     from llama_megatron.training.run.lm_harness import (
         LlamaMegatronLM,
-        check_tasks,
         evaluate_tasks,
         results_table,
         write_results,
         write_samples,
     )
-
-    adopt_launcher_env()
-    tasks = check_tasks(names)  # unknown tasks and missing local data: one line, before any process group
+  # unknown tasks and missing local data: one line, before any process group
     lm = LlamaMegatronLM(checkpoint=args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, kernels=args.kernels,
                          dtype=args.dtype, batch_size=args.batch_size)
     results = evaluate_tasks(lm, tasks, args.limit, args.num_fewshot, args.seed,

@@ -26,7 +26,7 @@ from llama_megatron.model.preference import PreferenceLossConfig
 from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
-from llama_megatron.training.config_sections import read_config_data, typed_section
+from llama_megatron.training.config_sections import EvalConfig, read_config_data, typed_section
 from llama_megatron.training.pipeline.schedules import (
     SCHEDULES,
     micro_batch_rule,
@@ -71,12 +71,6 @@ class OptimizerConfig:
     warmup_steps: int = 0  # linear warm-up steps
     decay_style: str = "cosine"  # cosine, linear or constant
     decay_steps: int | None = None  # steps of the decay (default: train.steps - warmup)
-
-
-@dataclass
-class EvalConfig:
-    interval: int = 0  # steps between evaluations; 0: never
-    iters: int = 1  # global batches of the validation split per evaluation
 
 
 AUTO_LOAD = "auto"  # checkpoint.load: resume from checkpoint.save when it holds a checkpoint, else start fresh
@@ -295,8 +289,7 @@ class TrainingConfig:
             if ckpt.finetune or ckpt.tag:
                 raise ConfigError('checkpoint.load "auto" resumes the latest checkpoint in checkpoint.save: it '
                                   "takes no checkpoint.tag and no checkpoint.finetune (name the directory to load)")
-        if self.eval.interval < 0 or self.eval.iters < 1:
-            raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
+        self.eval.check(self.parallel)
         if self.logging.interval < 1:
             raise ConfigError(f"logging.interval must be >= 1 (steps between log lines), got {self.logging.interval}")
         if ckpt.keep_last < 0 or ckpt.interval < 0 or ckpt.universal_workers < 0:

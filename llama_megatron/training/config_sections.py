@@ -1,6 +1,6 @@
 """The training JSON read as typed sections: each section's keys checked against its dataclass (unknown keys, and
 values of the wrong type, are one line naming the key; a JSON list becomes the tuple a field declares), and ``--set
-a.b.c=value`` overrides applied to the JSON before it is read."""
+a.b.c=value`` overrides applied to the JSON before it is read; the sections with checks of their own."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 import json
 import types
 import typing
+from dataclasses import dataclass
 from typing import Any
 
 from llama_megatron.errors import ConfigError
@@ -97,3 +98,29 @@ def read_config_data(path: str, overrides: list[str] | None = None) -> dict:
     for item in overrides or []:
         apply_override(data, item)
     return data
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # steps between evaluations; 0: never
+    iters: int = 1  # global batches of the validation split per evaluation
+    # lm-evaluation-harness tasks run at each evaluation on the model being trained: lm-eval task names, the ones
+    # shipped in data/eval/tasks, or task YAML files (docs/evaluation.md); [] none
+    tasks: tuple[str, ...] = ()
+    tasks_limit: int | None = None  # the first N documents of each task at each evaluation; null: all
+    tasks_fewshot: int | None = None  # few-shot examples per task; null: each task's own
+
+    def check(self, parallel: Any) -> None:
+        if self.interval < 0 or self.iters < 1:
+            raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
+        if not self.tasks:
+            return
+        if not all(self.tasks):
+            raise ConfigError(f"eval.tasks must list task names or YAML files, got {list(self.tasks)!r}")
+        if not self.interval:
+            raise ConfigError("eval.tasks run at the evaluations, and eval.interval is 0: set eval.interval")
+        if parallel.pipeline != 1 or parallel.context != 1:
+            raise ConfigError("eval.tasks runs on a one-stage model without context parallelism (parallel.pipeline "
+                              "and parallel.context 1): evaluate this run's checkpoints with `evaluate --tasks`")
+        if self.tasks_limit is not None and self.tasks_limit < 1 or (self.tasks_fewshot or 0) < 0:
+            raise ConfigError("eval.tasks_limit must be >= 1 (or null) and eval.tasks_fewshot >= 0 (or null)")

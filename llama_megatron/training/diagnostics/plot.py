@@ -19,11 +19,19 @@ PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "le
 # drawn when some run logged them: preference runs (TRL's reward margin and accuracy), FP8 runs with
 # logging.fp8_stats (a line per linear kind and cast: its largest amax and smallest scale over the layers)
 OPTIONAL_PANELS = (("rewards/margins", "reward margin"), ("rewards/accuracies", "reward accuracy"),
-                   ("fp8:amax", "FP8 amax (largest over layers)"), ("fp8:scale", "FP8 scale (smallest over layers)"))
+                   ("fp8:amax", "FP8 amax (largest over layers)"), ("fp8:scale", "FP8 scale (smallest over layers)"),
+                   ("tasks:", "lm-eval tasks (eval.tasks)"))
 
 
 def series(run: Run, key: str) -> dict[str, list[tuple[int, float, int | None]]]:
     """The lines of one panel for ``run``: label -> (step, value, consumed samples) of the records holding it."""
+    if key == "tasks:":  # a line per task and metric (tasks/<task>/<metric>)
+        lines: dict[str, list] = {}
+        for r in run.records:
+            for name in sorted(k for k in r if k.startswith("tasks/")):
+                lines.setdefault(f"{run.name} {name[len('tasks/'):]}", []).append(
+                    (r["step"], r[name], r.get("consumed_samples")))
+        return lines
     if not key.startswith("fp8:"):
         return {legend_label(run): [(r["step"], r[key], r.get("consumed_samples")) for r in run.records if key in r]}
     stat, pick = key[4:], (max if key == "fp8:amax" else min)
@@ -37,6 +45,8 @@ def series(run: Run, key: str) -> dict[str, list[tuple[int, float, int | None]]]
 
 
 def _logged(run: Run, key: str) -> bool:
+    if key == "tasks:":
+        return any(k.startswith("tasks/") for r in run.records for k in r)
     return any(("fp8" if key.startswith("fp8:") else key) in r for r in run.records)
 
 

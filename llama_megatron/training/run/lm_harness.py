@@ -21,12 +21,11 @@ together and global rank 0 writes the results.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
-# nothing is downloaded at run time (a task's data must be on this machine): set before datasets and the hub read it
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from llama_megatron.training.run.lm_tasks import TASK_DIR, go_offline, task_configs
+
+go_offline()  # before lm_eval imports datasets
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -38,9 +37,6 @@ from llama_megatron.errors import ConfigError  # noqa: E402
 from llama_megatron.model.generation import Sampling, generate  # noqa: E402
 from llama_megatron.parallel.placement import adopt_launcher_env  # noqa: E402
 from llama_megatron.training.run.generate import GenerationRequest, InferenceModel, open_checkpoint  # noqa: E402
-
-TASK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__))))), "data", "eval", "tasks")  # the tasks shipped with the repository (data/eval/README.md)
 
 
 class _ShardedCausalLM(transformers.PreTrainedModel):
@@ -107,81 +103,6 @@ class LlamaMegatronLM(HFLM):
         return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def task_configs(names: list[str | dict]) -> list[str | dict]:
-    """lm-eval task names, and the shipped tasks (``data/eval/tasks/*.yaml``) as configs whose ``data_files`` are
-    made absolute (the YAML names them relative to itself), so they load from any directory, offline."""
-    import yaml
-
-    out: list[str | dict] = []
-    for name in names:
-        if isinstance(name, dict):  # a config already (what check_tasks returns)
-            out.append(name)
-            continue
-        path = name if name.endswith((".yaml", ".yml")) else os.path.join(TASK_DIR, f"{name}.yaml")
-        if not os.path.isfile(path):
-            out.append(name)  # a task of lm-eval's own (its YAML names its dataset: local copies, see the docs)
-            continue
-        with open(path, encoding="utf-8") as fh:
-            config = yaml.safe_load(fh)
-        files = config.get("dataset_kwargs", {}).get("data_files", {})
-        for split, file in files.items():
-            resolved = file if os.path.isabs(file) else os.path.join(os.path.dirname(os.path.abspath(path)), file)
-            if not os.path.isfile(resolved):
-                raise ConfigError(f"task {name}: its {split} data {resolved} is missing")
-            files[split] = resolved
-        out.append(config)
-    return out
-
-
-LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # datasets' builders that read data_files
-
-
-def check_tasks(names: list[str]) -> list[str | dict]:
-    """The tasks' configs (:func:`task_configs`), each known to lm-eval and with its data on this machine: an
-    unknown task, or one whose dataset is neither a local directory, nor local ``data_files``, nor in the datasets
-    cache, is one line (``ConfigError``) before any model is loaded, and nothing is downloaded."""
-    from lm_eval.tasks import TaskManager
-
-    configs = task_configs(names)
-    manager = TaskManager(include_path=TASK_DIR)
-    known = {*manager.all_tasks, *manager.all_groups, *manager.all_tags}
-    for config in configs:
-        if isinstance(config, dict):  # a YAML of ours or the user's
-            _check_local(config.get("task", "?"), config)
-            continue
-        if config not in known:
-            raise ConfigError(f"unknown lm-eval task {config!r} (`lm_eval ls tasks` lists lm-eval's; the shipped "
-                              f"ones are in {TASK_DIR})")
-        entry = manager.task_index[config]
-        if entry.cfg is None or "dataset_path" not in entry.cfg:
-            continue  # a group or tag: its tasks are checked when lm-eval loads them (offline)
-        _check_local(config, entry.cfg)
-    return configs
-
-
-def _check_local(name: str, config: dict) -> None:
-    path, files = config["dataset_path"], (config.get("dataset_kwargs") or {}).get("data_files")
-    if os.path.isdir(path):
-        return
-    if files:
-        listed = files.values() if isinstance(files, dict) else files if isinstance(files, list) else [files]
-        missing = [f for group in listed for f in (group if isinstance(group, list) else [group])
-                   if not os.path.isfile(f)]
-        if missing:
-            raise ConfigError(f"task {name}: its data files are missing: {', '.join(map(str, missing))}")
-        return
-    if path in LOCAL_BUILDERS:
-        raise ConfigError(f"task {name}: dataset_path {path} names no data_files")
-    import datasets
-
-    try:  # the datasets cache only: HF_DATASETS_OFFLINE is set
-        datasets.load_dataset_builder(path, config.get("dataset_name"))
-    except Exception:  # noqa: BLE001 - whatever datasets raises offline, the answer is that it is not here
-        raise ConfigError(f"task {name}: its dataset {path}{'/' + config['dataset_name'] if config.get('dataset_name') else ''} "
-                          "is not on this machine and nothing is downloaded: copy it here and point the task's "
-                          "dataset_path or data_files at it (docs/evaluation.md)") from None
-
-
 def evaluate_tasks(lm: LlamaMegatronLM, tasks: list[str | dict], limit: int | None, num_fewshot: int | None,
                    seed: int = 1234, log_samples: bool = False) -> dict:
     """lm-eval's ``simple_evaluate`` of ``tasks`` on ``lm`` (its results dict: ``results``, ``configs``, ...)."""
@@ -206,6 +127,33 @@ def write_results(results: dict, path: str) -> None:
 
     kept = {k: v for k, v in results.items() if k != "samples"}
     write_text_atomic(path, json.dumps(kept, indent=2, default=str) + "\n")
+
+
+def task_metrics(config, pctx, model: torch.nn.Module, batch_size: int = 4) -> dict[str, float]:
+    """``config.eval.tasks`` on ``model`` (the training engine's module: no copy, no export), every rank running
+    every request; ``{"tasks/<task>/<metric>": value}`` of lm-eval's numeric metrics (standard errors left out),
+    empty where lm-eval returns nothing (a node's ranks but its first).
+    The model is put in eval mode for it and back in train mode after."""
+    from llama_megatron.data.sft.chat_template import load_hf_tokenizer
+
+    evaluation = config.eval
+    loaded = InferenceModel(config, pctx, model, config.tokenizer, load_hf_tokenizer(config.tokenizer))
+    model.eval()
+    try:
+        results = evaluate_tasks(LlamaMegatronLM(loaded=loaded, batch_size=batch_size), list(evaluation.tasks),
+                                 evaluation.tasks_limit, evaluation.tasks_fewshot, seed=config.seed)
+    finally:
+        model.train()
+    out: dict[str, float] = {}
+    if results is None:  # lm-eval returns them on each node's local rank 0 only; rank 0 logs them
+        return out
+    for task, metrics in results["results"].items():
+        for name, value in metrics.items():  # "acc,none": a metric under its filter; alias, sample_len: not metrics
+            metric = name.split(",")[0]
+            if ("," in name and isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and not metric.endswith("_stderr")):
+                out[f"tasks/{task}/{metric}"] = float(value)
+    return out
 
 
 def write_samples(results: dict, path: str) -> None:

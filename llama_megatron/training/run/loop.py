@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 
 from llama_megatron.data.sft.config import PreferenceData
@@ -159,6 +160,9 @@ class _TrainingRun:
         if due.evaluate:
             with self.watchdog.working(self.step, "evaluation") as progress:
                 extras.update(evaluate(self.session, self.valid_ds, progress))
+            if self.config.eval.tasks:
+                with self.watchdog.working(self.step, "lm-eval tasks"):
+                    extras.update(self._tasks())
         if due.log:  # read where logged only: each is an all-reduce over the world
             extras.update(expert_load=self.engine.expert_load(), preference=self.engine.preference_metrics(),
                           fp8=self.engine.fp8_stats())
@@ -177,6 +181,17 @@ class _TrainingRun:
             self.log.info(f"stopped at step {self.step} on {stop}: {where}; the same command with checkpoint.load "
                           "auto continues from there")
         return stop
+
+    def _tasks(self) -> dict:
+        """``eval.tasks`` on the model being trained (docs/evaluation.md): each task's metrics, and their seconds,
+        which the tokens/s of the window leaves out."""
+        from llama_megatron.training.run.lm_harness import task_metrics
+
+        start = time.perf_counter()
+        metrics = task_metrics(self.session.config, self.session.pctx, self.engine.engine.module)
+        seconds = time.perf_counter() - start
+        self.meter.exclude(seconds)
+        return {**metrics, "tasks_s": seconds}
 
     def finish(self) -> None:
         self.saves.settle(self.step, wait=True)  # beats "the last save's files" while a save is in flight

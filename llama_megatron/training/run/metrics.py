@@ -103,7 +103,8 @@ class RunLogger:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 if self._tb is not None:
-                    self._tb.add_scalar(f"train/{key}" if not key.startswith("val") else f"eval/{key}", value, step)
+                    evaluation = key.startswith(("val", "tasks"))
+                    self._tb.add_scalar(f"eval/{key}" if evaluation else f"train/{key}", value, step)
         if self._tb is not None:
             self._tb.flush()
         if self._wandb is not None:
@@ -182,7 +183,7 @@ class StepMeter:
         elapsed, steps = now - self.window_start, report.step - self.start_step
         tokens_per_s = self.tokens_per_step * self.window_steps / elapsed
         tflops = self.flops_per_step * self.window_steps / elapsed / 1e12 / self.world_size
-        metrics: dict[str, Any] = {k: v for k, v in extras.items() if k.startswith("val_")}
+        metrics: dict[str, Any] = {k: v for k, v in extras.items() if k.startswith(("val_", "tasks"))}
         hfu = self.hardware_flops_per_step / self.flops_per_step * tflops / self.peak if self.peak else None
         metrics.update(loss=report.loss, lr=lr, grad_norm=report.grad_norm, tokens_per_s=tokens_per_s,
                        tflops_per_device=tflops, mfu=tflops / self.peak if self.peak else None, hfu=hfu,
@@ -214,8 +215,16 @@ class StepMeter:
             line += f" | val loss {metrics['val_loss']:.6f}"
         if "val_ppl" in metrics:
             line += f" | val ppl {metrics['val_ppl']:.3f}"
+        for key in sorted(k for k in metrics if k.startswith("tasks/")):  # lm-eval tasks (eval.tasks)
+            line += f" | {key[len('tasks/'):]} {metrics[key]:.4f}"
+        if "tasks_s" in metrics:
+            line += f" (tasks {metrics['tasks_s']:.1f} s)"
         self.window_start, self.window_steps = time.perf_counter(), 0
         return metrics, line
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (the lm-eval tasks' time, logged apart) out of the tokens/s of this window."""
+        self.window_start += seconds
 
 
 def _fmt(value: float | None, digits: int) -> str:

@@ -142,6 +142,8 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     # what building the datasets would find late: ids beyond the vocabulary, no validation split to evaluate on
     config.data.check(config.model.vocab_size,
                       need_validation=mode == "evaluate" or (mode == "train" and config.eval.interval > 0))
+    if config.eval.tasks and mode == "train":
+        _check_eval_tasks(config)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)
     check_experts_on_every_stage(config, zero_stage(ds_config))
@@ -155,6 +157,20 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
                      f"processes per node): their all-reduces, the heaviest traffic, cross the network; use a "
                      f"tensor degree that divides the processes per node")
     return Preflight(config, world_size, ds_config, resume, eod_id, kernels, notes)
+
+
+def _check_eval_tasks(config: TrainingConfig) -> None:
+    """``eval.tasks``: lm-eval installed, an HF tokenizer to tokenise the requests with, every task known and its
+    data on this machine (training/run/lm_tasks.py), before any process starts."""
+    try:
+        from llama_megatron.training.run.lm_tasks import check_tasks
+    except ImportError as exc:
+        raise ConfigError(f"eval.tasks needs lm-evaluation-harness ({exc.name} is missing): pip install "
+                          "'llama_megatron[eval]'") from None
+    if not config.tokenizer or not os.path.isdir(config.tokenizer):
+        raise ConfigError("eval.tasks tokenises lm-eval's requests with the run's tokenizer: set tokenizer to a "
+                          "Hugging Face tokenizer directory")
+    check_tasks(list(config.eval.tasks))
 
 
 def check_experts_on_every_stage(config: TrainingConfig, zero: int) -> None:

@@ -104,7 +104,7 @@ class LlamaMegatronLM(HFLM):
 
 
 def evaluate_tasks(lm: LlamaMegatronLM, tasks: list[str | dict], limit: int | None, num_fewshot: int | None,
-                   seed: int = 1234, log_samples: bool = False) -> dict:
+                   seed: int = 1234, log_samples: bool = False) -> dict | None:
     """lm-eval's ``simple_evaluate`` of ``tasks`` on ``lm``: its results dict (``results``, ``configs``, ...) on each
     node's local rank 0, None on the other ranks (lm-eval returns them there only)."""
     from lm_eval import simple_evaluate

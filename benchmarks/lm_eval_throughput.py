@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=100, help="documents (4 requests each; default 100)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--worker", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker[0], args.limit, args.batch_size, args.worker[1])
@@ -78,10 +79,14 @@ def main() -> None:
         from llama_megatron.parallel.placement import free_port
 
         out = os.path.join(work, "ours.json")
-        subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
-                        "--master_port", str(free_port()), "--log_level", "warning", os.path.abspath(__file__),
-                        "--limit", str(args.limit), "--batch-size", str(args.batch_size), "--worker", checkpoint, out],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+        result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+                                 "--master_port", str(free_port()), "--log_level", "warning", os.path.abspath(__file__),
+                                 "--limit", str(args.limit), "--batch-size", str(args.batch_size), "--worker",
+                                 checkpoint, out],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"the TP2 side failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-3000:]}")
         with open(out, encoding="utf-8") as fh:
             ours = json.load(fh)
         torch.set_num_threads(2)  # the two cores the two ranks had

@@ -18,6 +18,8 @@ from llama_megatron.errors import exit_code_of
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("llama_megatron.commands.train", "pretrain or fine-tune (one process; the deepspeed launcher for many)"),
     "evaluate": ("llama_megatron.commands.evaluate", "validation loss of a checkpoint (same setup as train)"),
+    "lm-eval": ("llama_megatron.commands.lm_eval", "lm-evaluation-harness's own CLI (run, ls, validate) with the "
+                "llama_megatron model registered"),
     "generate": ("llama_megatron.commands.generate", "text from a checkpoint: chat template, greedy or sampled, KV cache"),
     "doctor": ("llama_megatron.commands.doctor", "check a multi-node setup under its launcher: ranks, files, bandwidth"),
     "profile": ("llama_megatron.commands.profile", "where a step's time goes: per-rank torch.profiler traces, time by "

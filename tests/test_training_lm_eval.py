@@ -17,12 +17,12 @@ import os
 import shutil
 
 import pytest
-from launch_utils import PRETRAIN_CONFIG, ROOT, launch_many, train_args
+from launch_utils import PRETRAIN_CONFIG, launch_many, train_args
+from lm_eval_utils import TOKENIZER, add_tokenizer, assert_same_as_hf, hf_results, read_samples
 from model_utils import hf_model, tiny_config
 
 from llama_megatron.cli import main as cli_main
 
-TOKENIZER = os.path.join(ROOT, "data", "tokenizer")
 TASKS = ["shakespeare_next_line", "shakespeare_play", "shakespeare_continue", "shakespeare_passages"]
 LIMIT, FEWSHOT = 8, 2
 
@@ -42,9 +42,7 @@ def converted(tmp_path_factory) -> dict:
                          "--make-vocab-size-divisible-by", "64"]) == 0
     exported = str(root / "exported")
     assert cli_main(["export", "--input", out["tp2pp2"], "--output", exported]) == 0
-    for name in os.listdir(TOKENIZER):  # the tokenizer beside the exported weights, as a user's HF directory has it
-        if not os.path.exists(os.path.join(exported, name)):
-            shutil.copy(os.path.join(TOKENIZER, name), os.path.join(exported, name))
+    add_tokenizer(exported)
     out["exported"] = exported
     return out
 
@@ -52,36 +50,7 @@ def converted(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def reference(converted) -> dict:
     """lm-eval's HF backend on the exported model: its results with every sample."""
-    from lm_eval.models.huggingface import HFLM
-
-    from llama_megatron.training.run.lm_harness import evaluate_tasks
-
-    model = HFLM(pretrained=converted["exported"], device="cpu", dtype="float32", batch_size=1)
-    return evaluate_tasks(model, TASKS, LIMIT, FEWSHOT, log_samples=True)
-
-
-def assert_same_as_hf(samples: dict[str, list[dict]], results: dict, reference: dict) -> None:
-    """Request by request: log-likelihoods within 1e-4 with the same is_greedy, generations identical; then every
-    metric of every task equal."""
-    for task in TASKS:
-        ours = sorted(samples[task], key=lambda s: s["doc_id"])
-        theirs = sorted(reference["samples"][task], key=lambda s: s["doc_id"])
-        assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in theirs] and len(ours) == LIMIT
-        for mine, hf in zip(ours, theirs):
-            for got, want in zip(mine["resps"], hf["resps"], strict=True):
-                if task == "shakespeare_continue":
-                    assert got == want, (task, mine["doc_id"], got, want)
-                elif task == "shakespeare_passages":  # a sum over a whole passage's tokens
-                    assert got[0] == pytest.approx(want[0], abs=1e-3), (task, got, want)
-                else:
-                    (logprob, greedy), (ref_logprob, ref_greedy) = got[0], want[0]
-                    assert abs(logprob - ref_logprob) < 1e-4 and greedy == ref_greedy, (task, got, want)
-        for metric, value in reference["results"][task].items():
-            got = results["results"][task][metric]
-            if isinstance(value, (int, float)):
-                assert got == pytest.approx(value, rel=1e-6, abs=1e-9), (task, metric, got, value)
-            else:  # the alias, "N/A" standard errors
-                assert got == value, (task, metric, got, value)
+    return hf_results(converted["exported"], TASKS, LIMIT, FEWSHOT)
 
 
 def test_tp1_in_process_equals_lm_eval_hf(converted, reference) -> None:
@@ -92,6 +61,50 @@ def test_tp1_in_process_equals_lm_eval_hf(converted, reference) -> None:
     assert_same_as_hf(results["samples"], results, reference)
     # the shipped generation task did generate (up to its newline or 16 tokens), not return empty strings
     assert any(s["resps"][0][0] for s in results["samples"]["shakespeare_continue"])
+
+
+def _typed(value):
+    """A response as lm-eval's sample files write it (every number as text) as its values."""
+    if isinstance(value, list):
+        return [_typed(v) for v in value]
+    return value == "True" if value in ("True", "False") else float(value)
+
+
+def test_lm_eval_command_line_finds_the_backend(converted, reference, tmp_path) -> None:
+    """lm-eval's own CLI (`llama-megatron lm-eval run --model llama_megatron`) on the TP1 checkpoint, its result and
+    sample files as lm-eval writes them: the same as the HF backend's; and simple_evaluate finds the model by name."""
+    import glob
+
+    import yaml
+
+    from llama_megatron.training.run.lm_tasks import task_configs
+
+    for config in task_configs(TASKS):  # the shipped tasks with their data files made absolute
+        (tmp_path / f"{config['task']}.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    assert cli_main(["lm-eval", "run", "--model", "llama_megatron", "--model_args",
+                     f"checkpoint={converted['tp1']}", "--batch_size", "4", "--include_path", str(tmp_path), "--tasks",
+                     ",".join(TASKS), "--limit", str(LIMIT), "--num_fewshot", str(FEWSHOT), "--seed", "1234",
+                     "--output_path", str(out), "--log_samples"]) == 0
+    [results_file] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+    samples: dict[str, list[dict]] = {}
+    for task in TASKS:
+        [path] = glob.glob(str(out / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+        samples[task] = [json.loads(line) for line in open(path, encoding="utf-8")]
+        if task != "shakespeare_continue":  # lm-eval's sample files write each number of a response as text
+            for sample in samples[task]:
+                sample["resps"] = _typed(sample["resps"])
+    assert_same_as_hf(samples, json.loads(open(results_file, encoding="utf-8").read()), reference)
+
+    from lm_eval import simple_evaluate
+    from lm_eval.api.registry import get_model
+
+    from llama_megatron.training.run.lm_harness import LlamaMegatronLM
+
+    assert get_model("llama_megatron") is LlamaMegatronLM and get_model("hf").__name__ == "HFLM"
+    by_name = simple_evaluate(model="llama_megatron", model_args=f"checkpoint={converted['tp1']}",
+                              tasks=task_configs(TASKS[:1]), limit=LIMIT, num_fewshot=FEWSHOT, batch_size=2)
+    assert by_name["results"][TASKS[0]]["acc,none"] == reference["results"][TASKS[0]]["acc,none"]
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +125,7 @@ def launched(converted) -> dict:
 def test_tensor_parallel_checkpoints_equal_lm_eval_hf(launched, reference, name) -> None:
     root = launched[name]
     results = json.loads((root / f"{name}.json").read_text())
-    samples: dict[str, list[dict]] = {}
-    for line in (root / f"{name}.samples.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        samples.setdefault(record["task"], []).append(record)
-    assert_same_as_hf(samples, results, reference)
+    assert_same_as_hf(read_samples(root / f"{name}.samples.jsonl"), results, reference)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -199,8 +208,6 @@ def test_tasks_during_training_resume_exactly_and_equal_evaluate(in_training) ->
 @pytest.mark.parametrize("overrides, message", [
     (['eval.tasks=["no_such_task"]', "eval.interval=2"], "unknown lm-eval task 'no_such_task'"),
     (['eval.tasks=["shakespeare_play"]'], "eval.tasks run at the evaluations, and eval.interval is 0"),
-    (['eval.tasks=["shakespeare_play"]', "eval.interval=2", "parallel.pipeline=2"],
-     "eval.tasks runs on a one-stage model without context parallelism"),
     (['eval.tasks=["shakespeare_play"]', "eval.interval=2", "tokenizer=null"],
      "eval.tasks tokenises lm-eval's requests with the run's tokenizer"),
 ])

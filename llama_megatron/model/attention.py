@@ -91,7 +91,9 @@ class ParallelAttention(nn.Module):
         if kv_cache is None:
             if self.chunk is not None:
                 segment_ids = chunk_segment_ids(segment_ids, position_ids, self.chunk)
-            out = self.attention(q, k, v, segment_ids, self.window)
+            # Ulysses over CP, or the kernel alone where the forward takes whole sequences (pctx.whole_sequences)
+            attend = self.attention if self.pctx.cp_size > 1 else self.kernels.attention
+            out = attend(q, k, v, segment_ids, self.window)
         else:
             keys, values, first_key = kv_cache.append(k, v)
             out = self.kernels.attention.after(q, keys, values, self.window, self.chunk, first_key)

@@ -23,6 +23,8 @@ samples a rank reads) and ``cp_*`` (the Ulysses all-to-all).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +167,20 @@ class ParallelContext:
                   tuple(groups._get_expert_data_parallel_group_ranks(name)))
         if theirs != mine:
             raise RuntimeError(f"DeepSpeed's expert groups {theirs} differ from this layout's {mine}")
+
+    @contextmanager
+    def whole_sequences(self) -> Iterator[None]:
+        """Within it every rank's forward takes whole sequences: sequence parallelism and context parallelism off.
+        Neither splits a weight (SP cuts activations over TP, Ulysses CP cuts tokens and replicates the weights), so
+        each TP rank computes its share of any sequence alone, with the same sums as the split forward: inference
+        (lm-eval requests of any length, one token at a time from a KV cache) needs no sequence divisible by TP or
+        CP. Only the forward reads the two fields; the groups and DeepSpeed's view of the layout are untouched."""
+        saved = self.sequence_parallel, self.cp_size, self.cp_rank
+        self.sequence_parallel, self.cp_size, self.cp_rank = False, 1, 0
+        try:
+            yield
+        finally:
+            self.sequence_parallel, self.cp_size, self.cp_rank = saved
 
     @property
     def is_first_stage(self) -> bool:

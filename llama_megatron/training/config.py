@@ -289,7 +289,7 @@ class TrainingConfig:
             if ckpt.finetune or ckpt.tag:
                 raise ConfigError('checkpoint.load "auto" resumes the latest checkpoint in checkpoint.save: it '
                                   "takes no checkpoint.tag and no checkpoint.finetune (name the directory to load)")
-        self.eval.check(self.parallel)
+        self.eval.check()
         if self.logging.interval < 1:
             raise ConfigError(f"logging.interval must be >= 1 (steps between log lines), got {self.logging.interval}")
         if ckpt.keep_last < 0 or ckpt.interval < 0 or ckpt.universal_workers < 0:

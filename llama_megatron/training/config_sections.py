@@ -109,8 +109,11 @@ class EvalConfig:
     tasks: tuple[str, ...] = ()
     tasks_limit: int | None = None  # the first N documents of each task at each evaluation; null: all
     tasks_fewshot: int | None = None  # few-shot examples per task; null: each task's own
+    # also write every document's requests, responses and metrics (lm-eval's samples) beside each evaluation's
+    # results, output_dir/tasks/step<N>.samples.jsonl
+    tasks_log_samples: bool = False
 
-    def check(self, parallel: Any) -> None:
+    def check(self) -> None:
         if self.interval < 0 or self.iters < 1:
             raise ConfigError("eval.interval must be >= 0 and eval.iters >= 1")
         if not self.tasks:
@@ -119,8 +122,5 @@ class EvalConfig:
             raise ConfigError(f"eval.tasks must list task names or YAML files, got {list(self.tasks)!r}")
         if not self.interval:
             raise ConfigError("eval.tasks run at the evaluations, and eval.interval is 0: set eval.interval")
-        if parallel.pipeline != 1 or parallel.context != 1:
-            raise ConfigError("eval.tasks runs on a one-stage model without context parallelism (parallel.pipeline "
-                              "and parallel.context 1): evaluate this run's checkpoints with `evaluate --tasks`")
         if self.tasks_limit is not None and self.tasks_limit < 1 or (self.tasks_fewshot or 0) < 0:
             raise ConfigError("eval.tasks_limit must be >= 1 (or null) and eval.tasks_fewshot >= 0 (or null)")

@@ -21,9 +21,10 @@ together and global rank 0 writes the results.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
-from llama_megatron.training.run.lm_tasks import TASK_DIR, go_offline, task_configs
+from llama_megatron.training.run.lm_tasks import go_offline, needs_lm_eval_tasks, task_configs, task_manager
 
 go_offline()  # before lm_eval imports datasets
 
@@ -108,11 +109,11 @@ def evaluate_tasks(lm: LlamaMegatronLM, tasks: list[str | dict], limit: int | No
     """lm-eval's ``simple_evaluate`` of ``tasks`` on ``lm``: its results dict (``results``, ``configs``, ...) on each
     node's local rank 0, None on the other ranks (lm-eval returns them there only)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    return simple_evaluate(model=lm, tasks=task_configs(tasks), limit=limit, num_fewshot=num_fewshot,
+    configs = task_configs(tasks)
+    return simple_evaluate(model=lm, tasks=configs, limit=limit, num_fewshot=num_fewshot,
                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                           log_samples=log_samples, task_manager=TaskManager(include_path=TASK_DIR))
+                           log_samples=log_samples, task_manager=task_manager(needs_lm_eval_tasks(configs)))
 
 
 def results_table(results: dict) -> str:
@@ -130,24 +131,39 @@ def write_results(results: dict, path: str) -> None:
     write_text_atomic(path, json.dumps(kept, indent=2, default=str) + "\n")
 
 
-def task_metrics(config, pctx, model: torch.nn.Module, batch_size: int = 4) -> dict[str, float]:
-    """``config.eval.tasks`` on ``model`` (the training engine's module: no copy, no export), every rank running
-    every request; ``{"tasks/<task>/<metric>": value}`` of lm-eval's numeric metrics (standard errors left out),
-    empty where lm-eval returns nothing (a node's ranks but its first).
-    The model is put in eval mode for it and back in train mode after."""
+def task_metrics(config, pctx, model: torch.nn.Module, step: int, batch_size: int = 4) -> dict[str, float]:
+    """``config.eval.tasks`` on ``model`` (the training engine's module: no copy, no export) under the run's layout,
+    every rank running every request: a pipeline-parallel module runs stage after stage
+    (:class:`~llama_megatron.model.staged_inference.StagedCausalLM`), and every rank takes whole sequences
+    (``pctx.whole_sequences``: SP and CP off, which split no weight). ``{"tasks/<task>/<metric>": value}`` of
+    lm-eval's numeric metrics (standard errors left out), empty where lm-eval returns nothing (a node's ranks but
+    its first); global rank 0 writes lm-eval's results to ``output_dir/tasks/step<N>.json`` (and every document's
+    record to ``step<N>.samples.jsonl`` with ``eval.tasks_log_samples``). The model is put in eval mode for it and
+    back in train mode after."""
     from llama_megatron.data.sft.chat_template import load_hf_tokenizer
+    from llama_megatron.model.staged_inference import StagedCausalLM
 
     evaluation = config.eval
-    loaded = InferenceModel(config, pctx, model, config.tokenizer, load_hf_tokenizer(config.tokenizer))
+    inner = model if pctx.pp_size == 1 else StagedCausalLM(model, config.model, pctx,
+                                                           config.parallel.local_shapes(config.model))
+    loaded = InferenceModel(config, pctx, inner, config.tokenizer, load_hf_tokenizer(config.tokenizer))
     model.eval()
     try:
-        results = evaluate_tasks(LlamaMegatronLM(loaded=loaded, batch_size=batch_size), list(evaluation.tasks),
-                                 evaluation.tasks_limit, evaluation.tasks_fewshot, seed=config.seed)
+        with pctx.whole_sequences():
+            results = evaluate_tasks(LlamaMegatronLM(loaded=loaded, batch_size=batch_size), list(evaluation.tasks),
+                                     evaluation.tasks_limit, evaluation.tasks_fewshot, seed=config.seed,
+                                     log_samples=evaluation.tasks_log_samples)
     finally:
         model.train()
     out: dict[str, float] = {}
     if results is None:  # lm-eval returns them on each node's local rank 0 only; rank 0 logs them
         return out
+    if pctx.rank == 0:
+        directory = os.path.join(config.output_dir, "tasks")
+        os.makedirs(directory, exist_ok=True)
+        write_results(results, os.path.join(directory, f"step{step}.json"))
+        if evaluation.tasks_log_samples:
+            write_samples(results, os.path.join(directory, f"step{step}.samples.jsonl"))
     for task, metrics in results["results"].items():
         for name, value in metrics.items():  # "acc,none": a metric under its filter; alias, sample_len: not metrics
             metric = name.split(",")[0]

@@ -5,6 +5,7 @@ files; an unknown task, missing data files and a dataset that would have to be d
 
 from __future__ import annotations
 
+import functools
 import os
 
 from llama_megatron.errors import ConfigError
@@ -49,15 +50,28 @@ def task_configs(names: list[str | dict]) -> list[str | dict]:
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # datasets' builders that read data_files
 
 
+def needs_lm_eval_tasks(configs: list[str | dict]) -> bool:
+    """Whether lm-eval's own task index is needed: a task named, not written out (or a YAML that includes one)."""
+    return any(not isinstance(config, dict) or "include" in config for config in configs)
+
+
+@functools.cache
+def task_manager(lm_eval_tasks: bool = True):
+    """lm-eval's ``TaskManager`` over the shipped tasks, and over lm-eval's own when ``lm_eval_tasks``: one per
+    process, since indexing lm-eval's thousands of task YAMLs takes seconds and an evaluation runs at every
+    ``eval.interval``."""
+    go_offline()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=TASK_DIR, include_defaults=lm_eval_tasks)
+
+
 def check_tasks(names: list[str]) -> list[str | dict]:
     """The tasks' configs (:func:`task_configs`), each known to lm-eval and with its data on this machine: an
     unknown task, or one whose dataset is neither a local directory, nor local ``data_files``, nor in the datasets
     cache, is one line (``ConfigError``) before any model is loaded, and nothing is downloaded."""
-    go_offline()
-    from lm_eval.tasks import TaskManager
-
     configs = task_configs(names)
-    manager = TaskManager(include_path=TASK_DIR)
+    manager = task_manager(needs_lm_eval_tasks(configs))
     known = {*manager.all_tasks, *manager.all_groups, *manager.all_tags}
     for config in configs:
         if isinstance(config, dict):  # a YAML of ours or the user's

@@ -188,7 +188,7 @@ class _TrainingRun:
         from llama_megatron.training.run.lm_harness import task_metrics
 
         start = time.perf_counter()
-        metrics = task_metrics(self.session.config, self.session.pctx, self.engine.engine.module)
+        metrics = task_metrics(self.session.config, self.session.pctx, self.engine.engine.module, self.step)
         seconds = time.perf_counter() - start
         self.meter.exclude(seconds)
         return {**metrics, "tasks_s": seconds}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CPU quickstart: tokenise the shipped corpus, then a TP2 x PP2 pretraining run of a tiny LLaMA under the
-# deepspeed launcher (4 local processes, gloo), with evaluation and checkpoints. About a minute on 2 cores.
+# deepspeed launcher (4 local processes, gloo), with evaluation (validation loss and an lm-eval task) and checkpoints.
+# One to two minutes on 2 cores.
 # Run again, it finds the run finished (the same config, seed and data at its last step), says so and draws the plot
 # again; `bash scripts/quickstart_cpu.sh --set checkpoint.overwrite=true` trains it again from the start.
 set -euo pipefail

@@ -63,7 +63,8 @@ FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file
     "test_training_planner.py": 330,  # the listed layouts a step each, a calibration (2026-11-27's whole run)
     "test_training_fp8.py": 180, "test_parallel_float8.py": 60,  # FP8's three launches; its TP2 checks (alone)
     "test_training_profile.py": 140,  # two launches: PP2 under profile and train; 4 layouts profiled on 4 ranks
-    "test_training_lm_eval.py": 220,  # HF reference and TP1 in process; 2-process launches: TP2, TP2 x PP2; eval.tasks runs
+    "test_training_lm_eval.py": 240,  # HF reference and TP1 in process; 2-process launches: TP2, TP2 x PP2; eval.tasks runs
+    "test_training_lm_eval_layouts.py": 130,  # one 4-process launch: 5 runs with eval.tasks, 2 evaluations
 }
 
 

@@ -2,7 +2,8 @@
 
 A random HF LLaMA (GQA) with the shipped tokenizer and chat template is converted to TP1 and TP2 checkpoints;
 greedy decoding of 32 tokens must give HF's `generate(do_sample=False)` tokens exactly, with and without the KV
-cache, at TP1 (in process) and TP2 (two processes under the deepspeed launcher). Sampling is checked for the
+cache, at TP1 (in process) and TP2 (two processes under the deepspeed launcher), and at TP1 spread over two
+pipeline stages (`--pipeline 2`) or, for Mixtral, two expert ranks (`--expert 2`). Sampling is checked for the
 filters' semantics; bad input is one line and exit code 2.
 """
 
@@ -105,16 +106,26 @@ def test_greedy_equals_hf_generate_for_each_family(family, tmp_path) -> None:
     assert [r["tokens"] for r in _ours(converted[1], str(tmp_path / "out.jsonl"))] == want
 
 
+# family -> (TP of the checkpoint, the layout flags of its two processes)
+LAUNCHED = {"llama": (2, []), "llama4": (2, []), "llama-pipeline2": (1, ["--pipeline", "2"]),
+            "mixtral-expert2": (1, ["--expert", "2"])}
+
+
 @pytest.mark.launched
-@pytest.mark.parametrize("family", ["llama", "llama4"])
-def test_greedy_equals_hf_generate_tp2_under_the_launcher(family, converted, tmp_path) -> None:
-    """TP2 (2 processes) decodes as HF does, with and without the cache; Llama 4 past several chunks with it."""
-    if family == "llama4":
-        converted = _convert(tmp_path, (2,), **FAMILIES[family])
+@pytest.mark.parametrize("case", list(LAUNCHED))
+def test_greedy_equals_hf_generate_under_the_launcher(case, converted, tmp_path) -> None:
+    """Two processes decode as HF does: TP2, with and without the cache (Llama 4 past several chunks with it); a TP1
+    checkpoint over two pipeline stages (each token through both in turn, each stage's cache its own); Mixtral's
+    experts over two expert ranks."""
+    family = case.split("-")[0]
+    tp, layout = LAUNCHED[case]
+    if family != "llama":
+        converted = _convert(tmp_path, (tp,), **FAMILIES[family])
     want = [_hf_greedy(converted["hf"], p, converted["hf_dir"] if family != "llama" else TOKENIZER) for p in PROMPTS]
-    for extra in ([], ["--no-kv-cache"])[:1 if family == "llama4" else 2]:
-        out_file = str(tmp_path / f"tp2{len(extra)}.jsonl")
-        args = ["--checkpoint", converted[2], "--max-new-tokens", str(NEW_TOKENS), "--output", out_file, *extra]
+    for extra in ([], ["--no-kv-cache"])[:1 if family != "llama" else 2]:
+        out_file = str(tmp_path / f"two{len(extra)}.jsonl")
+        args = ["--checkpoint", converted[tp], "--max-new-tokens", str(NEW_TOKENS), "--output", out_file, *layout,
+                *extra]
         for prompt in PROMPTS:
             args += ["--prompt", prompt]
         run_command(2, ["-m", "llama_megatron", "generate"], args)

@@ -5,7 +5,8 @@ A random HF LLaMA (GQA) with the shipped tokenizer is converted to TP1, TP2 and 
 PP2 one is exported back to HF and lm-eval's own HF backend (``HFLM``, fp32, CPU) runs the four shipped tasks on
 it (two multiple-choice, one generation, one rolling log-likelihood; 8 documents each, 2-shot where the task has a
 few-shot split). Ours runs them on each checkpoint: at TP1 in this process, at TP2 and at TP2 x PP2 (read as one
-stage, as `generate` reads it) in one 2-process launch of `llama-megatron evaluate --tasks`. Every request's
+stage, as `generate` reads it), the TP1 one over two pipeline stages (`--pipeline 2`) and the TP1 one as two
+replicas sharing the documents, in one 2-process launch of `llama-megatron evaluate --tasks`. Every request's
 log-likelihood is within 1e-4 of HF's with the same ``is_greedy``, every generation identical, every metric equal.
 Bad input is one line and exit code 2 before any model is loaded.
 """
@@ -112,16 +113,17 @@ def launched(converted) -> dict:
     """`evaluate --tasks` on 2 processes: the TP2 checkpoint and the TP2 x PP2 one, results and samples written."""
     root = converted["root"]
     runs = []
-    for name in ("tp2", "tp2pp2"):
+    for name, checkpoint, layout in (("tp2", "tp2", []), ("tp2pp2", "tp2pp2", []),
+                                     ("tp1-pipeline2", "tp1", ["--pipeline", "2"]), ("tp1-replicas2", "tp1", [])):
         runs.append({"verb": "evaluate", "args": [
-            "--tasks", ",".join(TASKS), "--checkpoint", converted[name], "--limit", str(LIMIT), "--num-fewshot",
-            str(FEWSHOT), "--batch-size", "3", "--output", str(root / f"{name}.json"),
+            "--tasks", ",".join(TASKS), "--checkpoint", converted[checkpoint], "--limit", str(LIMIT), "--num-fewshot",
+            str(FEWSHOT), "--batch-size", "3", *layout, "--output", str(root / f"{name}.json"),
             "--log-samples", str(root / f"{name}.samples.jsonl")]})
     launch_many(2, runs, str(root / "runs.json"))
-    return {name: root for name in ("tp2", "tp2pp2")}
+    return {name: root for name in ("tp2", "tp2pp2", "tp1-pipeline2", "tp1-replicas2")}
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2pp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2pp2", "tp1-pipeline2", "tp1-replicas2"])
 def test_tensor_parallel_checkpoints_equal_lm_eval_hf(launched, reference, name) -> None:
     root = launched[name]
     results = json.loads((root / f"{name}.json").read_text())
@@ -131,6 +133,7 @@ def test_tensor_parallel_checkpoints_equal_lm_eval_hf(launched, reference, name)
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "no_such_task"], "unknown lm-eval task 'no_such_task'"),
     (["--tasks", "shakespeare_play", "--limit", "0"], "--limit must be >= 1, got 0"),
+    (["--tasks", "shakespeare_play", "--pipeline", "0"], "--pipeline and --expert must be >= 1"),
     (["--tasks", "MISSING_YAML"], "task MISSING_YAML: its test data"),
     (["--tasks", "HUB_YAML"], "task hub_only: its dataset someone/not-here is not on this machine and nothing is "
                               "downloaded"),
@@ -155,6 +158,19 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys) -> No
     assert cli_main(["evaluate", *args, *checkpoint]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+    assert not dist.is_initialized()
+
+
+def test_a_layout_the_processes_do_not_make_is_one_line(converted, capsys) -> None:
+    """`--pipeline 2` of a TP1 checkpoint in one process: the processes it needs, before any process group."""
+    import torch.distributed as dist
+
+    capsys.readouterr()
+    assert cli_main(["evaluate", "--tasks", "shakespeare_play", "--checkpoint", converted["tp1"], "--pipeline",
+                     "2"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 1 and "is tensor parallel 1, read over 2 pipeline stage(s) and 1 expert rank(s): run with " \
+        "2 process(es) (deepspeed --num_gpus 2) or a multiple of it, not 1" in errors[0], errors
     assert not dist.is_initialized()
 
 

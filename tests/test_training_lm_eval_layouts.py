@@ -8,7 +8,9 @@ saving its step-2 weights: TP2 x PP2 with SP (DeepSpeed's pipeline module, stage
 inference), Mixtral at EP2 x TP2 with SP (the experts' all-to-all), and LoRA on the CP2 run's step-2 weights at DP4.
 Each step-2 save is exported to HF (the LoRA one to a PEFT adapter on the exported base) and lm-eval's HF backend
 runs the same tasks on it: every log-likelihood within 1e-4 with the same is_greedy, every generation identical,
-every metric equal. The LoRA save is also evaluated offline by our backend in this process (TP1).
+every metric equal. The same holds for `evaluate --tasks` of the TP2 x PP2 save over two pipeline stages and of
+the Mixtral save over two expert ranks (4 processes each), and for the LoRA save evaluated offline by our backend
+in this process (TP1).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ LAYOUTS = {
                            "parallel.sequence_parallel=true"],
 }
 LORA_BASE = "cp2-dp2"
+# `evaluate --tasks` of a save over other ranks than TP's: its layers over two pipeline stages, its experts over two
+# expert ranks
+OFFLINE = {"offline-tp2-pp2-sp": ["--pipeline", "2"], "offline-mixtral-ep2-tp2-sp": ["--expert", "2"]}
 
 
 def _run(root, name: str, *extra: str) -> list[str]:
@@ -49,6 +54,12 @@ def eval_layouts(tmp_path_factory) -> dict:
     lora = ['lora={"rank": 4, "alpha": 8}', f"checkpoint.load={root / LORA_BASE / 'ckpt'}",
             "checkpoint.tag=global_step2", "checkpoint.finetune=true"]
     runs = [_run(root, name, *extra) for name, extra in LAYOUTS.items()] + [_run(root, "lora", *lora)]
+    for name, layout in OFFLINE.items():  # the saves evaluated offline, spread over 4 processes
+        source = name.removeprefix("offline-")
+        runs.append({"verb": "evaluate", "args": [
+            "--tasks", ",".join(TASKS), "--checkpoint", str(root / source / "ckpt"), "--tokenizer", TOKENIZER,
+            "--limit", str(LIMIT), "--seed", str(SEED), "--batch-size", "3", *layout,
+            "--output", str(root / f"{name}.json"), "--log-samples", str(root / f"{name}.samples.jsonl")]})
     launch_many(4, runs, str(root / "runs.json"))
     for name in LAYOUTS:
         hf = root / name / "hf"
@@ -84,6 +95,13 @@ def test_tasks_in_training_equal_lm_eval_hf_on_the_export(eval_layouts, referenc
     assert step2["tasks/shakespeare_play/acc"] == results["results"]["shakespeare_play"]["acc,none"]
     assert step2["tasks/shakespeare_passages/word_perplexity"] == pytest.approx(
         results["results"]["shakespeare_passages"]["word_perplexity,none"], rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(OFFLINE))
+def test_evaluate_over_stages_and_expert_ranks_equals_lm_eval_hf(eval_layouts, references, name) -> None:
+    root = eval_layouts["root"]
+    results = json.loads((root / f"{name}.json").read_text())
+    assert_same_as_hf(read_samples(root / f"{name}.samples.jsonl"), results, references[name.removeprefix("offline-")])
 
 
 def test_lora_checkpoint_offline_equals_hf_with_peft(eval_layouts, references) -> None:

@@ -4,9 +4,11 @@ lm-evaluation-harness tasks on a checkpoint under its own layout.
     deepspeed --num_gpus N --module llama_megatron evaluate --config X.json --set checkpoint.load=DIR
     deepspeed --num_gpus TP --module llama_megatron evaluate --checkpoint DIR --tasks shakespeare_play,arc_easy \\
         [--limit 100] [--num-fewshot 5] [--output results.json] [--log-samples samples.jsonl]
+    deepspeed --num_gpus TPxPxE ... evaluate --checkpoint DIR --tasks ... --pipeline P --expert E
 
-With ``--tasks`` (lm-eval task names, the tasks shipped in data/eval/tasks, or YAML files) every process is one TP
-rank of the checkpoint (``training/run/lm_harness.py``); rank 0 prints lm-eval's table and writes its results JSON.
+With ``--tasks`` (lm-eval task names, the tasks shipped in data/eval/tasks, or YAML files) every process is one rank
+of the checkpoint's TP over ``--pipeline`` stages and ``--expert`` expert ranks (``training/run/lm_harness.py``);
+rank 0 prints lm-eval's table and writes its results JSON.
 Nothing is downloaded: a task's data must be local (docs/evaluation.md).
 """
 
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 
+from llama_megatron.commands.generate import add_model_arguments
 from llama_megatron.commands.train import add_config_arguments
 from llama_megatron.errors import ConfigError
 
@@ -31,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tasks.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     tasks.add_argument("--batch-size", type=int, default=1, help="requests per forward pass (default 1)")
     tasks.add_argument("--seed", type=int, default=1234, help="few-shot sampling and every other seed")
-    tasks.add_argument("--kernels", default="auto", help="auto | reference | compiled | liger")
-    tasks.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, else fp32")
+    add_model_arguments(tasks)
     tasks.add_argument("--output", default=None, help="write lm-eval's results JSON here")
     tasks.add_argument("--log-samples", default=None, metavar="FILE.jsonl",
                        help="write every document's requests, responses and metrics here (lm-eval's samples)")
@@ -65,6 +67,8 @@ def _run_tasks(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     if args.num_fewshot is not None and args.num_fewshot < 0 or args.batch_size < 1:
         raise ConfigError("--num-fewshot must be >= 0 and --batch-size >= 1")
+    if args.pipeline < 1 or args.expert < 1:
+        raise ConfigError("--pipeline and --expert must be >= 1")
     for path in (args.output, args.log_samples):
         if path is None:
             continue
@@ -88,9 +92,8 @@ def _run_tasks(args: argparse.Namespace) -> int:
         write_results,
         write_samples,
     )
-  # unknown tasks and missing local data: one line, before any process group
     lm = LlamaMegatronLM(checkpoint=args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, kernels=args.kernels,
-                         dtype=args.dtype, batch_size=args.batch_size)
+                         dtype=args.dtype, pipeline=args.pipeline, expert=args.expert, batch_size=args.batch_size)
     results = evaluate_tasks(lm, tasks, args.limit, args.num_fewshot, args.seed,
                              log_samples=args.log_samples is not None)
     if placement().rank == 0:

@@ -19,6 +19,17 @@ import os
 from llama_megatron.errors import ConfigError
 
 
+def add_model_arguments(parser) -> None:
+    """How a checkpoint's model runs for inference (``generate`` and ``evaluate --tasks``): its kernels, its dtype,
+    and over how many pipeline stages and expert ranks it is spread (processes: the checkpoint's TP x both)."""
+    parser.add_argument("--kernels", default="auto", help="auto | reference | compiled | liger")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, else fp32")
+    parser.add_argument("--pipeline", type=int, default=1, metavar="P",
+                        help="spread the layers over P pipeline stages, run one after another (default 1)")
+    parser.add_argument("--expert", type=int, default=1, metavar="E",
+                        help="spread an MoE model's experts over E expert-parallel ranks (default 1)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory (converted or trained)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
@@ -34,8 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this mass")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
-    parser.add_argument("--kernels", default="auto", help="auto | reference | compiled | liger")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, else fp32")
+    add_model_arguments(parser)
     parser.add_argument("--output", default=None, help="also write the completions as JSONL here")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -84,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, chat_template=args.chat_template,
         prompts=_prompts(args), raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_kv_cache, kernels=args.kernels,
-        dtype=args.dtype)
+        dtype=args.dtype, pipeline=args.pipeline, expert=args.expert)
     results = run_generation(request)
     if results is not None:  # rank 0
         for result in results:

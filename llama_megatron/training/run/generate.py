@@ -1,9 +1,12 @@
 """Generation from a checkpoint through the one setup path: a config made from the checkpoint's metadata ->
 preflight (tokenizer, checkpoint and files checked) -> process groups -> model with the checkpoint's weights.
 
-The weights are read per (layer, TP rank) as for fine-tuning, so a checkpoint of any PP decodes as one stage;
-every process is one TP rank of the checkpoint (no data parallelism). A LoRA checkpoint decodes with its adapters
-on the base it records (checked against the base's fingerprint).
+The weights are read per (layer, TP rank) as for fine-tuning, so a checkpoint of any PP decodes as one stage, or
+over any number of stages (``pipeline``: the stages run one after another, model/staged_inference.py), an MoE
+model's experts over ``expert`` ranks; every process is one rank of that layout, and a world of several such
+layouts holds replicas of the model (the lm-eval backend gives each a share of the requests; ``generate`` runs every
+prompt on each). A LoRA checkpoint decodes with its adapters on the base it records (checked against the base's
+fingerprint).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from llama_megatron.checkpoint.directory import read_meta
 from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.generation import Sampling, generate
+from llama_megatron.model.staged_inference import StagedCausalLM
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.placement import placement
 from llama_megatron.parallel.process_groups import end_process_groups
@@ -48,6 +52,8 @@ class GenerationRequest:
     use_cache: bool = True
     kernels: str = "auto"
     dtype: str | None = None
+    pipeline: int = 1  # pipeline stages to spread the layers over (any, whatever the checkpoint's PP)
+    expert: int = 1  # expert-parallel ranks to spread an MoE model's experts over
 
 
 def _tokenizer_dir(request: GenerationRequest) -> str:
@@ -66,21 +72,26 @@ def _tokenizer_dir(request: GenerationRequest) -> str:
 
 
 def generation_config(request: GenerationRequest, tokenizer_dir: str) -> TrainingConfig:
-    """A run of the checkpoint's model at its TP, one pipeline stage, its weights loaded for inference."""
+    """A run of the checkpoint's model at its TP over ``request.pipeline`` stages and ``request.expert`` expert
+    ranks, its weights loaded for inference."""
     meta = read_meta(request.checkpoint, request.tag)
-    world = placement().world_size
-    if world != meta.tensor:
-        raise ConfigError(f"checkpoint {request.checkpoint}/{meta.tag} is tensor parallel {meta.tensor}: run "
-                          f"generate with {meta.tensor} process(es) (deepspeed --num_gpus {meta.tensor}), not {world}")
+    world, ranks = placement().world_size, meta.tensor * request.pipeline * request.expert
+    if world % ranks:
+        raise ConfigError(f"checkpoint {request.checkpoint}/{meta.tag} is tensor parallel {meta.tensor}, read over "
+                          f"{request.pipeline} pipeline stage(s) and {request.expert} expert rank(s): run with {ranks} "
+                          f"process(es) (deepspeed --num_gpus {ranks}) or a multiple of it, not {world}")
+    data = world // (meta.tensor * request.pipeline)  # replicas x expert ranks
     adapters = meta.adapters()
     return TrainingConfig.from_dict({
         "model": meta.model,
         # an adapter checkpoint: its base (recorded in it) is read first, then the adapters
         **({"lora": dataclasses.asdict(adapters)} if adapters else {}),
-        "parallel": {"tensor": meta.tensor, "pipeline": 1,
+        "parallel": {"tensor": meta.tensor, "pipeline": request.pipeline, "expert": request.expert,
                      # reproduces the checkpoint's padded vocab: padded / TP rows per rank
                      "make_vocab_size_divisible_by": meta.padded_vocab_size // meta.tensor},
         "data": {"type": "synthetic"},
+        # replicas and expert ranks are data-parallel ranks of the layout: a (never drawn) batch of one row each
+        "batch": {"micro_batch_size": 1, "global_batch_size": data},
         "tokenizer": tokenizer_dir,
         "checkpoint": {"load": request.checkpoint, "tag": meta.tag, "finetune": True},
         "kernels": request.kernels,
@@ -147,6 +158,8 @@ def open_checkpoint(request: GenerationRequest, before_groups: Callable[[Trainin
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[request.dtype or ("bf16" if device.type == "cuda"
                                                                                else "fp32")]
     model = load_model(pre, pctx).to(device=device, dtype=dtype).eval()
+    if pctx.pp_size > 1:
+        model = StagedCausalLM(model, config.model, pctx, config.parallel.local_shapes(config.model))
     return InferenceModel(config, pctx, model, tokenizer_dir, tokenizer)
 
 

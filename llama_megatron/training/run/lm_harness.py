@@ -13,9 +13,9 @@ unchanged. Only the two calls into a model are ours:
   appears in the decoded text (lm-eval cuts the text at the sequence afterwards, as it does HF's).
 
 So the results are those of ``lm_eval --model hf`` on the exported model, within the two models' arithmetic
-(``tests/test_training_lm_eval.py``). Layouts: every process is one TP rank of the checkpoint, and a checkpoint of
-any PP is read as one stage (as ``generate`` reads it); lm-eval sees one process: the TP ranks run every request
-together and global rank 0 writes the results.
+(``tests/test_training_lm_eval.py``). Layouts: every process is one rank of the checkpoint's TP over any number of
+pipeline stages and expert ranks (as ``generate`` reads it), or of the run being trained (:func:`task_metrics`);
+lm-eval sees one process: all ranks run every request together and global rank 0 writes the results.
 """
 
 from __future__ import annotations
@@ -63,20 +63,55 @@ class LlamaMegatronLM(HFLM):
     HFLM's (``batch_size``, ``max_length``, ``add_bos_token``, ...)."""
 
     def __init__(self, checkpoint: str | None = None, tag: str | None = None, tokenizer: str | None = None,
-                 kernels: str = "auto", dtype: str | None = None, loaded: InferenceModel | None = None,
-                 **kwargs: Any) -> None:
+                 kernels: str = "auto", dtype: str | None = None, pipeline: int = 1, expert: int = 1,
+                 loaded: InferenceModel | None = None, **kwargs: Any) -> None:
         if loaded is None:
             if checkpoint is None:
                 raise ConfigError("the llama_megatron lm-eval model needs checkpoint=DIR")
             adopt_launcher_env()  # one process, or a rank of the deepspeed launcher / torchrun
             loaded = open_checkpoint(GenerationRequest(checkpoint=checkpoint, prompts=[], tag=tag,
-                                                       tokenizer=tokenizer, kernels=kernels, dtype=dtype))
+                                                       tokenizer=tokenizer, kernels=kernels, dtype=dtype,
+                                                       pipeline=int(pipeline), expert=int(expert)))
         self.loaded = loaded
         model = loaded.config.model.to_hf_dict()
         hf_config = transformers.AutoConfig.for_model(**model)
         kwargs.setdefault("max_length", loaded.config.model.max_position_embeddings)
         super().__init__(pretrained=_ShardedCausalLM(hf_config, loaded.model), tokenizer=loaded.tokenizer_dir,
                          **kwargs)
+        # the layout's data-parallel replicas share the model's work: the ranks of one copy of the model (its TP, PP
+        # and EP ranks) run the same requests; each replica every N-th request of lm-eval's list, the answers
+        # gathered. The replicas are the data-parallel ranks, EP's taken together (an EP group needs all of its
+        # ranks in every forward); not under CP (its ranks would compute alike: FP8's amax is reduced over them).
+        # lm-eval itself sees one process, so its documents, few-shot draws and results are those of one process
+        # (its own data parallelism gives each rank its documents, which changes the few-shot examples drawn)
+        pctx = loaded.pctx
+        split = pctx.cp_size == 1 and pctx.dp_size > pctx.ep_size
+        self._replica = pctx.dp_rank // pctx.ep_size if split else 0
+        self._replica_count = pctx.dp_size // pctx.ep_size if split else 1
+        self._replica_group = pctx.edp_group if split else None  # one rank of each replica, this rank's place
+
+    def _shared(self, method: str, requests: list, disable_tqdm: bool) -> list:
+        """HFLM's ``method`` on this replica's share of ``requests``, every replica's answers in request order."""
+        run = getattr(super(), method)
+        if self._replica_count == 1:
+            return run(requests, disable_tqdm=disable_tqdm)
+        share = requests[self._replica::self._replica_count]
+        mine = run(share, disable_tqdm=disable_tqdm) if share else []  # fewer requests than replicas
+        shares: list = [None] * self._replica_count
+        torch.distributed.all_gather_object(shares, mine, group=self._replica_group)
+        answers: list = [None] * len(requests)
+        for replica, answered in enumerate(shares):
+            answers[replica::self._replica_count] = answered
+        return answers
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list:
+        return self._shared("loglikelihood", requests, disable_tqdm)
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list:
+        return self._shared("loglikelihood_rolling", requests, disable_tqdm)
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list:
+        return self._shared("generate_until", requests, disable_tqdm)
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> torch.Tensor:
@@ -133,7 +168,7 @@ def write_results(results: dict, path: str) -> None:
 
 def task_metrics(config, pctx, model: torch.nn.Module, step: int, batch_size: int = 4) -> dict[str, float]:
     """``config.eval.tasks`` on ``model`` (the training engine's module: no copy, no export) under the run's layout,
-    every rank running every request: a pipeline-parallel module runs stage after stage
+    the requests shared among its data-parallel replicas (:class:`LlamaMegatronLM`): a pipeline-parallel module runs stage after stage
     (:class:`~llama_megatron.model.staged_inference.StagedCausalLM`), and every rank takes whole sequences
     (``pctx.whole_sequences``: SP and CP off, which split no weight). ``{"tasks/<task>/<metric>": value}`` of
     lm-eval's numeric metrics (standard errors left out), empty where lm-eval returns nothing (a node's ranks but
@@ -147,12 +182,12 @@ def task_metrics(config, pctx, model: torch.nn.Module, step: int, batch_size: in
     inner = model if pctx.pp_size == 1 else StagedCausalLM(model, config.model, pctx,
                                                            config.parallel.local_shapes(config.model))
     loaded = InferenceModel(config, pctx, inner, config.tokenizer, load_hf_tokenizer(config.tokenizer))
+    lm = LlamaMegatronLM(loaded=loaded, batch_size=batch_size)  # its replicas read off the run's layout, CP included
     model.eval()
     try:
         with pctx.whole_sequences():
-            results = evaluate_tasks(LlamaMegatronLM(loaded=loaded, batch_size=batch_size), list(evaluation.tasks),
-                                     evaluation.tasks_limit, evaluation.tasks_fewshot, seed=config.seed,
-                                     log_samples=evaluation.tasks_log_samples)
+            results = evaluate_tasks(lm, list(evaluation.tasks), evaluation.tasks_limit, evaluation.tasks_fewshot,
+                                     seed=config.seed, log_samples=evaluation.tasks_log_samples)
     finally:
         model.train()
     out: dict[str, float] = {}

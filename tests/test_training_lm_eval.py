@@ -174,6 +174,16 @@ def test_a_layout_the_processes_do_not_make_is_one_line(converted, capsys) -> No
     assert not dist.is_initialized()
 
 
+def test_tasks_run_at_every_evaluation_or_every_tasks_interval() -> None:
+    from llama_megatron.training.config_sections import EvalConfig
+
+    every = EvalConfig(interval=2, tasks=("shakespeare_play",))
+    sparse = EvalConfig(interval=2, tasks=("shakespeare_play",), tasks_interval=6)
+    assert [s for s in range(1, 13) if every.tasks_due(s)] == [2, 4, 6, 8, 10, 12]
+    assert [s for s in range(1, 13) if sparse.tasks_due(s)] == [6, 12]
+    assert not any(EvalConfig(interval=2).tasks_due(s) for s in range(1, 13))
+
+
 IN_TRAINING = ['data={"type": "synthetic"}', "parallel.tensor=2", "eval.interval=2", "train.steps=4",
                'eval.tasks=["shakespeare_play", "shakespeare_continue"]', "eval.tasks_limit=4"]
 
@@ -224,6 +234,8 @@ def test_tasks_during_training_resume_exactly_and_equal_evaluate(in_training) ->
 @pytest.mark.parametrize("overrides, message", [
     (['eval.tasks=["no_such_task"]', "eval.interval=2"], "unknown lm-eval task 'no_such_task'"),
     (['eval.tasks=["shakespeare_play"]'], "eval.tasks run at the evaluations, and eval.interval is 0"),
+    (['eval.tasks=["shakespeare_play"]', "eval.interval=2", "eval.tasks_interval=3"],
+     "eval.tasks_interval 3 must be a multiple of eval.interval 2"),
     (['eval.tasks=["shakespeare_play"]', "eval.interval=2", "tokenizer=null"],
      "eval.tasks tokenises lm-eval's requests with the run's tokenizer"),
 ])

@@ -109,9 +109,14 @@ class EvalConfig:
     tasks: tuple[str, ...] = ()
     tasks_limit: int | None = None  # the first N documents of each task at each evaluation; null: all
     tasks_fewshot: int | None = None  # few-shot examples per task; null: each task's own
+    tasks_interval: int = 0  # steps between the task runs, a multiple of eval.interval; 0: at every evaluation
     # also write every document's requests, responses and metrics (lm-eval's samples) beside each evaluation's
     # results, output_dir/tasks/step<N>.samples.jsonl
     tasks_log_samples: bool = False
+
+    def tasks_due(self, step: int) -> bool:
+        """Whether the tasks run at ``step`` (an evaluation's)."""
+        return bool(self.tasks) and step % (self.tasks_interval or self.interval) == 0
 
     def check(self) -> None:
         if self.interval < 0 or self.iters < 1:
@@ -122,5 +127,8 @@ class EvalConfig:
             raise ConfigError(f"eval.tasks must list task names or YAML files, got {list(self.tasks)!r}")
         if not self.interval:
             raise ConfigError("eval.tasks run at the evaluations, and eval.interval is 0: set eval.interval")
+        if self.tasks_interval < 0 or self.tasks_interval % self.interval:
+            raise ConfigError(f"eval.tasks_interval {self.tasks_interval} must be a multiple of eval.interval "
+                              f"{self.interval} (the tasks run at evaluations), or 0: at every evaluation")
         if self.tasks_limit is not None and self.tasks_limit < 1 or (self.tasks_fewshot or 0) < 0:
             raise ConfigError("eval.tasks_limit must be >= 1 (or null) and eval.tasks_fewshot >= 0 (or null)")

@@ -160,7 +160,7 @@ class _TrainingRun:
         if due.evaluate:
             with self.watchdog.working(self.step, "evaluation") as progress:
                 extras.update(evaluate(self.session, self.valid_ds, progress))
-            if self.config.eval.tasks:
+            if self.config.eval.tasks_due(self.step):
                 with self.watchdog.working(self.step, "lm-eval tasks"):
                     extras.update(self._tasks())
         if due.log:  # read where logged only: each is an all-reduce over the world

@@ -15,7 +15,8 @@ unchanged. Only the two calls into a model are ours:
 So the results are those of ``lm_eval --model hf`` on the exported model, within the two models' arithmetic
 (``tests/test_training_lm_eval.py``). Layouts: every process is one rank of the checkpoint's TP over any number of
 pipeline stages and expert ranks (as ``generate`` reads it), or of the run being trained (:func:`task_metrics`);
-lm-eval sees one process: all ranks run every request together and global rank 0 writes the results.
+lm-eval sees one process: the data-parallel replicas share the requests (:meth:`LlamaMegatronLM._shared`), the ranks
+of a replica run theirs together, and global rank 0 writes the results.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class EvalConfig:
 
     def tasks_due(self, step: int) -> bool:
         """Whether the tasks run at ``step`` (an evaluation's)."""
-        return bool(self.tasks) and step % (self.tasks_interval or self.interval) == 0
+        return bool(self.tasks and self.interval) and step % (self.tasks_interval or self.interval) == 0
 
     def check(self) -> None:
         if self.interval < 0 or self.iters < 1:
@@ -125,8 +125,8 @@ class EvalConfig:
             return
         if not all(self.tasks):
             raise ConfigError(f"eval.tasks must list task names or YAML files, got {list(self.tasks)!r}")
-        if not self.interval:
-            raise ConfigError("eval.tasks run at the evaluations, and eval.interval is 0: set eval.interval")
+        if not self.interval:  # no evaluation: the tasks never run (eval.interval 0 turns a config's evaluation off)
+            return
         if self.tasks_interval < 0 or self.tasks_interval % self.interval:
             raise ConfigError(f"eval.tasks_interval {self.tasks_interval} must be a multiple of eval.interval "
                               f"{self.interval} (the tasks run at evaluations), or 0: at every evaluation")

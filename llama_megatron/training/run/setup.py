@@ -142,7 +142,7 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     # what building the datasets would find late: ids beyond the vocabulary, no validation split to evaluate on
     config.data.check(config.model.vocab_size,
                       need_validation=mode == "evaluate" or (mode == "train" and config.eval.interval > 0))
-    if config.eval.tasks and mode == "train":
+    if config.eval.tasks and config.eval.interval and mode == "train":
         _check_eval_tasks(config)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_deepspeed_config(config, ds_source, world_size, accelerator)

@@ -237,18 +237,48 @@ def test_a_405b_plan_lists_layouts_that_fit_80_gib(capsys) -> None:
     assert any(r["reason"].startswith("TP 16 > 8 GPUs per node") for r in data["refused"])
 
 
+def _shape(layout: Layout) -> tuple:
+    return layout.tp, layout.pp, layout.vp, layout.cp, layout.ep, layout.schedule
+
+
+def _covering(layouts: list[Layout]) -> list[Layout]:
+    """Per parallel shape, one layout per ZeRO stage listed for it, recomputation alternating along the stages and
+    the shapes: every (shape, stage) pair trains, each shape with recomputation on and off where it lists more than
+    one stage, and each stage both ways across the shapes. A cover, not every combination: recomputation and the
+    ZeRO stage act on other parts of the step (the backward's inputs, the optimizer's states) and each is tested
+    across layouts in its own file."""
+    shapes = list(dict.fromkeys(_shape(layout) for layout in layouts))
+    chosen = []
+    for s, shape in enumerate(shapes):
+        stages = sorted({layout.zero for layout in layouts if _shape(layout) == shape})
+        for z, zero in enumerate(stages):
+            recompute = (s + z) % 2 == 1
+            same = [layout for layout in layouts if _shape(layout) == shape and layout.zero == zero]
+            chosen.append(next((layout for layout in same if layout.recompute == recompute), same[0]))
+    return chosen
+
+
 @pytest.mark.launched
 def test_every_layout_listed_for_two_and_four_processes_trains_a_step(tmp_path) -> None:
-    """Each layout `plan` lists for the tiny model (micro batch 1), written as `--write` writes it and trained one
-    step in one launch per process count; at 4 processes those at ZeRO-1 without recomputation (the 2-process runs
-    have every ZeRO stage and recomputation; the 4-process ones add the degrees and schedules 2 cannot hold). The
+    """The layouts `plan` lists for the tiny model (micro batch 1), written as `--write` writes them and trained one
+    step in one launch per process count: every parallel shape (degrees and schedule) it lists, each with every
+    ZeRO stage listed for it, recomputation on and off across the shapes (:func:`_covering`, about half of what is
+    listed for 2 processes); at 4 processes the shapes 2 cannot hold, at ZeRO-1 without recomputation. The
     2-process launch also trains a layout with its optimizer offloaded (what the planner lists where the states do
     not fit; the tiny model always fits) 3 steps beside the same layout on the GPU: the same losses."""
+    trained_shapes: set[tuple] = set()
     for gpus in (2, 4):
         base = _base(train={"steps": 1}, logging={"interval": 1, "tensorboard_dir": None}, kernels="reference",
                      checkpoint={"save": None, "load": None, "interval": 0})
         planned, _ = Planner(base, gpus, load_device("h100-sxm"), max_micro_batch=1).search()
-        layouts = [p.layout for p in planned if gpus == 2 or (not p.layout.recompute and p.layout.zero == 1)]
+        if gpus == 2:
+            layouts = _covering([p.layout for p in planned])
+            assert {_shape(p.layout) for p in planned} == {_shape(layout) for layout in layouts}
+            trained_shapes = {_shape(layout) for layout in layouts}
+        else:
+            layouts = [p.layout for p in planned if not p.layout.recompute and p.layout.zero == 1
+                       and _shape(p.layout) not in trained_shapes]
+            assert any(layout.pp == 4 for layout in layouts) and any(layout.tp == 4 for layout in layouts)
         steps = [1] * len(layouts)
         if gpus == 2:  # the offload pair, last: 3 steps each
             layouts += [Layout(zero=2), Layout(zero=2, offload=True)]

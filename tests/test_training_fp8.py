@@ -6,8 +6,9 @@ The runs are bf16 with fp32 master weights (FP8 is refused on fp32). A layout sc
 (tests/test_parallel_float8.py checks the amaxes), but it sums some products in another order (TP's all-reduce of
 row-parallel partial sums, the pipeline's and ZeRO's bf16 gradient handling), and a float8 cast is a step function:
 an operand that differs in its last bf16 bit can round to the neighbouring 8-bit value. So the layouts are held to
-the loss agreement measured here (within 5.2e-4 of one process for rowwise, 1.4e-3 for tensorwise, over 8 steps;
-FP8 and bf16 differ by 1.1e-3 at step 8), and what must be exact is: a resumed run continues its saved run to 1e-6.
+the loss agreement measured here (within 5.9e-4 of one process for rowwise, 1.2e-3 for tensorwise, over 8 steps;
+FP8 and bf16 differ by 1.2e-3 at step 8; bf16 alone at TP2 is 1.5e-4 from one process), and what must be exact is:
+a resumed run continues its saved run to 1e-6.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ BF16 = "deepspeed_config=ds_configs/zero1_bf16.json"
 FP8 = 'fp8={"recipe": "rowwise"}'
 TENSORWISE = 'fp8={"recipe": "tensorwise"}'
 EXACT = 1e-6
-LAYOUT_REL = 3e-3  # see above: 1.4e-3 measured at most
+LAYOUT_REL = 3e-3  # see above: 1.2e-3 measured at most
 
 
 def _lora(work) -> list[str]:
@@ -87,6 +88,7 @@ def fp8_runs(tmp_path_factory, shakespeare_prefix) -> dict:
         "pp2-zb-v": ["parallel.pipeline=2", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"],
         # LoRA at TP2 on the TP2 run's step-4 weights (saved above, in this launch), against LoRA at TP1 on TP1's
         "lora-tp2": ["parallel.tensor=2", *_lora(work)[:1], f"checkpoint.load={work}/tp2/ckpt", *_lora(work)[2:]],
+        "tp2-bf16": ["parallel.tensor=2", "fp8=null"],  # no FP8: bf16's own TP2 gap, against "bf16"
     }
     launch_many(2, [_args(shakespeare_prefix, work / name, FP8, *extra) for name, extra in layouts.items()],
                 str(work / "layouts.json"))
@@ -172,6 +174,20 @@ def test_fp8_layouts_match_one_process(fp8_runs, name) -> None:
     """Each layout against the one-process run of the same recipe and model (LoRA at TP2 on the TP2 run's weights
     against LoRA at TP1 on TP1's; Mixtral at EP2 x TP2 with SP, its experts in float8, against Mixtral at TP1)."""
     assert_losses_close(fp8_runs[name], fp8_runs[_one_process_twin(name)], LAYOUT_REL, range(1, FULL + 1))
+
+
+def _largest_gap(found: dict[int, float], reference: dict[int, float]) -> float:
+    return max(abs(found[step] - reference[step]) / abs(reference[step]) for step in reference)
+
+
+def test_the_layouts_gap_is_bf16s_own(fp8_runs) -> None:
+    """Why no layout is held to 1e-5 of one process: without FP8, the same bf16 model at TP2 is already further than
+    that from one process (TP's all-reduce adds bf16 partial sums in another order), and the FP8 run's TP2 gap is
+    of the same size, not a float8 error on top of it."""
+    bf16_gap = _largest_gap(fp8_runs["tp2-bf16"], fp8_runs["bf16"])
+    fp8_gap = _largest_gap(fp8_runs["tp2"], fp8_runs["fp8"])
+    assert bf16_gap > 1e-5, bf16_gap  # 1.5e-4 measured (2026-11-29)
+    assert fp8_gap <= 10 * bf16_gap, (fp8_gap, bf16_gap)  # 3.8e-4: 2.5x; a float8 cast moves an operand a whole step
 
 
 def test_recomputation_repeats_the_float8_forward_exactly(fp8_runs) -> None:

@@ -185,9 +185,9 @@ class _TrainingRun:
     def _tasks(self) -> dict:
         """``eval.tasks`` on the model being trained (docs/evaluation.md): each task's metrics, and their seconds,
         which the tokens/s of the window leaves out."""
+        start = time.perf_counter()  # the first evaluation's import of lm-eval (seconds) is the tasks' time too
         from llama_megatron.training.run.lm_harness import task_metrics
 
-        start = time.perf_counter()
         metrics = task_metrics(self.session.config, self.session.pctx, self.engine.engine.module, self.step)
         seconds = time.perf_counter() - start
         self.meter.exclude(seconds)

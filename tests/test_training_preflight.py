@@ -259,7 +259,7 @@ def _saved_run(save, config: TrainingConfig, step: int, start: str | None = None
 
 
 def test_a_finished_run_started_again_trains_nothing_and_another_run_is_named(tmp_path) -> None:
-    from llama_megatron.training.resume import check_save_dir, finished_run
+    from llama_megatron.training.resume import check_save_dir, finished_run, resolve_load_dir
 
     save = tmp_path / "ckpt"
     run = _config(f"checkpoint.save={save}", "checkpoint.interval=5")
@@ -273,6 +273,10 @@ def test_a_finished_run_started_again_trains_nothing_and_another_run_is_named(tm
     # not finished: more steps asked for, starting again, or another run
     assert finished_run(_config(f"checkpoint.save={save}", "train.steps=20")) is None
     assert finished_run(_config(f"checkpoint.save={save}", "checkpoint.overwrite=true")) is None
+    # overwrite starts again even where load auto would resume: nothing loaded, the saves there replaced
+    again = _config(f"checkpoint.save={save}", "checkpoint.load=auto", "checkpoint.overwrite=true")
+    assert finished_run(again) is None and resolve_load_dir(again.checkpoint) is None
+    assert resolve_load_dir(_config(f"checkpoint.save={save}", "checkpoint.load=auto").checkpoint) == str(save)
     assert finished_run(_config(f"checkpoint.save={save}", "seed=7")) is None
     longer = _config(f"checkpoint.save={save}", "train.steps=20")
     with pytest.raises(ConfigError) as same:

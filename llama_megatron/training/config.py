@@ -85,7 +85,7 @@ class CheckpointConfig:
     load: str | None = None
     tag: str | None = None  # the tag to load (default: the one latest names); a plain name
     finetune: bool = False  # load weights only: step, optimizer and LR schedule reset
-    overwrite: bool = False  # a run that does not continue checkpoint.save may replace the checkpoints there
+    overwrite: bool = False  # start again, replacing checkpoint.save's checkpoints (load auto then resumes nothing)
     verify: str = "checksum"  # what a load checks against each tag's manifest: "checksum" or "size"
     # worker processes of a universal-checkpoint conversion (a resume at another DP x CP or EP degree); 0: twice the
     # cores, at most 8, as many as the host memory for one optimizer file each allows

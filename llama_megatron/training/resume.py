@@ -90,9 +90,13 @@ def replan_without(plan: ResumePlan, tag: str, config: TrainingConfig, world_siz
 
 def resolve_load_dir(cfg: CheckpointConfig) -> str | None:
     """The directory to load: ``checkpoint.load``, or for ``"auto"`` ``checkpoint.save`` once it holds a
-    checkpoint (None: nothing saved yet, start fresh)."""
+    checkpoint (None: nothing saved yet, start fresh). With ``checkpoint.overwrite`` ``"auto"`` starts fresh: the
+    run starts again and replaces what ``save`` holds (every message that says how to start a run again says
+    overwrite; resuming there would train nothing past a finished run)."""
     if cfg.load != AUTO_LOAD:
         return cfg.load
+    if cfg.overwrite:
+        return None
     has_any = os.path.isfile(os.path.join(cfg.save, LATEST_FILE)) or saved_tags(cfg.save)
     return cfg.save if has_any else None
 

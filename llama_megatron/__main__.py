@@ -1,7 +1,5 @@
 """``python -m llama_megatron VERB ...`` = ``llama-megatron VERB ...``."""
 
-import sys
+from llama_megatron.cli import entry_point
 
-from llama_megatron.cli import main
-
-sys.exit(main())
+entry_point()

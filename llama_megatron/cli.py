@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from llama_megatron.errors import exit_code_of
+from llama_megatron.process_exit import exit_process
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -72,5 +74,10 @@ def _run_verb(args: argparse.Namespace) -> int | None:
     return _load_verb(args.verb).run(args)
 
 
+def entry_point() -> NoReturn:
+    """The ``llama-megatron`` console script: :func:`main` as the whole process."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

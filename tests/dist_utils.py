@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 from collections.abc import Callable
@@ -25,6 +26,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
         raise
     finally:
         dist.destroy_process_group()
+    gc.freeze()  # the worker ends here: its exit skips a collection of everything imported (llama_megatron/process_exit.py)
 
 
 def run_distributed(fn: Callable, world_size: int, *args) -> None:

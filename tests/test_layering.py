@@ -1,4 +1,6 @@
-"""The package's floors, bottom up: config/families/errors/progress/temps/host_sockets/quiet, parallel, model, data, checkpoint, training, commands.
+"""The package's floors, bottom up: config/families/errors/progress/temps/host_sockets/quiet/process_exit/
+lm_eval_registration,
+parallel, model, data, checkpoint, training, commands.
 
 Inside training/ the rooms have floors too, bottom up: config, faults/, pipeline/ (schedules) and background_save; checkpointing, save_dir, checkpointer,
 resume and engine/; diagnostics/; run/ (the setup path and the loop). A module may import only from its own floor or a
@@ -15,7 +17,8 @@ import llama_megatron
 
 PACKAGE = os.path.dirname(llama_megatron.__file__)
 FLOORS = {  # top-level module or folder -> floor
-    "errors": 0, "config": 0, "families": 0, "progress": 0, "temps": 0, "host_sockets": 0, "quiet": 0,
+    "errors": 0, "config": 0, "families": 0, "progress": 0, "temps": 0, "host_sockets": 0, "quiet": 0, "process_exit": 0,
+    "lm_eval_registration": 0,
     "parallel": 1, "model": 2, "data": 3, "checkpoint": 4, "training": 5,
     "commands": 6, "cli": 6, "train": 7, "__main__": 7, "__init__": 0,
 }

@@ -8,7 +8,6 @@ import os
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.training.diagnostics.plot import plot_runs
-from llama_megatron.training.diagnostics.profile_plot import plot_profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.profile is not None:
+        # only here: a profile's timeline reads the profiler's ranges through torch and DeepSpeed (some 3 s of
+        # imports a plot of runs does without)
+        from llama_megatron.training.diagnostics.profile_plot import plot_profile
+
         if args.run_dirs:
             raise ConfigError("give run directories or --profile DIR, not both")
         print(f"wrote {plot_profile(args.profile, args.output or os.path.join(args.profile, 'timeline.png'))}")

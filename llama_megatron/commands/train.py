@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from llama_megatron.errors import exit_code_of
+from llama_megatron.process_exit import exit_process
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool = True) -> None:
@@ -69,4 +70,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -34,6 +34,7 @@ import time
 
 from llama_megatron import train
 from llama_megatron.checkpoint.universal import conversion as universal_conversion
+from llama_megatron.process_exit import exit_process
 from llama_megatron.training import background_save, checkpointing
 from llama_megatron.training.engine.training_engine import TrainingEngine
 
@@ -160,4 +161,4 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))))
+    exit_process(main(next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))))

@@ -20,6 +20,7 @@ import re
 import sys
 
 from llama_megatron.checkpoint.directory import META_FILE
+from llama_megatron.process_exit import exit_process
 
 EXPERT_NAME = re.compile(r"^(?P<head>.*\.experts\.)(?P<expert>\d+)(?P<tail>\..+)$")
 
@@ -66,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())

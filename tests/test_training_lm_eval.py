@@ -71,22 +71,34 @@ def _typed(value):
     return value == "True" if value in ("True", "False") else float(value)
 
 
-def test_lm_eval_command_line_finds_the_backend(converted, reference, tmp_path) -> None:
-    """lm-eval's own CLI (`llama-megatron lm-eval run --model llama_megatron`) on the TP1 checkpoint, its result and
-    sample files as lm-eval writes them: the same as the HF backend's; and simple_evaluate finds the model by name."""
-    import glob
-
+def _shipped_tasks_in(folder) -> None:
+    """The shipped tasks as YAML files with their data files made absolute (lm-eval's CLI resolves them from the
+    working directory), for its --include_path."""
     import yaml
 
     from llama_megatron.training.run.lm_tasks import task_configs
 
-    for config in task_configs(TASKS):  # the shipped tasks with their data files made absolute
-        (tmp_path / f"{config['task']}.yaml").write_text(yaml.safe_dump(config))
+    for config in task_configs(TASKS):
+        (folder / f"{config['task']}.yaml").write_text(yaml.safe_dump(config))
+
+
+@pytest.mark.launched
+def test_plain_lm_eval_command_line_finds_the_backend(converted, reference, tmp_path) -> None:
+    """lm-eval's own console script (`lm_eval run --model llama_megatron`, nothing of ours imported first) on the TP1
+    checkpoint: its result and sample files as lm-eval writes them, the same as the HF backend's."""
+    import glob
+    import subprocess
+    import sys
+
+    _shipped_tasks_in(tmp_path)
     out = tmp_path / "out"
-    assert cli_main(["lm-eval", "run", "--model", "llama_megatron", "--model_args",
-                     f"checkpoint={converted['tp1']}", "--batch_size", "4", "--include_path", str(tmp_path), "--tasks",
-                     ",".join(TASKS), "--limit", str(LIMIT), "--num_fewshot", str(FEWSHOT), "--seed", "1234",
-                     "--output_path", str(out), "--log_samples"]) == 0
+    lm_eval = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+    done = subprocess.run([lm_eval, "run", "--model", "llama_megatron", "--model_args", f"checkpoint={converted['tp1']}",
+                           "--batch_size", "4", "--include_path", str(tmp_path), "--tasks", ",".join(TASKS), "--limit",
+                           str(LIMIT), "--num_fewshot", str(FEWSHOT), "--seed", "1234", "--output_path", str(out),
+                           "--log_samples"], capture_output=True, text=True,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
     [results_file] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
     samples: dict[str, list[dict]] = {}
     for task in TASKS:
@@ -97,10 +109,26 @@ def test_lm_eval_command_line_finds_the_backend(converted, reference, tmp_path) 
                 sample["resps"] = _typed(sample["resps"])
     assert_same_as_hf(samples, json.loads(open(results_file, encoding="utf-8").read()), reference)
 
+
+def test_lm_eval_verb_and_simple_evaluate_find_the_backend(converted, reference, tmp_path) -> None:
+    """`llama-megatron lm-eval run` (lm-eval's CLI in our process, offline) and `simple_evaluate(model=
+    "llama_megatron")`: the HF backend's accuracy."""
+    import glob
+
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model
 
     from llama_megatron.training.run.lm_harness import LlamaMegatronLM
+    from llama_megatron.training.run.lm_tasks import task_configs
+
+    _shipped_tasks_in(tmp_path)
+    out = tmp_path / "out"
+    assert cli_main(["lm-eval", "run", "--model", "llama_megatron", "--model_args", f"checkpoint={converted['tp1']}",
+                     "--batch_size", "4", "--include_path", str(tmp_path), "--tasks", TASKS[0], "--limit", str(LIMIT),
+                     "--num_fewshot", str(FEWSHOT), "--seed", "1234", "--output_path", str(out)]) == 0
+    [results_file] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+    results = json.loads(open(results_file, encoding="utf-8").read())
+    assert results["results"][TASKS[0]]["acc,none"] == reference["results"][TASKS[0]]["acc,none"]
 
     assert get_model("llama_megatron") is LlamaMegatronLM and get_model("hf").__name__ == "HFLM"
     by_name = simple_evaluate(model="llama_megatron", model_args=f"checkpoint={converted['tp1']}",

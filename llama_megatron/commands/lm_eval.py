@@ -4,11 +4,9 @@ arguments unchanged) with our backend registered as ``llama_megatron``.
     llama-megatron lm-eval run --model llama_megatron --model_args checkpoint=DIR --batch_size 8 --tasks arc_easy
     deepspeed --num_gpus TP --module llama_megatron lm-eval run --model llama_megatron --model_args checkpoint=DIR ...
 
-lm-eval 0.4.13 finds a model only in its own registry and reads no plugin entry points (EleutherAI/lm-evaluation-
-harness#1457, #3282), so a plain ``lm_eval --model llama_megatron`` cannot see an installed package; this is the
-workaround lm-eval's maintainers give (import the module that registers the model, then run lm-eval's CLI).
-``lm_eval.simple_evaluate(model="llama_megatron", ...)`` finds it after ``import
-llama_megatron.training.run.lm_harness``. Nothing is downloaded (docs/evaluation.md).
+lm-eval's own ``lm_eval`` finds the model as well where the package is installed (its start-up line:
+llama_megatron/lm_eval_registration.py); the verb adds what a run of ours needs: the launcher's ``--module`` form, and
+nothing downloaded (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ The interpreter's own teardown runs the cyclic garbage collector over everything
 transformers and, after the first optimizer or ``torch.compile``, torch._dynamo and torch._inductor, some million
 objects. Measured on 2 CPU cores: 1.5 s for a process that only imported them, 3-4 s for a rank after a training run
 (6 s between a 4-rank launch's last step and its exit, every rank paying it at once). Nothing of that heap needs
-collecting as the process ends, so it is frozen first (``gc.freeze``: the collector skips what it holds); atexit
-handlers, stream flushes and file closes run as before.
+collecting as the process ends, so it is frozen first (``gc.freeze``: the collector skips what it holds). atexit
+handlers and the standard streams' flush run as before; what is caught in a reference cycle is not finalized (no
+``__del__``), so a command closes what it writes itself, as ours do (atomic writes close and fsync before renaming).
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ class _RegisteringLoader:
 
 
 class RegistryWatcher:
-    """A ``sys.meta_path`` finder that finds nothing itself: at the import of lm-eval's registry it asks the finders after it and wraps the loader
-    they return."""
+    """A ``sys.meta_path`` finder that finds nothing itself: at the import of lm-eval's registry it asks the finders
+    after it and wraps the loader they return."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: types.ModuleType | None = None) -> ModuleSpec | None:

@@ -7,6 +7,7 @@ console script on a checkpoint.)"""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -20,8 +21,10 @@ from llama_megatron import lm_eval_registration
 
 pytestmark = pytest.mark.launched
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import setup as package_setup  # noqa: E402 - the repository's setup.py: its .pth name and line
+# the repository's setup.py (its .pth name and line), read from its path: the repository root stays off sys.path
+_spec = importlib.util.spec_from_file_location("package_setup", os.path.join(ROOT, "setup.py"))
+package_setup = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(package_setup)
 
 PROBE = """
 import sys

@@ -88,14 +88,20 @@ def _collect_run() -> None:
     gc.freeze()
 
 
+def _command_line(run: list[str] | dict) -> list[str]:
+    """A training run's arguments, or a verb's run as ``[verb, *args]``."""
+    if not isinstance(run, dict):
+        return run
+    return [run["verb"], *run["args"]] if "verb" in run else run["args"]
+
+
 def _run(run: list[str] | dict) -> int:
-    argv = run["args"] if isinstance(run, dict) else run
     if isinstance(run, dict) and "verb" in run:
         from llama_megatron.cli import main as cli_main
 
-        return cli_main([run["verb"], *argv])
+        return cli_main(_command_line(run))
     if not isinstance(run, dict):
-        return train.main(argv)
+        return train.main(run)
     open_session = loop.open_session
 
     def opened(*args, **kwargs):
@@ -105,7 +111,7 @@ def _run(run: list[str] | dict) -> int:
 
     loop.open_session = opened
     try:
-        return train.main(argv)
+        return train.main(_command_line(run))
     finally:
         loop.open_session = open_session
 
@@ -117,9 +123,7 @@ def main(path: str) -> int:
         with _groups_ended_with_the_run():
             rc = _run(run)
         if rc:
-            what = [run["verb"], *run["args"]] if isinstance(run, dict) and "verb" in run else \
-                run["args"] if isinstance(run, dict) else run
-            print(f"run failed ({rc}): {' '.join(what)}", file=sys.stderr, flush=True)
+            print(f"run failed ({rc}): {' '.join(_command_line(run))}", file=sys.stderr, flush=True)
             return rc
         _collect_run()
     return 0

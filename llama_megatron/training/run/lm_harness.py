@@ -36,6 +36,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from llama_megatron.errors import ConfigError  # noqa: E402
+from llama_megatron.lm_eval_registration import MODEL_NAME  # noqa: E402
 from llama_megatron.model.generation import Sampling, generate  # noqa: E402
 from llama_megatron.parallel.placement import adopt_launcher_env  # noqa: E402
 from llama_megatron.training.run.generate import GenerationRequest, InferenceModel, open_checkpoint  # noqa: E402
@@ -57,7 +58,7 @@ class _ShardedCausalLM(transformers.PreTrainedModel):
             return CausalLMOutputWithPast(logits=self.inner.full_logits(self.inner(input_ids)).float())
 
 
-@register_model("llama_megatron")
+@register_model(MODEL_NAME)  # the name the installed start-up line registers too
 class LlamaMegatronLM(HFLM):
     """``lm_eval.simple_evaluate(model="llama_megatron", model_args="checkpoint=DIR")`` or an instance: a checkpoint
     (converted, trained or LoRA) loaded through the setup path ``generate`` uses; the rest of the arguments are

@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 # test without the mark, that starts a process fails, so the quick loop stays quick and starts nothing.
 LAUNCHING_FIXTURES = {
     "checkpoints", "eight_rank_runs", "eval_layouts", "faults", "four_rank", "launched", "layout_matrix", "layouts", "lora_runs", "profiled", "profiled_layouts", "in_training",
-    "fp8_runs", "gpu_runs", "reference", "reference_per_document", "reference_tied", "references", "restarted", "resumes", "runs", "single",
+    "fp8_runs", "gpu_runs", "reference", "references", "restarted", "resumes", "runs", "single", "single_process",
     "single_source", "stalled", "stopped", "tour", "trl_case", "two_rank", "two_rank_resumed", "two_rank_runs",
     "universal_resumed",
 }

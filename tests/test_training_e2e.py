@@ -50,20 +50,31 @@ def _common(prefix: str, out: str, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(data_prefix, work) -> dict:
-    """TP1-PP1, one process, FULL steps with checkpoints at HALF and FULL."""
-    out = str(work / "ref")
-    launch(1, CONFIG, _common(data_prefix, out, f"train.steps={FULL}", f"checkpoint.save={out}/ckpt",
-                              f"checkpoint.interval={HALF}", "checkpoint.keep_last=2", f"eval.interval={HALF}",
-                              f"logging.tensorboard_dir={out}/tb"))
-    return {"dir": out, "losses": losses(out)}
+def single_process(data_prefix, short_documents_prefix, work) -> dict[str, str]:
+    """Every one-process run the layouts are compared with, in one process (tests/scripts/train_many.py): TP1-PP1
+    FULL steps with checkpoints at HALF and FULL ("ref"), per-document attention ("ref-perdoc"), tied embeddings
+    ("ref-tied") and one causal step over the per-document data ("perdoc-off"); name -> output dir."""
+    ref = str(work / "ref")
+    runs = {"ref": (data_prefix, [f"train.steps={FULL}", f"checkpoint.save={ref}/ckpt", f"checkpoint.interval={HALF}",
+                                  "checkpoint.keep_last=2", f"eval.interval={HALF}", f"logging.tensorboard_dir={ref}/tb"]),
+            "ref-perdoc": (short_documents_prefix, ["data.per_document_attention=true"]),
+            "ref-tied": (data_prefix, [TIED]),
+            "perdoc-off": (short_documents_prefix, ["train.steps=1"])}
+    dirs = {name: str(work / name) for name in runs}
+    launch_many(1, [train_args(CONFIG, _common(prefix, dirs[name], *extra)) for name, (prefix, extra) in runs.items()],
+                str(work / "single-process.json"))
+    return dirs
 
 
 @pytest.fixture(scope="module")
-def reference_per_document(short_documents_prefix, work) -> dict[int, float]:
-    out = str(work / "ref-perdoc")
-    launch(1, CONFIG, _common(short_documents_prefix, out, "data.per_document_attention=true"))
-    return losses(out)
+def reference(single_process) -> dict:
+    """TP1-PP1, one process, FULL steps with checkpoints at HALF and FULL."""
+    return {"dir": single_process["ref"], "losses": losses(single_process["ref"])}
+
+
+@pytest.fixture(scope="module")
+def reference_per_document(single_process) -> dict[int, float]:
+    return losses(single_process["ref-perdoc"])
 
 
 def test_reference_learns_and_matches_hf_adamw(reference, data_prefix) -> None:
@@ -175,10 +186,8 @@ BIG_MICRO = "batch.micro_batch_size=4"
 
 
 @pytest.fixture(scope="module")
-def reference_tied(data_prefix, work) -> dict[int, float]:
-    out = str(work / "ref-tied")
-    launch(1, CONFIG, _common(data_prefix, out, TIED))
-    return losses(out)
+def reference_tied(single_process) -> dict[int, float]:
+    return losses(single_process["ref-tied"])
 
 
 @pytest.fixture(scope="module")
@@ -323,11 +332,9 @@ def _check_zero_to_fp32(ckpt: str, reference_ckpt: str) -> None:
 
 
 @pytest.mark.launched
-def test_per_document_attention_changes_the_loss(reference_per_document, short_documents_prefix, work) -> None:
+def test_per_document_attention_changes_the_loss(reference_per_document, single_process) -> None:
     """The per-document references are not plain causal attention over the same packed tokens in disguise."""
-    causal = str(work / "perdoc-off")
-    launch(1, CONFIG, _common(short_documents_prefix, causal, "train.steps=1"))
-    assert not math.isclose(losses(causal)[1], reference_per_document[1], rel_tol=1e-3)
+    assert not math.isclose(losses(single_process["perdoc-off"])[1], reference_per_document[1], rel_tol=1e-3)
 
 
 # ZeRO-2's partitions in fp32 take the same conversion and loader as ZeRO-1's and bf16 ZeRO-2's: not run again

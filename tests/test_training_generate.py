@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from launch_utils import ROOT, run_command
+from launch_utils import ROOT, launch_many
 from model_utils import hf_model, tiny_config
 
 from llama_megatron.cli import main as cli_main
@@ -111,25 +111,40 @@ LAUNCHED = {"llama": (2, []), "llama4": (2, []), "llama-pipeline2": (1, ["--pipe
             "mixtral-expert2": (1, ["--expert", "2"])}
 
 
+@pytest.fixture(scope="module")
+def launched(converted, tmp_path_factory) -> dict[str, tuple[list[list[int]], list[str]]]:
+    """Every LAUNCHED case decoded by two processes, all in one launch (tests/scripts/train_many.py runs each
+    ``generate`` through its own entry point, in the same two processes): case -> (HF's greedy tokens, the output
+    files, with and without the cache for llama)."""
+    root = tmp_path_factory.mktemp("launched")
+    runs, out = [], {}
+    for case, (tp, layout) in LAUNCHED.items():
+        family = case.split("-")[0]
+        case_converted = converted if family == "llama" else _convert(root / case, (tp,), **FAMILIES[family])
+        tokenizer = TOKENIZER if family == "llama" else case_converted["hf_dir"]
+        want = [_hf_greedy(case_converted["hf"], p, tokenizer) for p in PROMPTS]
+        files = []
+        for extra in ([], ["--no-kv-cache"])[:2 if family == "llama" else 1]:
+            files.append(str(root / f"{case}-{len(extra)}.jsonl"))
+            args = ["--checkpoint", case_converted[tp], "--max-new-tokens", str(NEW_TOKENS), "--output", files[-1],
+                    *layout, *extra]
+            for prompt in PROMPTS:
+                args += ["--prompt", prompt]
+            runs.append({"verb": "generate", "args": args})
+        out[case] = (want, files)
+    launch_many(2, runs, str(root / "runs.json"))
+    return out
+
+
 @pytest.mark.launched
 @pytest.mark.parametrize("case", list(LAUNCHED))
-def test_greedy_equals_hf_generate_under_the_launcher(case, converted, tmp_path) -> None:
+def test_greedy_equals_hf_generate_under_the_launcher(case, launched) -> None:
     """Two processes decode as HF does: TP2, with and without the cache (Llama 4 past several chunks with it); a TP1
     checkpoint over two pipeline stages (each token through both in turn, each stage's cache its own); Mixtral's
     experts over two expert ranks."""
-    family = case.split("-")[0]
-    tp, layout = LAUNCHED[case]
-    if family != "llama":
-        converted = _convert(tmp_path, (tp,), **FAMILIES[family])
-    want = [_hf_greedy(converted["hf"], p, converted["hf_dir"] if family != "llama" else TOKENIZER) for p in PROMPTS]
-    for extra in ([], ["--no-kv-cache"])[:1 if family != "llama" else 2]:
-        out_file = str(tmp_path / f"two{len(extra)}.jsonl")
-        args = ["--checkpoint", converted[tp], "--max-new-tokens", str(NEW_TOKENS), "--output", out_file, *layout,
-                *extra]
-        for prompt in PROMPTS:
-            args += ["--prompt", prompt]
-        run_command(2, ["-m", "llama_megatron", "generate"], args)
-        assert [json.loads(line)["tokens"] for line in open(out_file, encoding="utf-8")] == want, extra
+    want, files = launched[case]
+    for out_file in files:
+        assert [json.loads(line)["tokens"] for line in open(out_file, encoding="utf-8")] == want, out_file
 
 
 def test_sampling_filters() -> None:

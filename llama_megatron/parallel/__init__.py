@@ -1,5 +1,2 @@
-"""Process groups, autograd-aware collectives and tensor-parallel layers."""
-
-from llama_megatron.parallel.context import ParallelContext
-
-__all__ = ["ParallelContext"]
+"""Process groups, autograd-aware collectives and tensor-parallel layers (import the modules: the package imports
+nothing, so its torch-free modules, placement and degrees, load without torch)."""

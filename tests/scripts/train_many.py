@@ -8,7 +8,7 @@ Every run builds its own process groups, model, DeepSpeed engine and data, exact
 which is what makes a matrix of layouts affordable on a 2-core CI machine.
 
 A run given as ``{"verb": "profile", "args": [...]}`` is that `llama-megatron` verb's run instead (its own entry point,
-in the same processes). A run given as ``{"args": [...], "loaded_state": DIR}`` also writes, once its setup has loaded ``checkpoint.load``
+in the same processes; `generate` keeps the launch's process groups up for the runs after it). A run given as ``{"args": [...], "loaded_state": DIR}`` also writes, once its setup has loaded ``checkpoint.load``
 and before its first step, this rank's share of the state it holds to ``DIR/rank{R}.pt`` (:func:`dump_state`).
 """
 
@@ -98,8 +98,17 @@ def _command_line(run: list[str] | dict) -> list[str]:
 def _run(run: list[str] | dict) -> int:
     if isinstance(run, dict) and "verb" in run:
         from llama_megatron.cli import main as cli_main
+        from llama_megatron.parallel.process_groups import barrier
+        from llama_megatron.training.run import generate
 
-        return cli_main(_command_line(run))
+        # the default group is the launch's, shared by every run: `generate` ends with a barrier here instead of
+        # taking the groups down (what a launch of its own does before the interpreter's exit)
+        end_process_groups = generate.end_process_groups
+        generate.end_process_groups = barrier
+        try:
+            return cli_main(_command_line(run))
+        finally:
+            generate.end_process_groups = end_process_groups
     if not isinstance(run, dict):
         return train.main(run)
     open_session = loop.open_session

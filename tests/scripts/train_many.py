@@ -7,9 +7,10 @@ Every run builds its own process groups, model, DeepSpeed engine and data, exact
 `llama_megatron.train` does; only the launcher start-up, the imports and the default process group are shared,
 which is what makes a matrix of layouts affordable on a 2-core CI machine.
 
-A run given as ``{"verb": "profile", "args": [...]}`` is that `llama-megatron` verb's run instead (its own entry point,
-in the same processes; `generate` keeps the launch's process groups up for the runs after it). A run given as ``{"args": [...], "loaded_state": DIR}`` also writes, once its setup has loaded ``checkpoint.load``
-and before its first step, this rank's share of the state it holds to ``DIR/rank{R}.pt`` (:func:`dump_state`).
+A run given as ``{"verb": "profile", "args": [...]}`` is that `llama-megatron` verb's run instead (its own entry
+point, in the same processes; `generate` keeps the launch's process groups up for the runs after it). A run given as
+``{"args": [...], "loaded_state": DIR}`` also writes, once its setup has loaded ``checkpoint.load`` and before its
+first step, this rank's share of the state it holds to ``DIR/rank{R}.pt`` (:func:`dump_state`).
 """
 
 import contextlib

@@ -1,6 +1,5 @@
 """The package's floors, bottom up: config/families/errors/progress/temps/host_sockets/quiet/process_exit/
-lm_eval_registration,
-parallel, model, data, checkpoint, training, commands.
+lm_eval_registration, parallel, model, data, checkpoint, training, commands.
 
 Inside training/ the rooms have floors too, bottom up: config, faults/, pipeline/ (schedules) and background_save; checkpointing, save_dir, checkpointer,
 resume and engine/; diagnostics/; run/ (the setup path and the loop). A module may import only from its own floor or a

@@ -125,15 +125,20 @@ def test_float8_gemms_have_the_shapes_a_gpu_takes(recipe, monkeypatch) -> None:
     nobody checks (each expert's routed tokens, here 2 x 17 in all): the GEMM pads them with zeros, as the GPU's
     rule below is enforced on every float8 GEMM of a Mixtral step, experts included. One expert here receives no
     token and still runs (its gradient zero): its casts take an amax of 0 rather than failing on an empty max."""
-    scaled_mm = torch._scaled_mm
+    from llama_megatron.parallel import float8
+
     calls = []
 
-    def gpu_rule(a, b, *args, **kwargs):
-        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
-        calls.append(a.shape[1])
-        return scaled_mm(a, b, *args, **kwargs)
+    def gpu_rule(gemm):
+        def checked(a, b, *args, **kwargs):
+            assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+            calls.append(a.shape[1])
+            return gemm(a, b, *args, **kwargs)
+        return checked
 
-    monkeypatch.setattr(torch, "_scaled_mm", gpu_rule)
+    # the route a GPU takes (torchao's float8 mm, whose GEMM is torch._scaled_mm) instead of the CPU's own
+    monkeypatch.setattr(float8, "float8_mm", torch.mm)
+    monkeypatch.setattr(torch, "_scaled_mm", gpu_rule(torch._scaled_mm))
     config = tiny_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
     model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
                         initialize=False, fp8=Float8Config(recipe=recipe))
@@ -141,6 +146,78 @@ def test_float8_gemms_have_the_shapes_a_gpu_takes(recipe, monkeypatch) -> None:
     model(ids[:, :-1], labels=ids[:, 1:]).backward()
     experts = 2 * config.num_hidden_layers * config.num_local_experts  # gate/up and down of each expert
     assert len(calls) >= 3 * (2 * config.num_hidden_layers + experts), len(calls)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("tokens", [0, 5, 40, 64])
+def test_the_cpu_float8_gemm_is_exact_on_every_cpu(recipe, tokens) -> None:
+    """An expert's weight-gradient GEMM contracts over the tokens routed to it: none, a few, a count that is not a
+    multiple of 32 (the tile of oneDNN's AMX kernels, which torch's own _scaled_mm takes on AMX Xeons), a multiple.
+    On every CPU the product is the exact sum of the 8-bit operands' products (computed in float64 from the casts'
+    values and scales) rounded to the output dtype: within one unit in the last place of bf16 (the one rounding;
+    fp32's error in the sum of at most 64 products is 2^-18 of it) plus what fp32 loses to cancellation (2^-20 of
+    the largest element). Where torch emulates the GEMM itself (no AMX), it is torchao's own product bit for bit."""
+    from llama_megatron.parallel.float8 import Float8Linear, float8_mm
+
+    spec = Float8Linear(Float8Config(recipe=recipe), "column")
+    gen = torch.Generator().manual_seed(tokens)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(tokens, 64, generator=gen) * 3).to(dtype)
+        grad = torch.randn(tokens, 48, generator=gen).to(dtype)
+        for a, b in ((spec.cast(grad, "grad_output_for_grad_weight").t(), spec.cast(x, "input_for_grad_weight")),
+                     (spec.cast(x, "input"), spec.cast(torch.randn(48, 64, generator=gen).to(dtype).t(), "weight"))):
+            got = float8_mm(a, b)
+            exact = (a._data.double() / a._scale.double()) @ (b._data.double() / b._scale.double())
+            assert got.dtype == dtype and got.shape == exact.shape and torch.isfinite(got).all()
+            error, largest = (got.double() - exact).abs(), float(exact.abs().max()) if exact.numel() else 0.0
+            assert (error <= 2**-7 * exact.abs() + 2**-20 * largest).all(), (recipe, tokens, error.max())
+            if not torch.cpu._is_amx_tile_supported():
+                assert torch.equal(got, torch.mm(a, b)), recipe
+
+
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_expert_no_token_reaches_trains_as_if_it_were_skipped(recipe, dtype, monkeypatch) -> None:
+    """transformers runs only the experts some token chose; ours runs each expert, an expert no token reached on
+    no rows (so that its gradient is zero and it joins every collective of its layout). Expert 0 of every layer is
+    kept from every token here: the loss and every gradient equal, bit for bit, those of the same model with that
+    expert skipped, its own gradient zero and finite, in fp32 and bf16, without FP8 and in each recipe."""
+    from llama_megatron.model import moe
+
+    config = tiny_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=96,
+                         hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
+                        fp8=Float8Config(recipe=recipe) if recipe else None).to(dtype)
+
+    def no_token_for_expert_0(module, args, logits):
+        return logits.index_fill(-1, torch.tensor([0]), -1e4)
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.router"):
+            module.register_forward_hook(no_token_for_expert_0)
+    skipping = copy.deepcopy(model)
+    ids = torch.randint(0, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    loss = model(ids[:, :-1], labels=ids[:, 1:])
+    loss.backward()
+
+    def hit_experts_only(self, rows, counts):  # transformers' loop: the experts that received rows
+        kept = [j for j in range(len(counts[0])) if sum(c[j] for c in counts)]
+        experts = list(self.experts.values())
+        outputs = [experts[j](rows[sum(counts[0][:j]):sum(counts[0][:j + 1])]) for j in kept]
+        return torch.cat(outputs)
+
+    monkeypatch.setattr(moe.MoEMLP, "_local_experts", hit_experts_only)
+    reference = skipping(ids[:, :-1], labels=ids[:, 1:])
+    reference.backward()
+    assert torch.equal(loss, reference) and torch.isfinite(loss)
+    ours, theirs = dict(model.named_parameters()), dict(skipping.named_parameters())
+    empty = [name for name in ours if ".experts.0." in name]
+    assert empty and all(theirs[name].grad is None and torch.equal(ours[name].grad, torch.zeros_like(ours[name]))
+                         for name in empty)
+    for name, param in ours.items():
+        if name not in empty:
+            assert torch.isfinite(param.grad).all() and torch.equal(param.grad, theirs[name].grad), name
 
 
 @pytest.mark.parametrize("fp8, overrides, message", [

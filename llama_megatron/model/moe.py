@@ -16,6 +16,8 @@ Layouts:
   its input once (the sequence under SP), every TP rank routes the same tokens the same way, and the partial sums of
   all experts are reduced once (reduce-scattered under SP). Replicating the experts instead would either repeat
   every expert's FLOPs on every TP rank or need a second token split; the split keeps the dense MLP's collectives.
+  The router and a shared expert's gate are replicated: every TP rank computes them whole, and each weight's
+  gradient is summed over TP (:class:`Router`).
 - Expert parallelism gives EP rank r the experts ``[r E / EP, (r + 1) E / EP)``: each rank sends every token
   assignment (token, chosen expert) to the rank holding the expert, the experts run on what arrives from every
   rank, and the outputs travel back (two all-to-alls each way). The router is replicated like any other weight.
@@ -126,11 +128,7 @@ class MoEMLP(nn.Module):
         tokens = full.reshape(-1, full.shape[-1])
         logits = self.router(tokens)
         probs = torch.softmax(logits.float(), dim=-1)
-        if self.scales_inputs:  # Llama 4: the chosen logits' sigmoids scale the experts' inputs
-            weights, chosen = torch.topk(logits, self.top_k, dim=-1)
-            weights = torch.sigmoid(weights.float()).to(tokens.dtype)
-        else:
-            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights, chosen = self.choose(logits, probs)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
@@ -149,6 +147,15 @@ class MoEMLP(nn.Module):
             combined = combined + self.shared_expert(tokens)
         out = row_parallel_output(combined.view_as(full), self.pctx)
         return out, self._statistics(logits, probs, chosen)
+
+    def choose(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts ([tokens, k], best first) and their weights before normalisation: the
+        largest router probabilities, or for Llama 4 the largest logits with their sigmoids (fp32, cast back: they
+        scale the experts' inputs)."""
+        if self.scales_inputs:
+            weights, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return torch.sigmoid(weights.float()).to(logits.dtype), chosen
+        return torch.topk(probs, self.top_k, dim=-1)
 
     def _statistics(self, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """This layer's rows of the aux-loss statistic: assignments per expert (no gradient) and summed router

@@ -215,6 +215,55 @@ class Float8Linear:
                                              getattr(GemmInputRole, role), dim)
 
 
+def scaled_mm_cpu(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)`` (float8 operands, the inverse scales: one
+    per tensor, or a column [rows, 1] and a row [1, cols]) as torch computes it on a CPU without AMX: both operands
+    made contiguous and upcast to fp32, scaled, multiplied in fp32, rounded once to ``out_dtype``."""
+    return torch.matmul(a.contiguous().float() * scale_a, b.contiguous().float() * scale_b).to(out_dtype)
+
+
+def float8_mm(a, b) -> torch.Tensor:
+    """``torch.mm`` of two operands as :meth:`Float8Linear.cast` returns them: torchao's float8 ``mm``, whose GEMM
+    is ``torch._scaled_mm``, on a GPU; on a CPU the same product through :func:`scaled_mm_cpu`, on every CPU.
+
+    On a CPU, torch runs ``_scaled_mm`` as :func:`scaled_mm_cpu` does unless the CPU has AMX and both scales are
+    per-tensor: then oneDNN's float8 matmul runs it. torchao issues a rowwise GEMM without fast accumulation (the
+    rowwise recipes' two backward GEMMs) with unit per-tensor scales and rescales its output, so on an AMX Xeon those
+    GEMMs, and all of tensorwise's, ran in oneDNN's kernels: the one part of a rowwise FP8 step whose code depends
+    on the CPU model beyond the rounding of bf16 GEMMs (docs/fp8.md: a Mixtral run's gradients turned non-finite
+    there, and only there). Here every CPU computes the product torch's own fallback defines, with torchao's steps
+    around it (its rescaling, its bf16 output for rowwise scales; not its zero padding of the inner dimension, which
+    a GPU needs and which adds nothing here): torchao's product bit for bit wherever torch emulates it."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, choose_scaled_mm_config
+
+    if not (isinstance(a, Float8TrainingTensor) and isinstance(b, Float8TrainingTensor)) or a._data.device.type != "cpu":
+        return torch.mm(a, b)
+    mm_config = choose_scaled_mm_config(a._gemm_input_role, a._linear_mm_config, b._gemm_input_role,
+                                        b._linear_mm_config)
+    if mm_config.emulate:  # torchao's own high-precision product
+        return torch.mm(a, b)
+    a_data, b_data = a._data, b._data  # not padded: zeros a GPU needs add nothing here but FLOPs to count
+    rows, cols = a_data.shape[0], b_data.shape[1]
+    a_scale, b_scale = a._scale, b._scale
+    if a._axiswise_dim is None and b._axiswise_dim is not None:  # one scale per tensor beside one per row
+        a_scale = a_scale.reshape(1, 1).expand(rows, 1)
+    elif a._axiswise_dim is not None and b._axiswise_dim is None:
+        b_scale = b_scale.reshape(1, 1).expand(1, cols)
+    a_inverse, b_inverse = a_scale.reciprocal(), b_scale.reciprocal()
+    rowwise = a_inverse.shape == (rows, 1) and b_inverse.shape == (1, cols)
+    rescale = None
+    if rowwise and not mm_config.use_fast_accum:  # torchao: a product with unit scales, then both scales applied
+        rescale = a_inverse * b_inverse
+        a_inverse = b_inverse = a_inverse.new_ones(())
+    out_dtype = a._orig_dtype
+    gemm_dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    out = scaled_mm_cpu(a_data, b_data, a_inverse, b_inverse, gemm_dtype)
+    if rescale is not None:
+        out *= rescale
+    return out.to(out_dtype)
+
+
 class _Float8Linear(torch.autograd.Function):
     """``F.linear`` in float8 (torchao's ``matmul_with_hp_or_float8_args``, with the amax reductions of the
     layout); the weight gradient deferrable to a :class:`~llama_megatron.parallel.weight_grad.WeightGradStore`."""
@@ -225,7 +274,7 @@ class _Float8Linear(torch.autograd.Function):
         ctx.store, ctx.spec, ctx.has_bias = store, spec, bias is not None
         x_2d = x.reshape(-1, x.shape[-1])
         x_8 = spec.cast(x_2d, "input")  # one cast serves every projection: the same input, the same scale
-        out = spec.from_parts([torch.mm(x_8, spec.cast(w.t(), "weight")) for w in spec.to_parts(weight, 0)], 1)
+        out = spec.from_parts([float8_mm(x_8, spec.cast(w.t(), "weight")) for w in spec.to_parts(weight, 0)], 1)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias.to(out.dtype)
 
@@ -241,7 +290,7 @@ class _Float8Linear(torch.autograd.Function):
             # summed over the projections as autograd sums the input gradients of separate linears: the last
             # used first (v, k, q: HF's order), so the fp32 sums match to the bit
             for g, w in reversed(list(zip(grads, spec.to_parts(weight, 0)))):
-                part = torch.mm(spec.cast(g, "grad_output"), spec.cast(w.t(), "weight_for_grad_input").t())
+                part = float8_mm(spec.cast(g, "grad_output"), spec.cast(w.t(), "weight_for_grad_input").t())
                 grad_x = part if grad_x is None else grad_x + part
             grad_x = grad_x.reshape(x.shape)
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -249,7 +298,7 @@ class _Float8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             def compute() -> torch.Tensor:
                 x_8 = spec.cast(x_2d, "input_for_grad_weight")
-                pieces = [torch.mm(spec.cast(g, "grad_output_for_grad_weight").t(), x_8) for g in grads]
+                pieces = [float8_mm(spec.cast(g, "grad_output_for_grad_weight").t(), x_8) for g in grads]
                 return spec.from_parts(pieces, 0).to(weight.dtype)
 
             if ctx.store is None or not ctx.store.defer(weight, compute, (grad_2d, x_2d)):

@@ -10,7 +10,9 @@ which is what makes a matrix of layouts affordable on a 2-core CI machine.
 A run given as ``{"verb": "profile", "args": [...]}`` is that `llama-megatron` verb's run instead (its own entry
 point, in the same processes; `generate` keeps the launch's process groups up for the runs after it). A run given as
 ``{"args": [...], "loaded_state": DIR}`` also writes, once its setup has loaded ``checkpoint.load`` and before its
-first step, this rank's share of the state it holds to ``DIR/rank{R}.pt`` (:func:`dump_state`).
+first step, this rank's share of the state it holds to ``DIR/rank{R}.pt`` (:func:`dump_state`). A run given as
+``{"args": [...], "routes": {"record": DIR}}`` or ``{"routes": {"replay": DIR, "accumulation": A}}`` records every
+MoE layer's expert choices, or routes its tokens as a recorded run did (:class:`RouteBook`).
 """
 
 import contextlib
@@ -96,6 +98,93 @@ def _command_line(run: list[str] | dict) -> list[str]:
     return [run["verb"], *run["args"]] if "verb" in run else run["args"]
 
 
+class RouteBook:
+    """Every MoE layer's choice of experts in a one-process run, recorded, and imposed on the same run under another
+    layout, so that the two compare as dense layouts do: a near tie between two experts' probabilities (bf16 and
+    FP8 round the router's inputs differently under TP, and the order of a tie is then a coin) sends a token to
+    another expert, and the runs part by more than any rounding.
+
+    A choice is keyed by (MoE layer, global micro-batch, step): this rank's n-th call of a layer is micro batch
+    ``n % A`` of step ``n // A`` (A: its accumulation steps), which Megatron's sampler numbers ``(n % A) x DP +
+    dp_rank`` in the step's global order, as one process numbers it. A replaying rank routes each token to the
+    recorded experts, weighted by its own probabilities of them, and keeps, per key, how far its own router's
+    probabilities are from the recorded ones and which tokens its own choice would have sent elsewhere, with the
+    recorded gap between their k-th and (k+1)-th expert."""
+
+    def __init__(self, spec: dict, rank: int) -> None:
+        import torch
+
+        self.spec, self.rank = spec, rank
+        self.replaying = "replay" in spec
+        self.choices = torch.load(os.path.join(spec["replay"], "routes.pt")) if self.replaying else {}
+        self.calls: dict[str, int] = {}
+        self.report: dict[tuple, dict] = {}
+
+    def patch(self, moe_class):
+        import torch
+
+        choose, book = moe_class.choose, self
+
+        def recorded_choose(layer, logits, probs):
+            weights, chosen = choose(layer, logits, probs)
+            name = layer.route_name
+            call = book.calls.get(name, 0)
+            book.calls[name] = call + 1
+            if not book.replaying:
+                book.choices[(name, call)] = (chosen.clone(), probs.detach().clone())
+                return weights, chosen
+            if layer.pctx.cp_size > 1:
+                raise RuntimeError("routes are keyed by whole micro batches: no context parallelism")
+            accumulation, dp = book.spec["accumulation"], layer.pctx.dp_size
+            key = (name, (call // accumulation) * accumulation * dp + (call % accumulation) * dp + layer.pctx.dp_rank)
+            want, want_probs = book.choices[key]
+            top = want_probs.topk(layer.top_k + 1, dim=-1).values
+            flipped = [i for i, row in enumerate(chosen.sort(dim=-1).values.tolist()) if
+                       tuple(row) != tuple(sorted(want[i].tolist()))]
+            book.report[key] = {"prob_error": float((probs.detach() - want_probs).abs().max()),
+                                "flips": [(i, float(top[i, -2] - top[i, -1])) for i in flipped],
+                                "tokens": chosen.shape[0]}
+            if layer.scales_inputs:
+                return torch.sigmoid(logits.gather(-1, want).float()).to(logits.dtype), want
+            return probs.gather(-1, want), want
+
+        moe_class.choose = recorded_choose
+        return choose
+
+    def save(self) -> None:
+        import torch
+
+        if self.replaying:
+            torch.save(self.report, os.path.join(self.spec["replay"], f"replay-rank{self.rank}.pt"))
+        else:
+            torch.save(self.choices, os.path.join(self.spec["record"], "routes.pt"))
+
+
+def _routed(run: dict, run_training) -> int:
+    """``run_training()`` with the MoE layers' routes recorded or replayed (:class:`RouteBook`)."""
+    from llama_megatron.model import moe
+    from llama_megatron.training.run import setup
+
+    book = RouteBook(run["routes"], int(os.environ.get("RANK", "0")))
+    load_model = setup.load_model
+
+    def named(*args, **kwargs):  # every MoE layer knows its name in the model (the same in every layout)
+        model = load_model(*args, **kwargs)
+        for name, module in model.named_modules():
+            if isinstance(module, moe.MoEMLP):
+                module.route_name = name
+        return model
+
+    choose = book.patch(moe.MoEMLP)
+    setup.load_model = named
+    try:
+        rc = run_training()
+    finally:
+        moe.MoEMLP.choose, setup.load_model = choose, load_model
+    book.save()
+    return rc
+
+
 def _run(run: list[str] | dict) -> int:
     if isinstance(run, dict) and "verb" in run:
         from llama_megatron.cli import main as cli_main
@@ -112,6 +201,8 @@ def _run(run: list[str] | dict) -> int:
             generate.end_process_groups = end_process_groups
     if not isinstance(run, dict):
         return train.main(run)
+    if "routes" in run:
+        return _routed(run, lambda: train.main(run["args"]))
     open_session = loop.open_session
 
     def opened(*args, **kwargs):

@@ -17,7 +17,10 @@ from launch_utils import PRETRAIN_CONFIG, launch_many, losses, train_args
 
 from llama_megatron.cli import main as cli_main
 from llama_megatron.training.config import TrainingConfig
-from llama_megatron.training.diagnostics.collective_traffic import decoder_layer_transfers
+from llama_megatron.training.diagnostics.collective_traffic import (
+    decoder_layer_transfers,
+    end_layer_transfers,
+)
 from llama_megatron.training.diagnostics.profile_plot import busy_share, pipeline_ranges
 from llama_megatron.training.diagnostics.profiling import ProfileRequest, category, time_by_category
 
@@ -61,43 +64,90 @@ def profiled_layouts(tmp_path_factory):
             for name, overrides in layouts.items()}, work
 
 
+def _layer_index(module: str) -> int | None:
+    """The pipeline layer a module of the call graph belongs to (PipelineModule.3.mlp..., LlamaEngine.module.3.mlp...
+    at PP1: 3), None outside the layers (the loss, the engine)."""
+    return next((int(part) for part in module.split(".") if part.isdigit()), None)
+
+
 def _layer_bytes(graph: dict, group: str) -> dict[int, int]:
-    """Decoder layer index -> the bytes of the collectives of ``group`` its modules issued (forward and backward)."""
+    """Pipeline layer index -> the bytes of the collectives of ``group`` its modules issued (forward and backward)."""
     out: dict[int, int] = {}
-    for module, entry in graph["modules"].items():  # PipelineModule.3.mlp..., LlamaEngine.module.3.mlp... at PP1
-        index = next((int(part) for part in module.split(".") if part.isdigit()), None)
+    for module, entry in graph["modules"].items():
+        index = _layer_index(module)
         if index is not None and entry.get("collective_bytes", {}).get(group):
             out[index] = out.get(index, 0) + entry["collective_bytes"][group]
     return out
 
 
+def _layer_formula(config: TrainingConfig, index: int, group: str) -> float:
+    """The formula's bytes of ``group`` for one micro batch of one row through pipeline layer ``index`` (0 the
+    embedding, 1..L the decoder layers, then the final norm and the head), fp32."""
+    layers = config.model.num_hidden_layers
+    if 1 <= index <= layers:
+        forward, backward = decoder_layer_transfers(config, index - 1, 1, 4)
+    else:
+        kind = "EmbeddingPipe" if index == 0 else "FinalNormPipe" if index == layers + 1 else "LMHeadPipe"
+        forward, backward = end_layer_transfers(config, kind, 1, 4)
+    return sum(t.bytes for t in forward + backward if t.group == group)
+
+
 @pytest.mark.parametrize("name", ["tp2-pp2-sp", "tp2-pp2", "cp2"])
 def test_each_layers_collectives_are_the_layouts_formula(profiled_layouts, name) -> None:
-    """Every decoder layer's TP (all-reduce; under SP all-gather, reduce-scatter and the norms' all-reduces) or CP
-    (Ulysses' all-to-alls) bytes in the call graph's step equal collective_traffic's formula exactly, per rank; the
-    summary sets each collective beside the formula, the pipeline's sends and recvs too."""
+    """Every pipeline layer's TP (all-reduce; under SP all-gather, reduce-scatter and the norms' all-reduces, the
+    final norm's too) or CP (Ulysses' all-to-alls) bytes in the call graph's step equal collective_traffic's formula
+    exactly, per rank: the decoder layers', the embedding's and the head's; the summary sets each collective beside
+    the formula, the pipeline's sends and recvs too."""
     configs, work = profiled_layouts
     config = configs[name]
     group = "CP" if name == "cp2" else "TP"
     micro_batches = config.gradient_accumulation_steps(4)
+    layers_in_model = config.model.num_hidden_layers
     summary = json.loads((work / name / "summary.json").read_text())
     assert len(summary["ranks"]) == 4
     for rank in summary["ranks"]:
         graph = rank["call_graph"]
-        layers = {i: b for i, b in _layer_bytes(graph, group).items() if 1 <= i <= config.model.num_hidden_layers}
+        layers = {i: b for i, b in _layer_bytes(graph, group).items() if 0 <= i <= layers_in_model + 2}
+        decoders = [i for i in layers if 1 <= i <= layers_in_model]
         held = 2 if config.parallel.pipeline == 2 else 4  # layers 1-2 on pipeline rank 0, 3-4 on rank 1
-        assert len(layers) == held, (rank["rank"], layers)
+        assert len(decoders) == held, (rank["rank"], layers)
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):  # with GEMMs
             assert sum(m.endswith(name) and e["flops"] > 0 for m, e in graph["modules"].items()) == held, name
-        for index, counted in layers.items():  # module index 1..L: decoder layer index - 1
-            forward, backward = decoder_layer_transfers(config, index - 1, 1, 4)
-            assert counted == micro_batches * sum(t.bytes for t in forward + backward), (rank["rank"], index)
+        first, last = rank["pipeline_rank"] == 0, rank["pipeline_rank"] == config.parallel.pipeline - 1
+        ends = [0] * first + [layers_in_model + 1, layers_in_model + 2] * last  # embedding; final norm, head
+        want = {i: micro_batches * _layer_formula(config, i, group) for i in [*decoders, *ends]}
+        assert layers == {i: b for i, b in want.items() if b}, (rank["rank"], layers, want)
+        if config.parallel.sequence_parallel and last:  # the final norm's weight-gradient all-reduce, [hidden]
+            assert layers[layers_in_model + 1] == micro_batches * config.model.hidden_size * 4
         table = graph["bytes_vs_formula"]
         for key, pair in table.items():
             if key.endswith(f" {group}") and not key.startswith("all_reduce"):  # the loss's all-reduces aside
                 assert pair["counted"] == pair["formula"], (rank["rank"], key, pair)
             if key in ("send PP", "recv PP"):  # and DeepSpeed's shape header (a few small tensors) once a step
                 assert 0 <= pair["counted"] - pair["formula"] < 4096, (rank["rank"], key, pair)
+        if group == "TP":  # the rank's all-reduces: the formula's (every layer's, above) and the loss's, outside
+            outside = sum(e.get("collective_bytes", {}).get("TP", 0) for m, e in graph["modules"].items()
+                          if _layer_index(m) is None)
+            assert table["all_reduce TP"]["counted"] == table["all_reduce TP"]["formula"] + outside, rank["rank"]
+
+
+LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "router", "shared_expert_gate", "lm_head")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_linears_backward_flops_are_twice_its_forward(profiled_layouts, name) -> None:
+    """In the call graph's step every linear's backward FLOPs (its input's and its weight's gradient, one GEMM each)
+    are twice its forward's, on every rank: through our TP linears' autograd Functions with SP and without, under
+    CP, and for Mixtral's router and experts at EP2 (each module's backward is its own, not a module that ran after
+    it on the same input)."""
+    configs, work = profiled_layouts
+    summary = json.loads((work / name / "summary.json").read_text())
+    for rank in summary["ranks"]:
+        linears = {m: e for m, e in rank["call_graph"]["modules"].items() if m.endswith(LINEAR_NAMES)}
+        # every linear multiplies its rank's tokens (an expert those routed to it: maybe none)
+        assert linears and all(e["forward_flops"] > 0 for k, e in linears.items() if ".experts." not in k), rank["rank"]
+        for module, entry in linears.items():
+            assert entry["backward_flops"] == 2 * entry["forward_flops"], (rank["rank"], module, entry)
 
 
 def test_an_expert_parallel_call_graph_shows_the_expert_all_to_alls(profiled_layouts) -> None:
@@ -114,6 +164,29 @@ def test_an_expert_parallel_call_graph_shows_the_expert_all_to_alls(profiled_lay
         counted = [ranks[r]["collectives"]["all_to_all EP"]["bytes"] for r in pair]
         assert min(counted) > 0 and sum(counted) == 2 * per_step, (pair, counted, per_step)
         assert all(ranks[r]["bytes_vs_formula"]["all_to_all EP"]["formula"] == per_step for r in pair)
+
+
+def test_an_expert_parallel_call_graph_credits_the_router_and_the_experts(profiled_layouts) -> None:
+    """Mixtral at EP2: each MoE layer's router multiplies the rank's own tokens by [experts, hidden] (2 n h E FLOPs a
+    micro batch, exactly); its experts run the tokens the EP group routed to them, so over an EP group's two ranks a
+    layer's experts count the k assignments of every token of both ranks, 2 x (2 h 2I + 2 I h) FLOPs each."""
+    configs, work = profiled_layouts
+    config = configs["mixtral-ep2"]
+    m = config.model
+    micro_batches, n = config.gradient_accumulation_steps(4), config.seq_length
+    width = config.local_shapes.expert_intermediate
+    summary = json.loads((work / "mixtral-ep2" / "summary.json").read_text())
+    ranks = {r["rank"]: r["call_graph"]["modules"] for r in summary["ranks"]}
+    for modules in ranks.values():
+        routers = {_layer_index(k): e["forward_flops"] for k, e in modules.items() if k.endswith("mlp.router")}
+        assert routers == {i: micro_batches * 2 * n * m.hidden_size * m.num_local_experts
+                           for i in range(1, m.num_hidden_layers + 1)}
+    for pair in ((0, 1), (2, 3)):  # the EP groups: consecutive data ranks
+        for layer in range(1, m.num_hidden_layers + 1):
+            experts = sum(e["forward_flops"] for r in pair for k, e in ranks[r].items()
+                          if _layer_index(k) == layer and ".mlp.experts." in k)
+            assert experts == 2 * micro_batches * n * m.num_experts_per_tok * 2 * 3 * m.hidden_size * width, (
+                pair, layer)
 
 
 def test_profiling_changes_no_number(profiled) -> None:

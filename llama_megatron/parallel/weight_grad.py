@@ -14,7 +14,9 @@ input and the gradient of its output) as one group instead of computing it; :met
 a group and accumulates it through each parameter's own
 autograd accumulation, so gradient hooks (DeepSpeed's ZeRO and bf16 bookkeeping) see it as they see any backward.
 A schedule runs each chunk's groups in the order their backward passes ran, so each parameter's gradient sums its
-micro batches in the same order as without the split.
+micro batches in the same order as without the split. W runs outside autograd's backward, so each queued work keeps the
+metadata of the autograd node whose backward queued it, and :func:`deferred_origin` gives it while the work runs: the
+profile's call graph attributes a W pass's products to the linear they belong to through it.
 
 Outside that context the linears' backward computes everything at once, with the same matrix products autograd
 uses for ``F.linear`` (``grad @ W`` for the input, ``grad^T @ x`` for the weight, the sum over rows for the bias):
@@ -32,8 +34,26 @@ from torch import nn
 
 from llama_megatron.parallel.float8 import Float8Linear, float8_linear
 
-# queued work: (weight, the computation of its gradient, the tensors that computation keeps alive)
-_Deferred = tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]
+# queued work: (weight, the computation of its gradient, the tensors that computation keeps alive, the metadata of the
+# autograd node whose backward queued it)
+_Deferred = tuple[nn.Parameter, Callable[[], torch.Tensor], tuple[torch.Tensor, ...], dict | None]
+_running: list[dict | None] = []  # the origin of the queued work W computes now (innermost last)
+
+
+def _current_node_metadata() -> dict | None:
+    """The ``metadata`` dict of the autograd node running (None outside a backward): the node's own, which its
+    observers (the call graph tags nodes with their module there) share, kept without keeping the node and the
+    graph behind it alive until W."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else node.metadata
+
+
+def deferred_origin() -> dict | None:
+    """While :meth:`WeightGradStore.run` computes queued weight-gradient work: the ``metadata`` of the autograd node
+    whose backward queued it (else None). W runs outside autograd's backward, where
+    ``torch._C._current_autograd_node()`` is None: an observer (the profile's call graph) reads the work's origin
+    here."""
+    return _running[-1] if _running else None
 
 
 class WeightGradStore:
@@ -68,12 +88,12 @@ class WeightGradStore:
         outside :meth:`input_gradients_only`."""
         if self._open is None:
             return False
-        self._open.append((weight, compute, keeps))
+        self._open.append((weight, compute, keeps, _current_node_metadata()))
         return True
 
     def pending_tensors(self) -> list[torch.Tensor]:
         """The tensors the queued work keeps alive (its memory: ``ActivationMeter``)."""
-        return [t for group in self._groups.values() for _, _, keeps in group for t in keeps]
+        return [t for group in self._groups.values() for _, _, keeps, _ in group for t in keeps]
 
     @property
     def pending(self) -> int:
@@ -90,8 +110,15 @@ class WeightGradStore:
             return
         # one backward call, as the unsplit backward: a weight used twice in a micro batch gets the sum of its
         # two gradients accumulated once (accumulating them one by one would round differently)
-        aliases = [weight.view_as(weight) for weight, _, _ in group]  # each alias backpropagates to its leaf
-        torch.autograd.backward(aliases, [compute() for _, compute, _ in group])
+        aliases = [weight.view_as(weight) for weight, _, _, _ in group]  # each alias backpropagates to its leaf
+        grads = []
+        for _, compute, _, origin in group:
+            _running.append(origin)
+            try:
+                grads.append(compute())
+            finally:
+                _running.pop()
+        torch.autograd.backward(aliases, grads)
 
 
 class _SplitLinear(torch.autograd.Function):

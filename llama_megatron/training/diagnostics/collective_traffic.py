@@ -11,8 +11,9 @@ precision). Per decoder layer, forward and backward alike (Megatron's mappings, 
 - TP with SP: an all-gather of the sequence shards [n / TP, hidden] -> [n, hidden] before each column-parallel
   linear and a reduce-scatter after each row-parallel one, in the forward; the other way round in the backward;
   in the backward too, an all-reduce of the gradient of each weight that sees a sequence shard (the two norms, a
-  row-parallel bias).
-- TP > 1: all-reduces of the gradients of the replicated q/k norm weights and of an MoE router's weight.
+  row-parallel bias: the attention's o and a dense MLP's down projection).
+- TP > 1: all-reduces of the gradients of the replicated q/k norm weights and of an MoE layer's replicated weights,
+  its router's and its shared expert's gate's (Qwen2-MoE).
 - CP (DeepSpeed-Ulysses): all-to-alls of q, k and v (k and v after repeating heads that do not split over CP) and of
   the attention output, each way.
 - EP: per MoE layer an all-to-all of the assignment counts (int64, one per expert) and of the routed rows each
@@ -20,8 +21,8 @@ precision). Per decoder layer, forward and backward alike (Megatron's mappings, 
   exact summed over the EP group, where a rank's share depends on the routing).
 
 The embedding (vocab-parallel: an all-reduce of its output; under SP a reduce-scatter, and in the backward the
-all-gather of its gradient) and the head (under SP an
-all-gather of its input; without, an all-reduce of its input gradient) add theirs, the loss a few [n] fp32
+all-gather of its gradient), the final norm (under SP the all-reduce of its weight's gradient) and the head (under SP
+an all-gather of its input; without, an all-reduce of its input gradient) add theirs, the loss a few [n] fp32
 all-reduces (not counted: a few bytes a token). Between pipeline stages a micro batch's activations travel
 forward and their gradient back: [n / TP, hidden] under SP, or where DeepSpeed partitions the send over TP (and
 all-gathers it on the next stage; that all-gather, in DeepSpeed's engine, is left out), else [n, hidden]. After the micro batches: the gradients' reduction over
@@ -65,15 +66,19 @@ def decoder_layer_transfers(config: TrainingConfig, layer: int, rows: int,
                 forward += [Transfer("all_gather", "TP", hidden), Transfer("reduce_scatter", "TP", hidden)]
                 backward += [Transfer("reduce_scatter", "TP", hidden), Transfer("all_gather", "TP", hidden)]
             backward += [Transfer("all_reduce", "TP", h * element)] * 2  # the norms' weights
-            if m.o_bias:
-                backward.append(Transfer("all_reduce", "TP", h * element))
+            # the row-parallel biases, added to the reduce-scattered shard: o's, and a dense MLP's down projection's
+            biases = int(m.o_bias) + int(m.mlp_bias and not m.is_moe_layer(layer))
+            backward += [Transfer("all_reduce", "TP", h * element)] * biases
         else:
             forward += [Transfer("all_reduce", "TP", hidden)] * 2
             backward += [Transfer("all_reduce", "TP", hidden)] * 2
         if m.qk_norm:
             backward += [Transfer("all_reduce", "TP", hd * element)] * 2
-        if m.is_moe_layer(layer):
+        if m.is_moe_layer(layer):  # the router's weight [experts, hidden]; a shared expert's gate [1, hidden]
             backward.append(Transfer("all_reduce", "TP", m.num_local_experts * h * element))
+            moe = m.family.moe
+            if moe.shared_expert and moe.shared_expert_gated:
+                backward.append(Transfer("all_reduce", "TP", h * element))
     if cp > 1:
         shapes = config.local_shapes
         q, kv = shapes.heads * hd, shapes.kv_heads * shapes.kv_repeats * hd
@@ -90,10 +95,15 @@ def decoder_layer_transfers(config: TrainingConfig, layer: int, rows: int,
 
 def end_layer_transfers(config: TrainingConfig, kind: str, rows: int,
                         element: int) -> tuple[list[Transfer], list[Transfer]]:
-    """(forward, backward) TP collectives of the embedding (``EmbeddingPipe``) or the head (``LMHeadPipe``)."""
+    """(forward, backward) TP collectives of the embedding (``EmbeddingPipe``), the final norm (``FinalNormPipe``)
+    or the head (``LMHeadPipe``)."""
     par = config.parallel
-    if par.tensor == 1 or kind not in ("EmbeddingPipe", "LMHeadPipe"):
+    if par.tensor == 1 or kind not in ("EmbeddingPipe", "FinalNormPipe", "LMHeadPipe"):
         return [], []
+    if kind == "FinalNormPipe":  # under SP its weight sees a sequence shard: its gradient is summed over TP
+        if not par.sequence_parallel:
+            return [], []
+        return [], [Transfer("all_reduce", "TP", config.model.hidden_size * element)]
     hidden = rows * config.seq_length // par.context * config.model.hidden_size * element
     if kind == "EmbeddingPipe":  # its output's reduction; under SP the reduce-scatter's backward all-gathers
         if par.sequence_parallel:

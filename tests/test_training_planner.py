@@ -11,12 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from launch_utils import ROOT, launch_many, losses, record, run_command
+from launch_utils import ROOT, launch_many, losses, run_command, run_python
 
 from llama_megatron.cli import main as cli_main
 from llama_megatron.errors import ConfigError
@@ -202,8 +200,7 @@ def _plan(*args: str) -> tuple[int, str, str]:
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
-    result = record(subprocess.run([os.path.join(os.path.dirname(sys.executable), "llama-megatron"), *argv],
-                                   cwd=ROOT, capture_output=True, text=True, timeout=600))
+    result = run_python(["-m", "llama_megatron", *argv], timeout=600)  # what the llama-megatron script runs
     return result.returncode, result.stdout, result.stderr
 
 
@@ -235,6 +232,21 @@ def test_a_405b_plan_lists_layouts_that_fit_80_gib(capsys) -> None:
     budget = 0.95 * load_device("h100-sxm").memory_bytes
     assert all(max(p["peak_bytes_per_stage"]) <= budget for p in data["layouts"])
     assert any(r["reason"].startswith("TP 16 > 8 GPUs per node") for r in data["refused"])
+
+
+def test_the_plan_says_when_deepspeeds_default_bucket_dwarfs_the_model(capsys, tmp_path) -> None:
+    """The planner's layouts keep DeepSpeed's default reduce bucket (5e8 bf16 elements, 0.93 GiB per rank), which
+    the tiny model's 1.8M gradients fill a fraction of: the plan says so in one line naming the key and a value that
+    holds them all (the estimate's note, for the best layout); the JSON carries the same line."""
+    base = tmp_path / "tiny.json"
+    base.write_text(json.dumps(_base()))
+    argv = ["plan", "--config", str(base), "--gpus", "2", "--device", "h100-sxm", "--layout", "tp=1,pp=1,zero=1,mbs=1"]
+    assert cli_main(argv) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "zero_optimization.reduce_bucket_size 500000000 elements (0.931 GiB per rank)" in \
+        notes[0] and notes[0].endswith("set zero_optimization.reduce_bucket_size to 1800000 (layout 1)"), notes
+    assert cli_main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["note"] == notes[0].removesuffix(" (layout 1)")
 
 
 def _shape(layout: Layout) -> tuple:

@@ -7,6 +7,7 @@ import math
 
 from llama_megatron.commands.train import add_config_arguments
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.diagnostics.deepspeed_memory import bucket_note
 from llama_megatron.training.diagnostics.memory_estimate import (
     Estimate,
     construction_bytes,
@@ -17,7 +18,9 @@ from llama_megatron.training.diagnostics.memory_estimate import (
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
 
 ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
-        ("activations", "activations"), ("logits + loss", "logits"), ("fp8 operands", "fp8_transient")]
+        ("ZeRO buffers", "buffers"), ("activations", "activations"), ("logits + loss", "logits"),
+        ("fp8 operands", "fp8_transient")]
+OPTIONAL_ROWS = ("buffers",)  # shown where a stage has some (ZeRO-1/2/3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +47,8 @@ def format_table(est: Estimate, seq_length: int) -> str:
     header = f"{'':18}" + "".join(f"{f'stage {s.stage} ({s.decoder_layers} layers)':>24}" for s in est.stages)
     lines.append(header)
     for label, attr in ROWS:
+        if attr in OPTIONAL_ROWS and not any(getattr(s, attr) for s in est.stages):
+            continue
         cells = []
         for s in est.stages:
             cpu = getattr(s, f"cpu_{attr}", 0)
@@ -77,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     ds = build_deepspeed_config(config, args.deepspeed_config or config.deepspeed_config, world, "cuda")
     est = estimate(config, ds, world)
     print(format_table(est, config.seq_length))
+    note = bucket_note(est.stages)
+    if note:
+        print(note)
     best = largest_micro_batch(config, ds, world, budget)
     verdict = "fits" if est.peak_gpu <= budget else "does NOT fit"
     print(f"peak {est.peak_gpu / 2**30:.3f} GiB per GPU {verdict} in {args.gpu_memory}")

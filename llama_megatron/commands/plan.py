@@ -16,6 +16,7 @@ from llama_megatron.config import read_json
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.progress import TaskProgress
+from llama_megatron.training.diagnostics.deepspeed_memory import bucket_note
 from llama_megatron.training.planner.devices import UNIT_PROFILE, device_names, load_device
 from llama_megatron.training.planner.search import GiB, Layout, Planned, Planner, Refused, write_layout
 
@@ -169,10 +170,12 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     where = (f"{args.gpus} x {device.name} ({planner.gpus_per_node} per node), {args.precision}, seq "
              f"{planner.base_config.seq_length}, global batch {planner.base_config.batch.global_batch_size}")
+    # DeepSpeed's default reduce bucket next to a small model: said for the best layout (what --write writes)
+    note = bucket_note(planned[0].memory.stages) if planned else None
     if args.json:
         json.dump({"cluster": where, "device": device.name, "layouts": [_record(p, args.gpus) for p in planned],
-                   "refused": [{"label": r.layout.label(args.gpus), "reason": r.reason} for r in refused]},
-                  sys.stdout)
+                   "refused": [{"label": r.layout.label(args.gpus), "reason": r.reason} for r in refused],
+                   "note": note}, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(f"{len(planned)} layouts fit, {len(refused)} do not: {where}")
@@ -180,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
             print(HEADER)
             for rank, p in enumerate(planned[:args.top], 1):
                 print(_row(rank, p, args.gpus))
+            if note:
+                print(f"{note} (layout 1)")
         shown = {}
         for r in refused:  # the nearest misses first, one per reason
             shown.setdefault(r.reason.split(" needs ")[0] if r.over else r.reason, r)

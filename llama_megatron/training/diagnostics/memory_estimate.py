@@ -1,6 +1,7 @@
 """Per-rank memory of a training run, from its configs alone: model states and activations per pipeline stage.
 
-Model states follow what DeepSpeed 0.19.8 allocates (checked against real engines in tests/test_training_estimate.py):
+Model states follow what DeepSpeed 0.19.8 allocates (deepspeed_memory.py; checked against real engines in
+tests/test_training_estimate.py):
 
 * ZeRO-1/2 and BF16_Optimizer flatten every parameter group into one buffer padded to a multiple of
   2 x DP (``nccl_start_alignment_factor``); the parameters become views of it and each DP rank owns 1/DP of it
@@ -9,6 +10,10 @@ Model states follow what DeepSpeed 0.19.8 allocates (checked against real engine
   ``stage3_param_persistence_threshold`` elements also stay whole (padded to a multiple of DP) on every rank
   after the first forward.
 * ZeRO-0 runs the torch optimizer on the parameters themselves (fp32), or on an fp32 copy (bf16/fp16).
+
+Beside them, DeepSpeed's own communication buffers (deepspeed_memory.zero_buffers, row ``ZeRO buffers``), sized by
+its config and not by the model: a buffer of ``reduce_bucket_size`` elements is allocated whole however few gradients fill it
+(5e8 by default: 2 GB in fp32 next to a model of a few MB).
 
 Activations count the tensors autograd saves for backward in this repository's layers, for the kernels the run
 would use on a GPU (``kernels``: ``auto`` = the fast kernels): the reference kernels (SDPA with K/V repeated for
@@ -49,11 +54,14 @@ from llama_megatron.training.diagnostics.activation_bytes import (
     deferred_weight_grad_bytes,
     fp8_transient_bytes,
 )
+from llama_megatron.training.diagnostics.deepspeed_memory import (
+    ELEMENT_BYTES,
+    model_states,
+    optimizer_wrapper,
+    zero_buffers,
+)
 from llama_megatron.training.diagnostics.pipeline_held import held_peak
 from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
-
-GiB = 1024**3
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a parameter or activation element, by the run's precision
 
 
 @dataclass
@@ -87,6 +95,13 @@ class StageEstimate:
     # ``fp8``: the float8 copies of one linear's GEMM operands and their scales, made and dropped per GEMM (the
     # largest linear's; nothing float8 is kept between passes: the casts are made again in backward)
     fp8_transient: int = 0
+    # DeepSpeed's communication buffers (deepspeed_memory.zero_buffers): ZeRO-1/2/3's gradient reduce buckets, and under
+    # ZeRO-3 the parameters all-gathered and kept (or prefetched) at the forward's end; ``trained_elements`` is what the
+    # gradients of the rank need of a bucket (every trained element of the stage on this rank, before partitioning)
+    reduce_buckets: int = 0
+    gathered_parameters: int = 0
+    bucket_elements: int = 0
+    trained_elements: int = 0
 
     @property
     def activations(self) -> int:
@@ -97,8 +112,13 @@ class StageEstimate:
         return held + self.recompute
 
     @property
+    def buffers(self) -> int:
+        return self.reduce_buckets + self.gathered_parameters
+
+    @property
     def gpu_total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits + self.fp8_transient
+        return (self.parameters + self.gradients + self.optimizer + self.buffers + self.activations + self.logits
+                + self.fp8_transient)
 
     @property
     def cpu_total(self) -> int:
@@ -248,79 +268,6 @@ def rank_parameter_counts(config: TrainingConfig) -> list[int]:
     return counts
 
 
-def optimizer_wrapper(ds: dict, pp: int) -> str:
-    """The optimizer DeepSpeed's engine picks (``_do_optimizer_sanity_check``)."""
-    prec, stage = precision(ds), zero_stage(ds)
-    accum = ds.get("data_types", {}).get("grad_accum_dtype")
-    accum_fp32 = accum in ("fp32", "float32", "float")
-    offload = offloaded(ds, "offload_optimizer")
-    if stage >= 1:
-        return "bf16" if prec == "bf16" and accum_fp32 and stage == 1 and not offload else f"zero{stage}"
-    if prec == "fp32":
-        return "basic"
-    if accum_fp32:
-        raise ConfigError(f"DeepSpeed refuses ZeRO-0 with {prec} parameters and fp32 gradient accumulation: "
-                          "use ZeRO-1")
-    return "bf16" if prec == "bf16" and pp > 1 else "fp16_wrapper"
-
-
-def offloaded(ds: dict, key: str) -> bool:
-    return ds.get("zero_optimization", {}).get(key, {}).get("device") in ("cpu", "nvme")
-
-
-def _aligned(numel: int, dp: int) -> int:
-    """A flat group padded to a multiple of 2 x DP (DeepSpeed's nccl_start_alignment_factor)."""
-    return math.ceil(numel / (2 * dp)) * 2 * dp
-
-
-def _states(params: list[tuple[int, bool, bool, bool]], ds: dict, wrapper: str, dp: int, e: int,
-            ep: int = 1) -> dict[str, int]:
-    """Parameter, gradient and optimizer bytes of one rank holding ``params`` ((numel, decayed, trains, expert)
-    each: a frozen one is held in the run's precision, without gradient or optimizer state; ZeRO partitions an
-    expert's over DP x CP / EP ranks, in groups of its own); keys with a ``cpu_`` prefix."""
-    frozen = sum(n for n, _, trains, _ in params if not trains)
-    groups = [(sum(n for n, decay, trains, expert in params if decay == d and trains and expert == x),
-               dp // ep if x else dp) for x in (False, True) for d in (True, False)]
-    groups = [(g, parts) for g, parts in groups if g]  # DeepSpeed drops empty parameter groups
-    total = sum(g for g, _ in groups)
-    zero = ds.get("zero_optimization", {})
-    out = dict.fromkeys(("parameters", "gradients", "optimizer", "cpu_parameters", "cpu_gradients",
-                         "cpu_optimizer"), 0)
-    opt = "cpu_optimizer" if offloaded(ds, "offload_optimizer") else "optimizer"
-    if wrapper == "basic":  # torch AdamW on the fp32 parameters: exp_avg + exp_avg_sq
-        out.update(parameters=4 * (total + frozen), gradients=4 * total, optimizer=8 * total)
-    elif wrapper == "fp16_wrapper":  # whole fp32 master copy and its gradients, Adam on top
-        out.update(parameters=e * (total + frozen), gradients=(e + 4) * total, optimizer=12 * total)
-    elif wrapper in ("bf16", "zero1", "zero2"):
-        flat = sum(_aligned(g, parts) for g, parts in groups)
-        owned = sum(_aligned(g, parts) // parts for g, parts in groups)  # this rank's partitions
-        out["parameters"] = e * (flat + frozen)
-        out[opt] = 12 * owned  # fp32 master partition + exp_avg + exp_avg_sq
-        if wrapper == "bf16":  # fp32 gradient accumulation buffer over the whole flat group
-            out["gradients"] = 4 * flat
-        else:  # ZeRO-1 keeps whole gradients, ZeRO-2 its partition; both stage reductions in buckets
-            buckets = (2 if zero.get("overlap_comm") else 1) * int(zero.get("reduce_bucket_size", 5e8))
-            kept = flat if wrapper == "zero1" else owned
-            out["gradients"] = e * (kept + min(buckets, flat))
-            out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * owned
-    else:  # zero3: every parameter partitioned, frozen or not; gradients and optimizer for the trained ones
-        part = sum(math.ceil(n / dp) for n, _, _, _ in params)
-        trained = sum(math.ceil(n / dp) for n, _, trains, _ in params if trains)
-        threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
-        budget = int(zero.get("stage3_model_persistence_threshold", 2**63 - 1))
-        persistent, counted = 0, 0
-        for n, _, _, _ in params:  # DeepSpeed's mark_persistent_parameters, in parameter order
-            if n <= threshold and counted + n <= budget:
-                counted += n
-                persistent += math.ceil(n / dp) * dp  # gathered into a DP-padded buffer
-        out["cpu_parameters" if offloaded(ds, "offload_param") else "parameters"] = e * part
-        out["parameters"] += e * persistent
-        out[opt] = 12 * trained
-        out["gradients"] = e * trained
-        out["cpu_gradients" if opt == "cpu_optimizer" else "gradients"] += 4 * trained
-    return out
-
-
 def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size: int | None = None) -> Estimate:
     """Per-stage bytes of one rank; ``ds`` is the built DeepSpeed config (build_deepspeed_config)."""
     par = config.parallel
@@ -363,7 +310,8 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
         saved = [a for a, _, _ in per_chunk]
         deferred = [known[tuple(k)][1] for k in kinds]
         held, in_flight, pending = held_peak(pipe.schedule, pp, rank, micro_batches, saved, deferred)
-        states = _states(params, ds, wrapper, partitions, e, par.expert)
+        states = model_states(params, ds, wrapper, partitions, e, par.expert)
+        buffers = zero_buffers(params, ds, wrapper, partitions, e, pp)
         result.stages.append(StageEstimate(
             stage=rank, decoder_layers=sum(k.count("DecoderLayerPipe") for k in kinds),
             activations_per_micro_batch=sum(saved), in_flight=in_flight,
@@ -372,7 +320,9 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
             held_bytes=held if placement.chunks > 1 else None, **states,
             async_save_host=_saved_bytes(params, states, wrapper, e, config.lora is not None)
             if config.checkpoint.async_save else 0,
-            fp8_transient=fp8_transient_bytes(config, b * config.rows_per_sample) if config.fp8 else 0))
+            fp8_transient=fp8_transient_bytes(config, b * config.rows_per_sample) if config.fp8 else 0,
+            reduce_buckets=buffers.reduce_buckets, gathered_parameters=buffers.gathered_parameters,
+            bucket_elements=buffers.bucket_elements, trained_elements=sum(n for n, _, t, _ in params if t)))
     return result
 
 
@@ -381,7 +331,7 @@ def _saved_bytes(params: list[tuple[int, bool, bool, bool]], states: dict[str, i
                  lora: bool) -> int:
     """What DeepSpeed's save writes from a stage's first DP rank: the module's weights in the run's precision (a
     LoRA run's adapters only; none under ZeRO-3, whose weights live in the optimizer's fp32 partitions) and this
-    rank's optimizer state as ``_states`` counts it (fp32 master partition and Adam's moments, or Adam's alone on
+    rank's optimizer state as ``model_states`` counts it (fp32 master partition and Adam's moments, or Adam's alone on
     fp32 weights at ZeRO-0)."""
     module = 0 if wrapper == "zero3" else e * sum(n for n, _, trains, _ in params if trains or not lora)
     return module + states["optimizer"] + states["cpu_optimizer"]

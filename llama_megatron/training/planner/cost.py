@@ -35,12 +35,9 @@ from llama_megatron.training.diagnostics.collective_traffic import (
     decoder_layer_transfers,
     end_layer_transfers,
 )
+from llama_megatron.training.diagnostics.deepspeed_memory import offloaded
 from llama_megatron.training.diagnostics.flops import training_flops_per_token
-from llama_megatron.training.diagnostics.memory_estimate import (
-    offloaded,
-    rank_parameter_counts,
-    stage_layer_kinds,
-)
+from llama_megatron.training.diagnostics.memory_estimate import rank_parameter_counts, stage_layer_kinds
 from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.pipeline.schedules import placement_of, replay, schedule_record
 from llama_megatron.training.planner.devices import UNIT_PROFILE, DeviceProfile, Link

@@ -1,5 +1,6 @@
-"""What the lm-eval tests share: the shipped tokenizer, lm-eval's HF backend on an exported model (optionally with a
-PEFT adapter), samples files read back, and the request-by-request comparison with the HF backend."""
+"""What the lm-eval tests share: the shipped tokenizer, a Qwen2 tokenizer (no BOS) made here, lm-eval's HF backend on
+an exported model (optionally with a PEFT adapter), samples files read back, and the request-by-request comparison
+with the HF backend."""
 
 from __future__ import annotations
 
@@ -20,16 +21,39 @@ def add_tokenizer(hf_dir: str) -> None:
             shutil.copy(os.path.join(TOKENIZER, name), os.path.join(hf_dir, name))
 
 
+def qwen2_tokenizer(directory: str) -> None:
+    """A Qwen2 tokenizer in ``directory``: transformers' ``Qwen2Tokenizer`` (byte-level BPE behind Qwen2's
+    pre-tokenizer, ``"bos_token": null``, EOS and pad ``<|endoftext|>``) over a vocabulary of 1000 learnt from a
+    sixth of the shipped corpus (0.1 s): no Qwen2 tokenizer is shipped or installed, and nothing downloads."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    with open(os.path.join(ROOT, "data", "corpus", "shakespeare.jsonl"), encoding="utf-8") as fh:
+        texts = [json.loads(line)["text"] for line in fh][::6]
+    rust = Tokenizer(models.BPE())  # the pipeline Qwen2Tokenizer builds around its vocabulary and merges
+    rust.normalizer = normalizers.NFC()
+    rust.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), "isolated"),
+                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    rust.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, show_progress=False,
+                                                        special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    learnt = json.loads(rust.to_str())["model"]
+    Qwen2Tokenizer(vocab=learnt["vocab"], merges=[tuple(m) for m in learnt["merges"]]).save_pretrained(directory)
+
+
 def hf_results(hf_dir: str, tasks: list[str], limit: int, fewshot: int | None, seed: int = 1234,
-               peft: str | None = None, tokenizer: str | None = None) -> dict:
+               peft: str | None = None, tokenizer: str | None = None, **hflm_args) -> dict:
     """lm-eval's HF backend (fp32, CPU) on ``hf_dir`` (with the PEFT adapter directory ``peft``, the tokenizer of
-    the directory ``tokenizer``): its results with every sample, drawn as ours are (the same few-shot seed)."""
+    the directory ``tokenizer``, HFLM's ``hflm_args`` such as ``prefix_token_id``): its results with every sample,
+    drawn as ours are (the same few-shot seed)."""
     from lm_eval.models.huggingface import HFLM
 
     from llama_megatron.training.run.lm_harness import evaluate_tasks
 
     if peft is None:
-        model = HFLM(pretrained=hf_dir, device="cpu", dtype="float32", batch_size=1, tokenizer=tokenizer)
+        model = HFLM(pretrained=hf_dir, device="cpu", dtype="float32", batch_size=1, tokenizer=tokenizer,
+                     **hflm_args)
     else:
         # the PeftModel made here and handed over: HFLM's own `peft=` resizes the embeddings to the tokenizer's
         # length when the model's vocab is larger (a padded vocab, as here), which changes every log-probability
@@ -39,7 +63,7 @@ def hf_results(hf_dir: str, tasks: list[str], limit: int, fewshot: int | None, s
 
         base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         model = HFLM(pretrained=PeftModel.from_pretrained(base, peft).eval(), tokenizer=tokenizer or hf_dir,
-                     batch_size=1)
+                     batch_size=1, **hflm_args)
     return evaluate_tasks(model, tasks, limit, fewshot, seed=seed, log_samples=True)
 
 

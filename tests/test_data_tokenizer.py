@@ -220,6 +220,24 @@ def test_llama3_style_tokenizer_json(tmp_path, corpus_lines):
         json.dumps({"bos_token": "<|reserved_0|>", "eos_token": {"content": "<|end_of_text|>"}})
     )
     assert load_tokenizer(str(tmp_path)).bos_id == base + 2
+    # "bos_token": null (every Qwen2 tokenizer): no BOS, as transformers reads it, the usual name in the vocabulary
+    # notwithstanding; only encode(bos=True) needs one
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|end_of_text|>"}))
+    without = load_tokenizer(str(tmp_path))
+    assert (without.bos_id, without.eos_id, without.pad_id) == (None, base + 1, base + 1)
+    assert without.encode("Now", eos=True) == framed[1:]
+    without.check_against_model_vocab(base + 3)
+    with pytest.raises(DataError, match="has no bos token to add"):
+        without.encode("Now", bos=True)
+    # nothing names one and none of the usual names is there (a Qwen2 tokenizer.json alone): no BOS either
+    bare = Tokenizer(models.BPE())
+    bare.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bare.train_from_iterator(corpus_lines, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                               show_progress=False))
+    (tmp_path / "bare").mkdir()
+    bare.save(str(tmp_path / "bare" / "tokenizer.json"))
+    unnamed = load_tokenizer(str(tmp_path / "bare"))
+    assert (unnamed.bos_id, unnamed.eos_id) == (None, 0)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
     with pytest.raises(DataError, match="eos_token '<\\|nope\\|>' from tokenizer_config.json is not in"):
         load_tokenizer(str(tmp_path))

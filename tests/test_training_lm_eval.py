@@ -8,7 +8,8 @@ few-shot split). Ours runs them on each checkpoint: at TP1 in this process, at T
 stage, as `generate` reads it), the TP1 one over two pipeline stages (`--pipeline 2`) and the TP1 one as two
 replicas sharing the documents, in one 2-process launch of `llama-megatron evaluate --tasks`. Every request's
 log-likelihood is within 1e-4 of HF's with the same ``is_greedy``, every generation identical, every metric equal.
-Bad input is one line and exit code 2 before any model is loaded.
+A random Qwen2 model with a Qwen2 tokenizer, which has no BOS, is checked the same way in this process. Bad input is
+one line and exit code 2 before any model is loaded.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import shutil
 
 import pytest
 from launch_utils import PRETRAIN_CONFIG, launch_many, train_args
-from lm_eval_utils import TOKENIZER, add_tokenizer, assert_same_as_hf, hf_results, read_samples
+from lm_eval_utils import (
+    TOKENIZER,
+    add_tokenizer,
+    assert_same_as_hf,
+    hf_results,
+    qwen2_tokenizer,
+    read_samples,
+)
 from model_utils import hf_model, tiny_config
 
 from llama_megatron.cli import main as cli_main
@@ -62,6 +70,59 @@ def test_tp1_in_process_equals_lm_eval_hf(converted, reference) -> None:
     assert_same_as_hf(results["samples"], results, reference)
     # the shipped generation task did generate (up to its newline or 16 tokens), not return empty strings
     assert any(s["resps"][0][0] for s in results["samples"]["shakespeare_continue"])
+
+
+@pytest.fixture(scope="module")
+def no_bos(tmp_path_factory) -> dict[str, str]:
+    """A random Qwen2 model beside a Qwen2 tokenizer, which has no BOS (``"bos_token": null``, as every Qwen2 and
+    Qwen2.5 tokenizer), and its TP1 conversion."""
+    root = tmp_path_factory.mktemp("lm-eval-no-bos")
+    hf_dir = root / "hf"
+    # Qwen2's config.json names its EOS (<|endoftext|>, here id 0) as bos_token_id too
+    config = tiny_config(model_type="qwen2", vocab_size=1024, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=0, eos_token_id=0)
+    hf_model(config, seed=7).save_pretrained(hf_dir)
+    qwen2_tokenizer(str(hf_dir))
+    checkpoint = str(root / "tp1")
+    assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", checkpoint, "--tp", "1",
+                     "--make-vocab-size-divisible-by", "64"]) == 0
+    return {"hf": str(hf_dir), "tp1": checkpoint}
+
+
+@pytest.mark.launched  # lm-eval's simple_evaluate runs `pip list` (torch's collect_env) for its results
+def test_a_tokenizer_without_bos_equals_lm_eval_hf(no_bos) -> None:
+    """A Qwen2 checkpoint whose tokenizer has no BOS: lm-eval's HF backend prefixes what has no context (a rolling
+    log-likelihood's first window) with EOS then, or with its ``prefix_token_id`` argument; ours is that backend, so
+    on the four tasks every request and metric is the HF backend's on the same model, and on the rolling task with a
+    ``prefix_token_id`` too (given as lm-eval's CLI gives it, in the argument string)."""
+    from llama_megatron.training.run.lm_harness import LlamaMegatronLM, evaluate_tasks
+
+    lm = LlamaMegatronLM(checkpoint=no_bos["tp1"], batch_size=4)  # refused before: "cannot tell the bos token"
+    assert lm.tokenizer.bos_token_id is None and lm.prefix_token_id == lm.tokenizer.eos_token_id
+    results = evaluate_tasks(lm, TASKS, LIMIT, FEWSHOT, log_samples=True)
+    assert_same_as_hf(results["samples"], results, hf_results(no_bos["hf"], TASKS, LIMIT, FEWSHOT))
+    assert any(s["resps"][0][0] for s in results["samples"]["shakespeare_continue"])  # it generated text
+
+    rolling, prefix = ["shakespeare_passages"], 7  # any token but EOS
+    prefixed = LlamaMegatronLM.create_from_arg_string(f"prefix_token_id={prefix}", {"loaded": lm.loaded,
+                                                                                    "batch_size": 4})
+    custom = evaluate_tasks(prefixed, rolling, LIMIT, FEWSHOT, log_samples=True)
+    assert_same_as_hf(custom["samples"], custom, hf_results(no_bos["hf"], rolling, LIMIT, FEWSHOT,
+                                                            prefix_token_id=prefix))
+    # the argument took effect: every passage's first token is conditioned on another token than EOS
+    by_doc = {s["doc_id"]: s["resps"] for s in results["samples"][rolling[0]]}
+    assert all(s["resps"] != by_doc[s["doc_id"]] for s in custom["samples"][rolling[0]])
+
+
+def test_eval_tasks_take_a_tokenizer_without_bos(no_bos, tmp_path) -> None:
+    """A run with eval.tasks and that tokenizer passes the checks before launch, which asked it for a BOS."""
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.run.setup import preflight
+
+    config = TrainingConfig.from_file(PRETRAIN_CONFIG, [
+        'data={"type": "synthetic"}', "parallel.tensor=1", "eval.interval=2", 'eval.tasks=["shakespeare_play"]',
+        f"tokenizer={os.path.join(no_bos['tp1'], 'hf_config')}", f"output_dir={tmp_path / 'out'}"])
+    assert preflight(config, world_size=1).config.tokenizer == os.path.join(no_bos["tp1"], "hf_config")
 
 
 def _typed(value):

@@ -31,7 +31,7 @@ class Tokenizer:
     """Common interface; subclasses implement ``_encode_many`` and ``decode``."""
 
     vocab_size: int
-    bos_id: int
+    bos_id: int | None  # None: the tokenizer has no BOS (Qwen2's); only encode(bos=True) needs one
     eos_id: int
     pad_id: int
     path: str
@@ -49,6 +49,8 @@ class Tokenizer:
         return self.encode_batch([text], bos=bos, eos=eos)[0]
 
     def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        if bos and self.bos_id is None:
+            raise DataError(f"{self.path}: the tokenizer has no bos token to add")
         out = self._encode_many(list(texts))
         if bos or eos:
             head = [self.bos_id] if bos else []
@@ -71,7 +73,7 @@ class Tokenizer:
 
     def check_against_model_vocab(self, model_vocab_size: int) -> None:
         """Fail before training if any id this tokenizer can emit has no row in the embedding table."""
-        largest = max(self.vocab_size - 1, self.bos_id, self.eos_id, self.pad_id)
+        largest = max(i for i in (self.vocab_size - 1, self.bos_id, self.eos_id, self.pad_id) if i is not None)
         if largest >= model_vocab_size:
             raise ConfigError(
                 f"tokenizer {self.path} emits ids up to {largest} but the model's vocab_size is "
@@ -173,7 +175,11 @@ class HFTokenizer(Tokenizer):
         # Added tokens may sit outside get_vocab_size(); the embedding table must cover the largest id.
         self.vocab_size = max(vocab.values()) + 1
         config = _read_special_tokens(directory)
-        self.bos_id = _special_id(vocab, config.get("bos_token"), _BOS_CANDIDATES, "bos", directory)
+        # a tokenizer may have no BOS: Qwen2's says "bos_token": null (its models are trained without one), and
+        # transformers then has none either; one that names none and has none of the usual names has none too
+        self.bos_id = (None if "bos_token" in config and config["bos_token"] is None
+                       else _special_id(vocab, config.get("bos_token"), _BOS_CANDIDATES, "bos", directory,
+                                        required=False))
         self.eos_id = _special_id(vocab, config.get("eos_token"), _EOS_CANDIDATES, "eos", directory)
         pad_name = config.get("pad_token")
         self.pad_id = vocab[pad_name] if pad_name in vocab else self.eos_id
@@ -197,9 +203,10 @@ class HFTokenizer(Tokenizer):
         self.__init__(state["path"])
 
 
-def _read_special_tokens(directory: str) -> dict[str, str]:
-    """bos/eos/pad names from tokenizer_config.json, then special_tokens_map.json (HF's two places)."""
-    names: dict[str, str] = {}
+def _read_special_tokens(directory: str) -> dict[str, str | None]:
+    """bos/eos/pad names from tokenizer_config.json, then special_tokens_map.json (HF's two places); None for one
+    a file sets to null (no such token), a key left out where neither file names it."""
+    names: dict[str, str | None] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later file wins
         path = os.path.join(directory, fname)
         if not os.path.exists(path):
@@ -213,14 +220,15 @@ def _read_special_tokens(directory: str) -> dict[str, str]:
             value = data.get(key)
             if isinstance(value, dict):
                 value = value.get("content")
-            if isinstance(value, str):
+            if isinstance(value, str) or (value is None and key in data):
                 names[key] = value
     return names
 
 
 def _special_id(
-    vocab: dict[str, int], name: str | None, candidates: tuple[str, ...], what: str, where: str
-) -> int:
+    vocab: dict[str, int], name: str | None, candidates: tuple[str, ...], what: str, where: str,
+    required: bool = True,
+) -> int | None:
     if name is not None:
         if name not in vocab:
             raise DataError(
@@ -230,6 +238,8 @@ def _special_id(
     for cand in candidates:
         if cand in vocab:
             return vocab[cand]
+    if not required:
+        return None
     raise DataError(f'{where}: cannot tell the {what} token; set "{what}_token" in tokenizer_config.json')
 
 

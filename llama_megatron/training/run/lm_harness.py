@@ -62,7 +62,9 @@ class _ShardedCausalLM(transformers.PreTrainedModel):
 class LlamaMegatronLM(HFLM):
     """``lm_eval.simple_evaluate(model="llama_megatron", model_args="checkpoint=DIR")`` or an instance: a checkpoint
     (converted, trained or LoRA) loaded through the setup path ``generate`` uses; the rest of the arguments are
-    HFLM's (``batch_size``, ``max_length``, ``add_bos_token``, ...)."""
+    HFLM's (``batch_size``, ``max_length``, ``add_bos_token``, ``prefix_token_id``, ...), and so is what they do: a
+    request without a context (an empty one, a rolling log-likelihood's first window) is prefixed with
+    ``prefix_token_id``, else the tokenizer's BOS, else its EOS (a Qwen2 tokenizer has no BOS)."""
 
     def __init__(self, checkpoint: str | None = None, tag: str | None = None, tokenizer: str | None = None,
                  kernels: str = "auto", dtype: str | None = None, pipeline: int = 1, expert: int = 1,

@@ -45,26 +45,20 @@ def short_documents_prefix(tmp_path_factory) -> str:
 # The slowest test files on a 2-core CPU (seconds, measured), started first so that the two xdist workers
 # (scripts/test.sh) finish together instead of one running a long file alone at the end. A file not listed runs
 # after these, in collection order; a wrong figure costs time, never a result.
-FILE_SECONDS = {  # the fresh-clone CI run of 2026-11-24 (two workers: each file's time under the other's load). An
-    # order from 2026-11-25's cold-cache figures ran slower (2155 s against 1901 s): which files meet decides more
-    # than the figures do (two multi-rank launches at once oversubscribe the 2 cores)
-    "test_training_e2e.py": 800, "test_parallel_multinode.py": 450, "test_benchmark_scripts.py": 320,
-    "test_training_pipeline_schedules.py": 260, "test_model_families.py": 350,
-    "test_model_lora.py": 190, "test_training_estimate.py": 160, "test_model_kernels.py": 140, "test_training_faults.py": 130,
-    "test_checkpoint_universal.py": 120, "test_training_sft.py": 105, "test_parallel_zero3_init.py": 95, "test_training_generate.py": 87,
-    "test_parallel_context.py": 80, "test_checkpoint_safety.py": 76, "test_checkpoint_convert_deepspeed.py": 72,
-    "test_model_parity.py": 62, "test_training_doctor.py": 59, "test_model_init_invariance.py": 47, "test_data_sft.py": 36,
-    "test_model_sft.py": 34, "test_model_moe.py": 30, "test_parallel_layers.py": 28, "test_training_launcher_signals.py": 120,
-    # files added since (2026-11-26's CI: 120 s and 70 s in their slowest fixtures alone), which otherwise ran last
-    "test_training_preference.py": 200, "test_training_async_save.py": 150, "test_data_preference.py": 30,
-    "test_training_watchdog.py": 20,
-    # README's tour, twice, its recipes a few steps each (2026-11-27: 530 s alone), the recipes' outcomes, the launch
-    "test_readme_tour.py": 720, "test_training_recipes.py": 110, "test_parallel_rendezvous.py": 60,
-    "test_training_planner.py": 330,  # the listed layouts a step each, a calibration (2026-11-27's whole run)
-    "test_training_fp8.py": 180, "test_parallel_float8.py": 60,  # FP8's three launches; its TP2 checks (alone)
-    "test_training_profile.py": 140,  # two launches: PP2 under profile and train; 4 layouts profiled on 4 ranks
-    "test_training_lm_eval.py": 240,  # HF reference and TP1 in process; 2-process launches: TP2, TP2 x PP2; eval.tasks runs
-    "test_training_lm_eval_layouts.py": 130,  # one 4-process launch: 5 runs with eval.tasks, 2 evaluations
+FILE_SECONDS = {  # seconds in a whole run (2026-12-07, an Intel Xeon, 2 workers: each file beside the other's
+    # load), with the launched runs forked from the rank pool (tests/rank_pool.py)
+    "test_readme_tour.py": 520, "test_benchmark_scripts.py": 230, "test_parallel_multinode.py": 200,
+    "test_training_fp8.py": 200, "test_training_pipeline_schedules.py": 200, "test_model_kernels.py": 170,
+    "test_training_recipes.py": 170, "test_training_lm_eval.py": 160, "test_model_families.py": 160,
+    "test_training_profile.py": 150, "test_training_e2e.py": 150, "test_training_planner.py": 130,
+    "test_training_preference.py": 90, "test_training_async_save.py": 80, "test_training_estimate.py": 80,
+    "test_training_sft.py": 70, "test_training_lm_eval_layouts.py": 70, "test_model_lora.py": 70,
+    "test_rank_pool.py": 70, "test_training_launcher_signals.py": 60, "test_checkpoint_universal.py": 60,
+    "test_training_doctor.py": 50, "test_parallel_context.py": 50, "test_parallel_rendezvous.py": 40,
+    "test_parallel_float8.py": 40, "test_model_moe.py": 40, "test_training_faults.py": 30,
+    "test_parallel_zero3_init.py": 30, "test_model_parity.py": 30, "test_data_preference.py": 20,
+    "test_training_generate.py": 20, "test_model_sft.py": 20, "test_checkpoint_safety.py": 20,
+    "test_checkpoint_convert_deepspeed.py": 20, "test_training_watchdog.py": 20,
 }
 
 
@@ -109,7 +103,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 LAUNCHING_FIXTURES = {
     "checkpoints", "eight_rank_runs", "eval_layouts", "faults", "four_rank", "launched", "layout_matrix", "layouts", "lora_runs", "profiled", "profiled_layouts", "in_training",
     "fp8_runs", "gpu_runs", "reference", "references", "restarted", "resumes", "runs", "single", "single_process",
-    "single_source", "stalled", "stopped", "tour", "trl_case", "two_rank", "two_rank_resumed", "two_rank_runs",
+    "single_source", "stalled", "stopped", "tour", "trl_case", "twin_runs", "two_rank", "two_rank_resumed",
+    "two_rank_runs",
     "universal_resumed",
 }
 
@@ -138,6 +133,16 @@ def _count_starts() -> None:
 
     subprocess.Popen.__init__ = counted_popen_init
     multiprocessing.process.BaseProcess.start = counted_start
+
+    import rank_pool
+
+    pool_run = rank_pool.RankPool.run
+
+    def counted_pool_run(self, job):  # ranks forked from the rank pool's server are processes started too
+        _STARTED.append(f"{job.nprocs} rank(s) from the rank pool: {job.target if job.kind != 'function' else 'fn'}")
+        return pool_run(self, job)
+
+    rank_pool.RankPool.run = counted_pool_run
 
 
 _count_starts()
@@ -194,6 +199,30 @@ def pytest_unconfigure(config) -> None:
 
 
 # --- a fixture that fails shows what its launched runs printed --------------------------------------------------
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With RANK_POOL_LOG set (tests/rank_pool.py logs each launch's ranks there), a line per test with the CPU
+    seconds this worker and the processes it waited for spent on it: where the suite's time goes."""
+    log = os.environ.get("RANK_POOL_LOG")
+    if not log:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    before = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    yield
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"test": item.nodeid, "seconds": round(time.monotonic() - before[0], 3),
+                             "self_cpu": round(cpu(resource.RUSAGE_SELF) - before[1], 3),
+                             "children_cpu": round(cpu(resource.RUSAGE_CHILDREN) - before[2], 3)}) + "\n")
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):

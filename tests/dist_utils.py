@@ -1,41 +1,21 @@
-"""Real multi-process runs for unit tests: torch.multiprocessing spawn + gloo, no mocked collectives."""
+"""Real multi-process runs for unit tests: ``fn(rank, world_size, *args)`` on ranks of a gloo group, no mocked
+collectives. The ranks are forked from this pytest worker's rank pool (tests/rank_pool.py): fresh processes with
+torch and the package already imported."""
 
 from __future__ import annotations
 
-import gc
 import os
-import traceback
+import pickle
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from llama_megatron.parallel.placement import free_port
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
-    gc.freeze()  # the worker ends here: its exit skips a collection of everything imported (llama_megatron/process_exit.py)
+import rank_pool
 
 
 def run_distributed(fn: Callable, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; re-raise the first failure."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size,
-                           join=True, start_method="spawn")
-    except Exception as exc:
-        message = errors.get() if not errors.empty() else str(exc)
-        raise AssertionError(message) from None
+    """Run ``fn(rank, world_size, *args)`` (a module-level function: it is pickled by name) in ``world_size`` gloo
+    processes with one thread each; fail with the first failing rank's traceback."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    result = rank_pool.run("function", pickle.dumps((fn, args)), [], world_size, env)
+    if result.returncode != 0:
+        raise AssertionError(f"{fn.__qualname__} on {world_size} ranks failed ({result.returncode}):\n"
+                             f"{result.stderr[-6000:]}\n{result.stdout[-2000:]}")

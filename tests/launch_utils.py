@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import rank_pool
+
 from llama_megatron.parallel.placement import launcher_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,26 +50,56 @@ def launch_many(nprocs: int, runs: list[list[str]], runs_file: str, timeout: int
 
 
 def run_command(nprocs: int, entry: list[str], args: list[str], timeout: int = 600,
-                check: bool = True, launcher: bool = False) -> subprocess.CompletedProcess:
-    """``entry args`` in one plain process, or under the deepspeed launcher for several (or when asked)."""
+                check: bool = True, launcher: bool = False, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``entry args`` (``["-m", MODULE, ...]`` or ``[SCRIPT, ...]``) in one plain process, or as ``nprocs`` ranks of
+    the ``deepspeed`` launcher (for one process too when ``launcher``). The ranks are forked from this worker's rank
+    pool (tests/rank_pool.py: the same entry point, arguments and environment as the launcher gives them, without
+    its and the imports' start-up) unless ``fresh``: then the real launcher and interpreters run, as a user's
+    command does (what the launchers and a fresh process's output are tested by)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if nprocs == 1 and not launcher:
+    plain = nprocs == 1 and not launcher
+    if plain:
         # one process has this pytest worker's share of the cores while the test waits (the multi-process runs it
         # is compared with use one thread per rank; the tolerances hold either way); never more threads than that
         # share: OpenMP threads spin-wait for each other, and one without a core of its own stalls them all
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
-        cmd = [sys.executable, *entry, *args]
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
             env.pop(key, None)
+    if not fresh and rank_pool.POOL.accepts(env):
+        module = entry[0] == "-m"
+        kind, target, rest = ("module", entry[1], entry[2:]) if module else ("script", entry[0], entry[1:])
+        try:
+            result = rank_pool.run(kind, target, [*rest, *args], nprocs, env, ROOT, timeout, launcher=not plain)
+        except subprocess.TimeoutExpired as exc:
+            record(subprocess.CompletedProcess(exc.cmd, -9, exc.output, exc.stderr))
+            raise
     else:
-        module_or_script = ["--module", *entry[1:]] if entry[0] == "-m" else entry
-        cmd = [*launcher_command(nprocs), *module_or_script, *args]
-    result = record(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout))
+        if plain:
+            cmd = [sys.executable, *entry, *args]
+        else:
+            module_or_script = ["--module", *entry[1:]] if entry[0] == "-m" else entry
+            cmd = [*launcher_command(nprocs), *module_or_script, *args]
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    record(result)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
-                             f"{result.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(map(str, result.args))} failed ({result.returncode}):\n"
+                             f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     return result
+
+
+def run_python(argv: list[str], env: dict[str, str] | None = None, cwd: str = ROOT, timeout: float = 600,
+               fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python ARGV`` (``SCRIPT ...``, ``-m MODULE ...`` or ``-c CODE ...``) as one plain process in ``cwd``, its
+    output captured: forked from the rank pool (tests/rank_pool.py) unless ``fresh`` or ``env`` sets a variable the
+    interpreter reads as it starts; then a new interpreter, as a user's shell starts one."""
+    env = dict(os.environ if env is None else env)
+    if not fresh and rank_pool.POOL.accepts(env):
+        kind = {"-m": "module", "-c": "code"}.get(argv[0], "script")
+        target, rest = (argv[1], argv[2:]) if kind != "script" else (argv[0], argv[1:])
+        return record(rank_pool.run(kind, target, rest, 1, env, cwd, timeout, launcher=False))
+    return record(subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                                 timeout=timeout))
 
 
 def losses(output_dir: str, key: str = "loss") -> dict[int, float]:

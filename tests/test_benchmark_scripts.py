@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from launch_utils import ROOT
+from launch_utils import ROOT, run_python
 
 
 @pytest.mark.launched
 def test_gpu_throughput_smoke() -> None:
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_throughput.py"), "--smoke", "--steps", "1",
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "gpu_throughput.py"), "--smoke", "--steps", "1",
          "--warmup", "1", "--attention-repeats", "1", "--kernels", "reference", "--profile", "--fp8", "rowwise"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     *models, attention = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [m["model_type"] for m in models] == ["llama", "mixtral"]  # a dense shape, and an MoE one against HF's
@@ -35,11 +33,11 @@ def test_gpu_throughput_smoke() -> None:
 @pytest.mark.launched
 def test_cpu_document_attention_smoke() -> None:
     """One small length, eager FlexAttention only: the script runs and reports time and error per variant."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "cpu_document_attention.py"), "--lengths", "40",
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "cpu_document_attention.py"), "--lengths", "40",
          "--check-lengths", "", "--no-compiled", "--repeats", "1", "--heads", "4", "--kv-heads", "2",
          "--head-dim", "8", "--doc-len", "9"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert line["ours_fast"]["max_abs_error"] < 1e-5 and line["flex_eager"]["max_abs_error"] < 1e-5
@@ -48,9 +46,9 @@ def test_cpu_document_attention_smoke() -> None:
 
 @pytest.mark.launched
 def test_checkpoint_integrity_smoke() -> None:
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_integrity.py"), "--gib", "0.01", "--files", "2",
-         "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "checkpoint_integrity.py"), "--gib", "0.01", "--files", "2",
+         "--repeats", "1"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert line["verify_gib_per_s"] > 0 and line["verify_time_vs_read"] > 0
@@ -60,9 +58,9 @@ def test_checkpoint_integrity_smoke() -> None:
 def test_checkpoint_save_smoke() -> None:
     """The three runs (no saves, synchronous, asynchronous) of a tiny PP2 model in one launch: each rank's stalls
     and times to a complete tag, and its host copy equal to `estimate`'s (up to Adam's step counters)."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_save.py"), "--smoke", "--layouts", "pp2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "checkpoint_save.py"), "--smoke", "--layouts", "pp2"],
+        timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     pp2 = line["pp2"]
@@ -78,9 +76,9 @@ def test_checkpoint_save_smoke() -> None:
 @pytest.mark.launched
 def test_trainer_throughput_smoke() -> None:
     """Both trainers run under the deepspeed launcher on the tiny config (fp32 ZeRO-1) and are timed."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_throughput.py"), "--smoke"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "trainer_throughput.py"), "--smoke"],
+        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert line["ours_tokens_per_s"] > 0 and line["hf_trainer_tokens_per_s"] > 0
@@ -92,10 +90,10 @@ def test_trainer_throughput_smoke() -> None:
 def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
     """parallel_overhead.py at CP2 x TP2 with SP and one KV head per TP rank (repeated for the all-to-all), 4
     processes: the bytes the Ulysses all-to-alls send per decoder layer equal the analytic volume exactly."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--only", "tp2-pp1-cp2-sp-kv2",
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--only", "tp2-pp1-cp2-sp-kv2",
          "--steps", "1", "--seq", "64"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     measured = line["measured_cp_all_to_all_bytes_per_layer_per_micro_batch"]
@@ -108,10 +106,10 @@ def test_expert_parallel_all_to_all_bytes_and_throughput() -> None:
     send per MoE layer (counted row by row) come within 25% of the balanced-routing volume (a random router is near
     balanced: about half of a rank's assignments go to the other rank's experts), and EP 2 reports its tokens/s
     against EP 1's."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--experts", "--steps", "1",
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--experts", "--steps", "1",
          "--seq", "64"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     ep1, ep2 = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert (ep1["ep"], ep2["ep"]) == (1, 2) and ep1["tokens_per_s"] > 0
@@ -135,9 +133,9 @@ def test_zero3_init_memory_smoke() -> None:
     add up to a fifth of the peak, by an amount that differs between machines (the CI's AMD EPYC: 22% above the
     estimate). A real model's tensors are above 32 MiB and are always mapped, which the fixed threshold
     reproduces."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "zero3_init_memory.py"), "--layers", "2", "--hidden", "1024",
-         "--ranks", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "zero3_init_memory.py"), "--layers", "2", "--hidden", "1024",
+         "--ranks", "2"], timeout=600,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -159,10 +157,10 @@ def test_pipeline_schedules_smoke(tmp_path) -> None:
     model.write_text(json.dumps({"vocab_size": 256, "hidden_size": 128, "intermediate_size": 352,
                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
                                  "max_position_embeddings": 256}))
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--schedules", "--model",
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "parallel_overhead.py"), "--schedules", "--model",
          str(model), "--seq", "128", "--steps", "1", "--schedule-stages", "2", "--schedule-micro-batches", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert line["analytic_idle_share"] == {"1f1b": 0.2, "zb-h1": 0.077, "interleaved-1f1b": 0.111, "zb-v": 0.04}
@@ -190,10 +188,10 @@ def test_pipeline_schedules_smoke(tmp_path) -> None:
 @pytest.mark.launched
 def test_planner_accuracy_smoke() -> None:
     """The tiny model's 2-process layouts, 3 steps: every layout predicted and measured, the summary computed."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "planner_accuracy.py"), "--model",
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "planner_accuracy.py"), "--model",
          os.path.join(ROOT, "configs", "models", "tiny.json"), "--seq", "64", "--steps", "3", "--only", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(line["layouts"]) == 6 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in line["layouts"])

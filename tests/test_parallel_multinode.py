@@ -3,7 +3,8 @@
 Each multi-node job is two launcher invocations of 2 processes each (master 127.0.0.1) training TP2 x PP2: the
 deepspeed launcher with a hostfile and ``--no_ssh --node_rank N``, ``torchrun --nnodes 2 --node_rank N``, plain
 processes with only srun's SLURM_* variables, and scripts/slurm_train.sbatch run with stand-ins for ``srun`` and
-``scontrol``. Each must give the single-node 4-process run's losses and gradient norms bit for bit.
+``scontrol``. Each must give the single-node 4-process run's losses and gradient norms bit for bit (that run, and the stopped one
+below, are ranks of the rank pool, tests/rank_pool.py: the launchers here are the multi-node ones).
 
 A rank stopped with SIGSTOP in a 4-process TP2 x PP2 run: every other rank exits 5 within
 ``distributed.timeout_minutes`` with one line naming the step, what it was doing, its pipeline stage and the silent
@@ -22,7 +23,7 @@ import threading
 import time
 
 import pytest
-from launch_utils import PRETRAIN_CONFIG, ROOT, record, run_args
+from launch_utils import PRETRAIN_CONFIG, ROOT, launch_many, record, run_args, run_command
 
 from llama_megatron.checkpoint.manifest import verify_tag
 from llama_megatron.parallel.job_store import rendezvous_store
@@ -30,7 +31,6 @@ from llama_megatron.parallel.placement import (
     adopt_launcher_env,
     first_host,
     free_port,
-    launcher_command,
     placement,
 )
 
@@ -91,8 +91,8 @@ def stalled(shakespeare_prefix, work) -> dict:
              "faults": {"signal": {"step": 3, "rank": 3, "name": "SIGSTOP"}}}]
     runs_file = work / "stalled.json"
     runs_file.write_text(json.dumps(runs))
-    (result,) = _run_all([([*launcher_command(4), os.path.join(ROOT, "tests", "scripts", "inject_faults.py"),
-                            str(runs_file)], BASE_ENV)])
+    result = run_command(4, [os.path.join(ROOT, "tests", "scripts", "inject_faults.py")], [str(runs_file)],
+                         check=False)
     return {"result": result, "latest": (out / "ckpt" / "latest").read_text(),
             "tags": sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("global_step")),
             "intact": verify_tag(str(out / "ckpt" / "global_step2"))}
@@ -101,12 +101,8 @@ def stalled(shakespeare_prefix, work) -> dict:
 @pytest.fixture(scope="module")
 def reference(shakespeare_prefix, work, stalled) -> dict[int, tuple[float, float]]:
     """The single-node 4-process run, and (same launch) the stalled run restarted on its checkpoint."""
-    runs = [_args(shakespeare_prefix, work / "single-node"),
-            _args(shakespeare_prefix, work / "stalled", "checkpoint.load=auto")]
-    runs_file = work / "reference.json"
-    runs_file.write_text(json.dumps(runs))
-    _check(_run_all([([*launcher_command(4), os.path.join(ROOT, "tests", "scripts", "train_many.py"),
-                       str(runs_file)], BASE_ENV)]))
+    launch_many(4, [_args(shakespeare_prefix, work / "single-node"),
+                    _args(shakespeare_prefix, work / "stalled", "checkpoint.load=auto")], str(work / "reference.json"))
     return _curve(work / "single-node")
 
 

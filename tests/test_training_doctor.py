@@ -1,5 +1,7 @@
-"""`llama-megatron doctor` under real launches: a healthy TP2 x PP2 job under the deepspeed launcher; ranks that
-disagree (another config on one rank, another copy of the data behind the same path); a rank that never starts."""
+"""`llama-megatron doctor` under real launches: a healthy TP2 x PP2 job set up as the deepspeed launcher sets up its
+ranks (forked from the rank pool, tests/rank_pool.py); ranks that disagree (another config on one rank, another copy
+of the data behind the same path) and a rank that never starts, each rank a process of its own started as a
+scheduler starts it."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def _ranks(world: int, args_of, cwd_of=lambda rank: ROOT, started=None) -> list[
 
 
 @pytest.mark.launched
-def test_a_healthy_job_under_the_deepspeed_launcher(shakespeare_prefix, tmp_path) -> None:
+def test_a_healthy_tp2_pp2_job(shakespeare_prefix, tmp_path) -> None:
     report = tmp_path / "doctor.json"
     args = train_args(CONFIG, [f"data.prefix={shakespeare_prefix}", f"output_dir={tmp_path}", "parallel.tensor=2",
                                "parallel.pipeline=2", "batch.micro_batch_size=4",

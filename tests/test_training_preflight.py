@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from launch_utils import PRETRAIN_CONFIG
+from launch_utils import PRETRAIN_CONFIG, run_python
 
 from llama_megatron.errors import CheckpointError, ConfigError, LlamaMegatronError
 from llama_megatron.training.config import TrainingConfig
@@ -127,10 +125,8 @@ def test_a_zero0_fp32_run_cannot_take_a_universal_checkpoint(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     out = tmp_path / "out"
     before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    result = subprocess.run(
-        [sys.executable, "-m", "llama_megatron.train", "--config", CONFIG, "--set", 'data={"type": "synthetic"}',
-         "--set", f"checkpoint.load={ckpt}", "--set", f"output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    result = run_python(["-m", "llama_megatron.train", "--config", CONFIG, "--set", 'data={"type": "synthetic"}',
+                         "--set", f"checkpoint.load={ckpt}", "--set", f"output_dir={out}"], env=env, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "through a universal checkpoint" in errors[0] and "ZeRO-0 fp32" in errors[0], errors
@@ -206,10 +202,8 @@ def test_command_line_error_is_one_line_and_nonzero() -> None:
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE"):
         env.pop(key, None)
-    result = subprocess.run(
-        [sys.executable, "-m", "llama_megatron.train", "--config", CONFIG, "--set", "parallel.tensor=3"],
-        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
-    )
+    result = run_python(["-m", "llama_megatron.train", "--config", CONFIG, "--set", "parallel.tensor=3"], env=env,
+                        timeout=120)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: tensor parallel degree 3 does not divide num_attention_heads 4"]
@@ -226,11 +220,8 @@ def test_command_line_error_is_one_line_and_nonzero() -> None:
 def test_bad_context_parallel_layout_is_one_line_before_any_process_group(overrides, message) -> None:
     """Launched as 4 ranks would be (WORLD_SIZE 4, no launcher): the config is refused before torch.distributed."""
     env = dict(os.environ, WORLD_SIZE="4", RANK="0")
-    result = subprocess.run(
-        [sys.executable, "-m", "llama_megatron.train", "--config", CONFIG,
-         *(a for o in overrides for a in ("--set", o))],
-        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
-    )
+    result = run_python(["-m", "llama_megatron.train", "--config", CONFIG, *(a for o in overrides for a in ("--set", o))],
+                        env=env, timeout=120)
     assert result.returncode == 2
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [f"error: {message}"]
     assert "Traceback" not in result.stderr and "process group" not in result.stderr.lower()

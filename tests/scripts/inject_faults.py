@@ -35,7 +35,7 @@ import time
 from llama_megatron import train
 from llama_megatron.checkpoint.universal import conversion as universal_conversion
 from llama_megatron.process_exit import exit_process
-from llama_megatron.training import background_save, checkpointing
+from llama_megatron.training import background_save, checkpointer, checkpointing
 from llama_megatron.training.engine.training_engine import TrainingEngine
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -137,7 +137,9 @@ def convert(*args, **kwargs):
 
 TrainingEngine._loss_divisor = loss_divisor
 TrainingEngine.train_step = train_step
-checkpointing.save_checkpoint = save_checkpoint
+# where the saves call it too: checkpointer.py imported it by name, maybe before this script ran (the rank pool's
+# server imports every module a run needs before forking the ranks)
+checkpointing.save_checkpoint = checkpointer.save_checkpoint = save_checkpoint
 checkpointing.PendingSave.complete = complete
 background_save.BackgroundWriter.submit = submit
 background_save.HostSnapshots.fill = fill

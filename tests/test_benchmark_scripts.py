@@ -45,6 +45,19 @@ def test_cpu_document_attention_smoke() -> None:
 
 
 @pytest.mark.launched
+def test_moe_layer_smoke() -> None:
+    """The MoE layer benchmark at a tiny shape: every variant runs, our two paths give transformers' output."""
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "moe_layer.py"), "--hidden", "32", "--intermediate", "48", "--experts", "4",
+         "--tokens", "64", "--repeats", "1"], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    for name in ("ours_loop", "ours_grouped", "hf_grouped_mm"):
+        assert line[name]["ms"] > 0 and line[name]["max_abs_error_vs_hf"] < 1e-5, (name, line[name])
+    assert line["ratio_ours_loop_time_vs_ours_grouped"] > 0 and line["ratio_hf_eager_time_vs_ours_grouped"] > 0
+
+
+@pytest.mark.launched
 def test_checkpoint_integrity_smoke() -> None:
     result = run_python(
         [os.path.join(ROOT, "benchmarks", "checkpoint_integrity.py"), "--gib", "0.01", "--files", "2",

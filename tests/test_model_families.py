@@ -136,8 +136,13 @@ EXPERT_LORA = ('{"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "up_proj
                '"mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}')
 EXPERT_LORA_LAYOUTS = {"tp1-pp1": [],
                        "ep2-dp2-zero2": ["parallel.expert=2", "deepspeed_config=ds_configs/zero2_fp32.json"],
+                       # the compiled kernels: the experts, their adapters among them, as grouped GEMMs (docs/moe.md)
                        "ep2-tp2-sp": ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
-                                      "deepspeed_config=ds_configs/zero1_fp32.json"]}
+                                      "deepspeed_config=ds_configs/zero1_fp32.json", "kernels=compiled"]}
+# Mixtral's TP1-PP1 run with token dropping: a capacity factor that drops nothing (2 = experts / top_k: an expert may
+# take as many assignments as there are tokens, the most it can receive) and one that drops (0.5: a quarter of the
+# tokens per expert, so at least half of the assignments are dropped)
+CAPACITY_FACTORS = (2.0, 0.5)
 # and the EP2 x DP2 one resumed at EP1 x DP2 (2 processes) from its save at SAVE_STEP
 EXPERT_LORA_RECUT = ("ep2-dp2-zero2", ["parallel.expert=1", "deepspeed_config=ds_configs/zero2_fp32.json"])
 
@@ -237,7 +242,9 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
                     _lora(shakespeare_prefix, work, "qwen3-lora-tp1-pp1", bases[1], []),
                     _expert_lora(shakespeare_prefix, work, "tp1-pp1", moe_bases[1]),
                     _sft(work, "mistral-sft-tp1-pp1", []), _sft(work, "llama4-sft-tp1-pp1", [], "llama4"),
-                    _dpo(work, "llama4-dpo-tp1-pp1", []), pretrain("llama4", "tp1-pp1-bf16", BF16_TP1_PP1)],
+                    _dpo(work, "llama4-dpo-tp1-pp1", []), pretrain("llama4", "tp1-pp1-bf16", BF16_TP1_PP1),
+                    *[pretrain("mixtral", f"tp1-pp1-capacity-{factor}", [f'moe={{"capacity_factor": {factor}}}'])
+                      for factor in CAPACITY_FACTORS]],
                 str(work / "runs-1.json"))
     launch_many(8, [*[pretrain(family, name, LAYOUTS[name]) for family, name in RUNS if name in EIGHT_PROCESSES],
                     pretrain("mixtral", "ep2-dp4-zero1", EP2_DP4),
@@ -262,6 +269,21 @@ def test_tp1_pp1_trains_like_the_transformers_class(runs, family, shakespeare_pr
     assert any(w is not None for w in config.model.layer_windows() + config.model.layer_chunks())
     assert hf_class(config.model).__name__ == config.model.family.architecture
     assert_run_replays_hf(runs / f"{family}-tp1-pp1", config)
+
+
+def test_token_dropping_is_logged_and_a_capacity_that_drops_nothing_changes_nothing(runs) -> None:
+    """`moe.capacity_factor` on Mixtral's TP1-PP1 run: at 2.0 no assignment is dropped (`moe_dropped` 0 every step) and
+    the run is the dropless run bit for bit; at 0.5 a share of each step's assignments is dropped and logged, and the
+    run trains on (the dropped count itself against a hand count: tests/test_model_moe.py)."""
+    dropless = runs / "mixtral-tp1-pp1"
+    keep, drop = (runs / f"mixtral-tp1-pp1-capacity-{factor}" for factor in CAPACITY_FACTORS)
+    assert set(losses(keep, "moe_dropped").values()) == {0.0}
+    for key in ("loss", "grad_norm", "expert_load"):
+        assert losses(keep, key) == losses(dropless, key), key
+    dropped = losses(drop, "moe_dropped")
+    assert sorted(dropped) == list(range(1, STEPS + 1)) and all(0.5 <= share < 1 for share in dropped.values()), dropped
+    assert "moe_dropped" not in json.loads((dropless / "metrics.jsonl").read_text().splitlines()[0])
+    assert losses(drop)[STEPS] < losses(drop)[1]
 
 
 @pytest.mark.parametrize("family, layout", RUNS)
@@ -502,14 +524,19 @@ def test_fine_tuning_trains_like_tp1_pp1(runs, run, layout) -> None:
 @pytest.mark.parametrize("layout", ["ep2-dp2-zero2", "ep2-tp2-sp"])
 def test_expert_lora_trains_like_tp1_pp1_and_exports_to_peft(runs, layout, tmp_path) -> None:
     """LoRA on attention, the experts, the shared experts and the dense layers' MLPs, base frozen, at EP2 x DP2
-    (ZeRO-2) and EP2 x TP2 (SP, ZeRO-1) trains as TP1-PP1 does (loss and gradient norm within 1e-4 per step; observed
-    1.5e-7); its expert files hold the experts' adapters only. Exported, PEFT loads the adapter onto the HF Qwen2-MoE
+    (ZeRO-2) and EP2 x TP2 (SP, ZeRO-1, the compiled kernels: grouped experts against TP1-PP1's loop) trains as
+    TP1-PP1 does (loss and gradient norm within 1e-4 per step; observed 1.5e-7); its expert files hold the experts'
+    adapters only. Exported, PEFT loads the adapter onto the HF Qwen2-MoE
     it was converted from (every key used: target_modules on the shared experts and dense MLPs + target_parameters,
     nested wrappers) and gives the logits of our merged export; its tensors are TP1-PP1's within 5e-5."""
     from safetensors.torch import load_file as load_safetensors
     from transformers import Qwen2MoeForCausalLM
 
     run, reference = runs / f"{EXPERT_LORA_FAMILY}-lora-{layout}", runs / f"{EXPERT_LORA_FAMILY}-lora-tp1-pp1"
+    experts = {name: json.loads((path / "run.json").read_text())["kernels"]["experts"]
+               for name, path in (("ours", run), ("reference", reference))}
+    assert experts == {"ours": "grouped GEMMs" if layout == "ep2-tp2-sp" else "one after another",
+                       "reference": "one after another"}
     for key in ("loss", "grad_norm"):
         assert_losses_close(losses(run, key), losses(reference, key), 1e-4, range(1, STEPS + 1))
     tag_dir = run / "ckpt" / f"global_step{STEPS}"

@@ -12,6 +12,7 @@ Gradients of every TP shard are gathered and merged with the code that exports c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -26,7 +27,10 @@ from llama_megatron.config import ModelConfig
 from llama_megatron.data.batch import MicroBatch
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import build_model
+from llama_megatron.model.kernels import REFERENCE
 from llama_megatron.model.llama import logits_of
+from llama_megatron.model.lora_layout import EXPERT_TARGETS, LoraConfig
+from llama_megatron.model.moe import ExpertCapacity, MoEMLP
 from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
 from llama_megatron.parallel.collectives import gather_from_tp_region
@@ -39,6 +43,11 @@ CASES = MOE_PARITY  # every MoE family's cases (tests/family_cases.py)
 LLAMA4 = ("llama4-chunked-nope-moe", "llama4-top2-bias-tied")
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 LOGITS_ATOL = 1e-5
+GROUPED = dataclasses.replace(REFERENCE, grouped_experts=True)  # the reference kernels, the experts grouped
+# the grouped experts against the loop: the same products per expert, so on the CPU (whose grouped kernel runs the
+# same mm per group) equal; 1e-6 is the bound a GPU's grouped GEMM is held to against cuBLAS's per-expert ones
+GROUPED_TOL = dict(rtol=1e-6, atol=1e-9)
+EXPERT_LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", *EXPERT_TARGETS))
 
 
 def _sum_over(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -103,6 +112,163 @@ def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kern
             torch.testing.assert_close(merged, expected, **GRAD_TOL, msg=lambda m, n=hf_name: f"{n}: {m}")
 
 
+def _starve_first_expert(model) -> None:
+    """No token chooses expert 0 in any MoE layer (its router column out of the top-k, through the routing seam):
+    the layer must still run it, on no row, and give its weights a zero gradient."""
+    for moe in (m for m in model.modules() if isinstance(m, MoEMLP)):
+        choose = moe.choose
+
+        def without_first(logits, probs, choose=choose):
+            first = torch.tensor([0])
+            return choose(logits.index_fill(-1, first, float("-inf")), probs.index_fill(-1, first, -1.0))
+
+        moe.choose = without_first
+
+
+def check_grouped_equals_loop(overrides: dict, pctx: ParallelContext, lora: LoraConfig | None = None,
+                              seq: int = 16, capacity: ExpertCapacity | None = None) -> None:
+    """The model with grouped experts against the same model running its experts one after another (the same seeded
+    weights; LoRA adapters on the experts drawn nonzero): loss, logits and every gradient, fp32, with expert 0
+    starved in every layer (and ``capacity`` dropping assignments where given)."""
+    config = tiny_config(**overrides)
+    parallel = ParallelConfig(tensor=pctx.tp_size, context=pctx.cp_size, expert=pctx.ep_size,
+                              sequence_parallel=pctx.sequence_parallel, make_vocab_size_divisible_by=8)
+    ids = torch.randint(0, config.vocab_size, (pctx.dp_size, 2, seq), generator=torch.Generator().manual_seed(7))[
+        pctx.dp_rank]
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
+    mb = MicroBatch(ids, torch.arange(seq).expand(2, seq), labels).context_shard(pctx.cp_rank, pctx.cp_size)
+    results = []
+    for kernels in (REFERENCE, GROUPED):
+        model = build_model(config, parallel, pctx, kernels=kernels, lora=lora, capacity=capacity)
+        if lora is not None:  # B starts at zero: draw every adapter so that the deltas and all gradients count
+            gen = torch.Generator().manual_seed(11 + pctx.tp_rank)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if ".lora." in name:
+                        param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+        _starve_first_expert(model)
+        loss = model(mb.input_ids, mb.position_ids, labels=(mb.labels, torch.tensor(30.0)))
+        loss.backward()
+        logits = model.full_logits(model(mb.input_ids, mb.position_ids)).detach()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), logits, grads))
+    (loss, logits, grads), (grouped_loss, grouped_logits, grouped_grads) = results
+    torch.testing.assert_close(grouped_loss, loss, **GROUPED_TOL)
+    torch.testing.assert_close(grouped_logits, logits, **GROUPED_TOL)
+    assert grads.keys() == grouped_grads.keys() and any(".experts." in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grouped_grads[name], grad, **GROUPED_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    starved = [g for n, g in grouped_grads.items() if ".experts.0." in n]  # held by EP rank 0
+    assert bool(starved) == (pctx.ep_rank == 0)
+    assert all(g is not None and not g.any() for g in starved)  # run on no row: zero, not None
+    if lora is not None:
+        assert any(g.any() for n, g in grouped_grads.items() if ".lora." in n and ".experts." in n)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grouped_experts_equal_the_loop(name: str) -> None:
+    """Every MoE family (shared experts gated or not, Llama 4's top-1 sigmoid on the inputs, Qwen's unnormalised
+    top-k), with and without LoRA on the experts, one process; EP2 and TP2 x EP2 with SP in the 4-process test."""
+    check_grouped_equals_loop(CASES[name], ParallelContext.single())
+    check_grouped_equals_loop(CASES[name], ParallelContext.single(), lora=EXPERT_LORA)
+    for pad in (False, True):  # assignments dropped over capacity: their rows run nowhere, or pad nothing
+        check_grouped_equals_loop(CASES[name], ParallelContext.single(),
+                                  capacity=ExpertCapacity(capacity_factor=0.5, pad_to_capacity=pad))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grouped_experts_read_nothing_on_the_host(name: str) -> None:
+    """At EP 1 the grouped layer's forward and backward read no routing data on the host (no ``.item()``,
+    ``.tolist()``, ``nonzero``): run on fake tensors, which refuse any such read (the loop, which reads its counts,
+    is refused the same way), and compiled whole with ``fullgraph=True`` (a host read is a graph break)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    config = tiny_config(**CASES[name])
+    layers = {}
+    for kernels in (REFERENCE, GROUPED):
+        model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=8), ParallelContext.single(),
+                            kernels=kernels)
+        layers[kernels.grouped_experts] = next(m for m in model.modules() if isinstance(m, MoEMLP))
+
+    def step(layer, x):
+        out, stats = layer(x)
+        (out.square().sum() + stats[1].sum()).backward()
+        return out
+
+    with pytest.raises(DataDependentOutputException), FakeTensorMode(allow_non_fake_inputs=True):
+        step(layers[False], torch.randn(2, 16, config.hidden_size, requires_grad=True))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        step(layers[True], torch.randn(2, 16, config.hidden_size, requires_grad=True))
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 16, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    compiled = step(torch.compile(layers[True], fullgraph=True, backend="aot_eager"), x.clone().requires_grad_())
+    torch.testing.assert_close(compiled, step(layers[True], x.clone().requires_grad_()), rtol=0, atol=0)
+
+
+def _hand_kept(chosen: torch.Tensor, weights: torch.Tensor, capacity: int, policy: str) -> torch.Tensor:
+    """Which assignments ([tokens, k]) an expert keeps, counted one by one: per expert, its assignments by weight
+    (highest first) or by position, ties by position, the first ``capacity``."""
+    kept = torch.zeros_like(chosen, dtype=torch.bool)
+    for expert in chosen.unique().tolist():
+        mine = [(t, j) for t in range(chosen.shape[0]) for j in range(chosen.shape[1]) if chosen[t, j] == expert]
+        if policy == "probs":
+            mine.sort(key=lambda tj: -float(weights[tj]))  # stable: ties keep their position
+        for t, j in mine[:capacity]:
+            kept[t, j] = True
+    return kept
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["dropped", "padded"])
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_what_a_hand_count_drops(policy: str, pad: bool) -> None:
+    """Mixtral's layer (4 experts, top 2) at capacity factor 0.5 (capacity ceil(32 x 2 / 4 x 0.5) = 8 of a
+    layer's 64 assignments per expert): the dropped count per expert equals a hand count, the output equals the sum
+    of each token's kept experts' weighted outputs computed expert by expert, the loop and grouped paths agree, and
+    a factor that drops nothing gives the dropless layer (bit for bit without padding, within 1e-6 with it: padding
+    rows change how a GEMM blocks its rows)."""
+    config = tiny_config(**MIXTRAL)
+    layers = {}
+    for kernels in (REFERENCE, GROUPED):
+        model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=8), ParallelContext.single(),
+                            kernels=kernels)
+        layers[kernels.grouped_experts] = next(m for m in model.modules() if isinstance(m, MoEMLP))
+    x = torch.randn(2, 16, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    dropless = layers[True](x)[0]
+    tokens = x.reshape(-1, config.hidden_size)
+    layer = layers[False]
+    with torch.no_grad():
+        probs = torch.softmax(layer.router(tokens).float(), dim=-1)
+    weights, chosen = layer.choose(None, probs)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    order = chosen.argsort(dim=-1)
+    chosen, weights = chosen.gather(-1, order), weights.gather(-1, order)
+    kept = _hand_kept(chosen, weights, 8, policy)
+    assert 0 < int((~kept).sum()) < kept.numel()
+    want = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        for j in range(2):
+            if kept[t, j]:
+                expert = layer.experts[str(int(chosen[t, j]))]
+                want[t] += (expert(tokens[t:t + 1])[0] * weights[t, j]).to(tokens.dtype)
+    for grouped, moe in layers.items():
+        moe.capacity = ExpertCapacity(capacity_factor=0.5, pad_to_capacity=pad, drop_policy=policy)
+        out, stats = moe(x)
+        hand = torch.bincount(chosen[~kept], minlength=config.num_local_experts).float()
+        assert torch.equal(stats[2], hand), (grouped, stats[2], hand)
+        torch.testing.assert_close(out.reshape(-1, config.hidden_size), want, rtol=1e-6, atol=1e-6)
+        moe.capacity = ExpertCapacity(capacity_factor=2.0, pad_to_capacity=pad, drop_policy=policy)
+        out, stats = moe(x)
+        assert not stats[2].any()
+        torch.testing.assert_close(out, dropless, **(GROUPED_TOL if pad else dict(rtol=0, atol=0)))
+    with pytest.raises(ConfigError, match="moe.capacity_factor must be > 0"):
+        ExpertCapacity(capacity_factor=0).check()
+    with pytest.raises(ConfigError, match="moe.drop_policy 'random': choose probs or position"):
+        ExpertCapacity(capacity_factor=1.0, drop_policy="random").check()
+    with pytest.raises(ConfigError, match="moe.pad_to_capacity pads each expert's input to its capacity"):
+        ExpertCapacity(pad_to_capacity=True).check()
+
+
 def _two_stages(model, pctx: ParallelContext, inputs: tuple, labels: tuple) -> tuple:
     """Forward and backward of a two-stage PipelineModule by hand, as the pipeline engine runs a micro batch: the
     first stage's output (hidden states, positions, router statistics) sent to the last, the gradients of its
@@ -153,13 +319,20 @@ def _four_process_worker(rank: int, world_size: int) -> None:
         assert pctx.ep_group_ranks == ep_ranks, (layout, pctx.ep_group_ranks)
         for name in names:
             check_moe_parity(CASES[name], pctx)
+        if layout.get("expert") == 2 and pctx.cp_size == 1:  # the grouped experts on what arrives from each rank
+            for name in ("top3-of-8-tied", "qwen2-moe", "llama4-chunked-nope-moe"):
+                check_grouped_equals_loop(CASES[name], pctx, lora=EXPERT_LORA)
+            for pad in (False, True):  # dropped assignments never sent; padded inputs of fixed split sizes
+                check_grouped_equals_loop(CASES["top3-of-8-tied"], pctx,
+                                          capacity=ExpertCapacity(capacity_factor=0.5, pad_to_capacity=pad))
 
 
 @pytest.mark.launched
 def test_moe_parity_tp2_sp_ep2_ep4_tp2xep2_cp2xep2_pp2() -> None:
     """One 4-process launch: TP2 with SP (DP2), EP2 (DP4: two EP groups), EP4, TP2 x EP2 with SP, CP2 x EP2; the
     Qwen MoE families at TP2 with SP and CP2 x EP2; Llama 4 at TP2 with SP, EP2, TP2 x EP2 with SP, CP2 x EP2 and
-    PP2 (two stages run by hand: activations sent forward, their gradients back)."""
+    PP2 (two stages run by hand: activations sent forward, their gradients back). At EP2 and TP2 x EP2 with SP the
+    grouped experts (with LoRA on them) equal the loop."""
     run_distributed(_four_process_worker, 4)
 
 

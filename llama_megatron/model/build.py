@@ -13,7 +13,7 @@ from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.llama import LlamaCausalLM, build_pipeline_module
 from llama_megatron.model.lora import attach_lora
 from llama_megatron.model.lora_layout import LoraConfig
-from llama_megatron.model.moe import ExpertGroups, MoEMLP
+from llama_megatron.model.moe import ExpertCapacity, ExpertGroups, MoEMLP
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config, attach_float8, check_float8_linears, float8_linears
@@ -24,12 +24,13 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
                 activation_checkpoint_interval: int = 0, partition_method: str = "type:DecoderLayerPipe",
                 initialize: bool = True, kernels: Kernels = REFERENCE, lora: LoraConfig | None = None,
                 placement: StagePlacement | None = None, stage_layers: Sequence[int] | None = None,
-                fp8: Float8Config | None = None) -> nn.Module:
+                fp8: Float8Config | None = None, capacity: ExpertCapacity | None = None) -> nn.Module:
     """This rank's model; ``kernels`` (see :func:`llama_megatron.model.kernels.resolve_kernels`) is the one
     place its operator implementations are chosen. With ``lora`` the base weights are frozen and LoRA adapters
     (seeded, B = 0) sit on the target linears. ``placement`` (PP > 1): the virtual stages of this rank, for the
     schedules our pipeline engine runs (None: DeepSpeed's one block per rank). With ``fp8`` the linears it selects
-    compute in float8 (:mod:`llama_megatron.parallel.float8`; a LoRA base's too, its adapters in high precision)."""
+    compute in float8 (:mod:`llama_megatron.parallel.float8`; a LoRA base's too, its adapters in high precision).
+    ``capacity``: a mixture of experts' token dropping (none by default)."""
     shapes = parallel.local_shapes(config)  # derived once; every layer reads its sizes from it
     if pctx.pp_size == 1:
         model: nn.Module = LlamaCausalLM(config, pctx, shapes, activation_checkpoint_interval, kernels)
@@ -43,6 +44,10 @@ def build_model(config: ModelConfig, parallel: ParallelConfig, pctx: ParallelCon
     if fp8 is not None:
         attach_float8(model, fp8, pctx.tp_group if pctx.tp_size > 1 else None,
                       pctx.cp_group if pctx.cp_size > 1 else None)
+    if capacity is not None:
+        for module in model.modules():
+            if isinstance(module, MoEMLP):
+                module.capacity = capacity
     if config.family.moe is not None and pctx.ep_size > 1 and not any(isinstance(m, MoEMLP) for m in model.modules()):
         model.expert_groups = ExpertGroups(pctx)
     return model

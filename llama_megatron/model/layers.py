@@ -3,7 +3,7 @@
 Every layer takes and returns a tuple of tensors so DeepSpeed can ship it between pipeline stages:
 ``(hidden, position_ids[, segment_ids][, router_stats])``. Position ids and document ids travel with the hidden
 states, so per-document attention and packed positions survive pipeline parallelism; a mixture-of-experts model
-adds its router statistics (``[2, experts]`` fp32, :mod:`llama_megatron.model.moe`), which every MoE layer adds to
+adds its router statistics (``[3, experts]`` fp32, :mod:`llama_megatron.model.moe`), which every MoE layer adds to
 and the loss reads. Hidden states are [batch, seq, hidden]:
 this context-parallel rank's sequence shard (of input ids too), cut again over TP under sequence parallelism;
 position and segment ids are always full length (attention needs the whole sequence's after its all-to-all).
@@ -68,7 +68,7 @@ class EmbeddingPipe(nn.Module):
         input_ids, *rest = inputs
         hidden = self.word_embeddings(input_ids)
         if self.experts:  # the router statistics start here (see the module docstring)
-            rest.append(torch.zeros(2, self.experts, device=hidden.device))
+            rest.append(torch.zeros(3, self.experts, device=hidden.device))
         return (hidden, *rest)
 
 

@@ -67,7 +67,8 @@ class CausalLMLoss:
         self.config = config
         self.vocab_size = config.vocab_size
         self.pctx = pctx
-        self.expert_counts: torch.Tensor | None = None  # assignments per expert since the last reset (MoE)
+        # assignments and dropped assignments per expert since the last reset ([2, E], MoE)
+        self.expert_counts: torch.Tensor | None = None
         self.preference: PreferenceLossConfig | None = None  # the loss of preference pairs (set by the engine)
         self.preference_metrics: torch.Tensor | None = None  # sums of METRICS since the last reset
         self.sequence_log_probs: list[torch.Tensor] | None = None  # a list: each micro batch's, kept (reference)
@@ -75,7 +76,7 @@ class CausalLMLoss:
     def __call__(self, head: HeadOutput, labels: torch.Tensor | tuple) -> torch.Tensor:
         aux = None
         if isinstance(head, RoutedHeadOutput):
-            counts = head.router_stats[0].detach()  # this rank's tokens, every layer
+            counts = head.router_stats[0::2].detach()  # assignments and dropped ones: this rank's tokens, every layer
             self.expert_counts = counts if self.expert_counts is None else self.expert_counts + counts
             if self.config.output_router_logits:
                 aux = router_aux_loss(head.router_stats, self.config, self.pctx)

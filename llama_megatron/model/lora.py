@@ -91,6 +91,13 @@ class ColumnLoRA(nn.Module):
         return [linear(lora_dropout(x, self.dropout, True, self.pctx), all_reduce_grad_in_tp(w, self.pctx), None,
                        self.weight_grad_store) for w in a]
 
+    def low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, B)`` of an adapter with one target and no dropout (an expert's gate/up), as :meth:`forward` multiplies
+        by them: its output is ``(x A^T) B^T * scaling`` (the grouped experts form it for every expert at once)."""
+        (name,) = self.targets
+        return (all_reduce_grad_in_tp(getattr(self, adapter_param_name(name, "A")), self.pctx),
+                getattr(self, adapter_param_name(name, "B")))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low_rank = dict(zip(self.targets, self._low_rank(x)))
         lead = x.shape[:-1]
@@ -118,6 +125,12 @@ class RowLoRA(nn.Module):
             nn.Parameter(torch.empty(lora.rank, in_features // pctx.tp_size)), 1, "row"))
         self.register_parameter(adapter_param_name(target, "B"),
                                 mark_replicated(nn.Parameter(torch.empty(out_features, lora.rank))))
+
+    def low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, B)`` as :meth:`forward` multiplies by them without dropout (an expert's down): ``(x A^T) B^T *
+        scaling``."""
+        return (getattr(self, adapter_param_name(self.target, "A")),
+                all_reduce_grad_in_tp(getattr(self, adapter_param_name(self.target, "B")), self.pctx))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = getattr(self, adapter_param_name(self.target, "A"))

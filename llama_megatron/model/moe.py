@@ -25,24 +25,40 @@ Layouts:
 - A shared expert is split over TP as a routed one, and is replicated over EP like the attention (every rank runs it
   on its own tokens); its gate, one row ``[1, hidden]``, is replicated as the router is, for the same reason.
 
+The experts run as grouped GEMMs (:mod:`llama_megatron.parallel.grouped_linear`) where ``kernels`` says so (every
+choice but ``reference``): gate/up of every local expert in one product over the rows sorted by expert, the
+activation, down in another, with the permutation, counts and offsets on the device (no host read at EP 1); the
+reference runs the experts one after another on their rows, whose counts it reads on the host. Both compute each
+expert's rows with the same products. At EP > 1 the all-to-all's split sizes are read once, right after the counts'
+exchange (Megatron-core's all-to-all dispatcher reads them there too; torchtitan avoids the read by padding).
+
+Token dropping (the training JSON's ``moe`` section, :class:`ExpertCapacity`), off by default: an expert keeps at
+most its capacity of a rank's assignments (by routing weight or by position), the dropped output zero, optionally
+every expert's input padded to its capacity (fixed shapes).
+
 The load-balancing loss (HF's ``load_balancing_loss_func``, Switch Transformer eq. 4-6) needs, over every layer's
 router, the count of assignments per expert and the sum of router probabilities per expert: each MoE layer adds
-its two rows to a ``[2, E]`` statistic that travels with the hidden states through the pipeline, and the loss
-(:func:`router_aux_loss`) is formed from it on the last stage.
+those two rows and a third, its assignments dropped per expert, to a ``[3, E]`` statistic that travels with the
+hidden states through the pipeline, and the loss (:func:`router_aux_loss`) is formed from it on the last stage.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from llama_megatron.config import ModelConfig
+from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.mlp import gate_up_parts
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp, all_to_all_tokens, scale_gradient
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import LocalShapes
+from llama_megatron.parallel.grouped_linear import expert_offsets, grouped_linear
 from llama_megatron.parallel.layers import (
     LocalLinear,
     column_parallel_input,
@@ -50,6 +66,54 @@ from llama_megatron.parallel.layers import (
     row_parallel_output,
 )
 from llama_megatron.parallel.weight_grad import WeightGradStore, linear
+
+DROP_POLICIES = ("probs", "position")
+
+
+@dataclass(frozen=True)
+class ExpertCapacity:
+    """The training JSON's ``moe`` section: token dropping, off by default (every assignment runs: exact against
+    transformers). Megatron-core's ``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity`` and
+    ``moe_token_drop_policy``."""
+
+    # each expert takes at most ceil(factor x tokens x top_k / experts) of a rank's assignments per layer and micro
+    # batch; the rest are dropped (their output is zero; the token keeps its other experts', unrenormalised)
+    capacity_factor: float | None = None
+    # every expert's input padded to its capacity with zero rows: fixed shapes (and at EP > 1 split sizes known
+    # without a host read), at the cost of the padding's FLOPs
+    pad_to_capacity: bool = False
+    # which assignments an over-full expert keeps: "probs" (its highest routing weights) or "position" (the first
+    # tokens of the micro batch)
+    drop_policy: str = "probs"
+
+    def check(self) -> None:
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"moe.capacity_factor must be > 0 (or null: no token dropped), got {self.capacity_factor}")
+        if self.drop_policy not in DROP_POLICIES:
+            raise ConfigError(f"moe.drop_policy {self.drop_policy!r}: choose {' or '.join(DROP_POLICIES)}")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ConfigError("moe.pad_to_capacity pads each expert's input to its capacity: set moe.capacity_factor")
+
+    def capacity(self, assignments: int, num_experts: int) -> int:
+        """Megatron-core's ``get_capacity``: the assignments one expert takes, from a rank's ``assignments``
+        (tokens x top_k) of one layer and micro batch."""
+        return math.ceil(assignments / num_experts * self.capacity_factor)
+
+
+def keep_within_capacity(expert_of: torch.Tensor, priority: torch.Tensor, num_experts: int, capacity: int,
+                         policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each assignment (flat ``expert_of``), its rank among its expert's assignments (by ``priority``
+    descending for "probs", by position for "position"; ties by position) and whether it is kept (rank <
+    ``capacity``). On the device, no host read."""
+    order = torch.arange(expert_of.numel(), device=expert_of.device)
+    if policy == "probs":
+        order = torch.argsort(priority.detach(), descending=True, stable=True)
+    ranked = order[torch.argsort(expert_of[order], stable=True)]  # by expert, then by priority (or position)
+    counts = assignment_counts(expert_of, num_experts)
+    starts = counts.cumsum(0) - counts
+    rank_sorted = torch.arange(expert_of.numel(), device=expert_of.device) - starts[expert_of[ranked]]
+    rank = torch.empty_like(rank_sorted).scatter_(0, ranked, rank_sorted)
+    return rank, rank < capacity
 
 
 class ExpertMLP(nn.Module):
@@ -88,7 +152,7 @@ class Router(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """The MoE block of one decoder layer: ``forward(x) -> (output, router statistics [2, E])``."""
+    """The MoE block of one decoder layer: ``forward(x) -> (output, router statistics [3, E])``."""
 
     def __init__(self, config: ModelConfig, pctx: ParallelContext, shapes: LocalShapes,
                  kernels: Kernels = REFERENCE) -> None:
@@ -109,6 +173,11 @@ class MoEMLP(nn.Module):
             self.shared_expert = ExpertMLP(config, shapes.shared_intermediate, kernels)
         if self.shared_gated:
             self.shared_expert_gate = Router(config, pctx, 1)
+        self.kernels = kernels
+        self.capacity = ExpertCapacity()  # token dropping (the training JSON's moe section): none by default
+        # the grouped experts read their parameters here, not in each expert's forward: ZeRO-3 gathers every
+        # parameter of the block (its experts') when the block starts (DeepSpeed's "leaf module")
+        self._z3_leaf = kernels.grouped_experts
         self.mark_experts()
 
     def mark_experts(self) -> None:
@@ -135,10 +204,17 @@ class MoEMLP(nn.Module):
             weights = weights.to(tokens.dtype)
         chosen, order = chosen.sort(dim=-1)  # ascending expert id: the order a token's outputs are summed in
         weights = weights.gather(-1, order)
-        if self.scales_inputs:
-            outputs = self._run_experts(tokens, chosen.reshape(-1), weights.reshape(-1))
+        rank = kept = None
+        if self.capacity.capacity_factor is not None:
+            rank, kept = keep_within_capacity(chosen.reshape(-1), weights.reshape(-1), self.num_experts,
+                                              self.capacity.capacity(chosen.numel(), self.num_experts),
+                                              self.capacity.drop_policy)
+        scales = weights.reshape(-1) if self.scales_inputs else None
+        if self.capacity.pad_to_capacity:
+            outputs = self._run_padded(tokens, chosen.reshape(-1), rank, kept, scales)
         else:
-            outputs = self._run_experts(tokens, chosen.reshape(-1))
+            outputs = self._run_experts(tokens, chosen.reshape(-1), scales, kept)
+        if not self.scales_inputs:
             outputs = (outputs * weights.reshape(-1, 1)).to(tokens.dtype)  # Mixtral: fp32 product, cast back
         combined = outputs.view(tokens.shape[0], self.top_k, -1).sum(dim=1)
         if self.shared_gated:  # this TP rank's partial sum, reduced with the routed experts'
@@ -146,7 +222,7 @@ class MoEMLP(nn.Module):
         elif self.shared:
             combined = combined + self.shared_expert(tokens)
         out = row_parallel_output(combined.view_as(full), self.pctx)
-        return out, self._statistics(logits, probs, chosen)
+        return out, self._statistics(logits, probs, chosen, kept)
 
     def choose(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts ([tokens, k], best first) and their weights before normalisation: the
@@ -157,44 +233,98 @@ class MoEMLP(nn.Module):
             return torch.sigmoid(weights.float()).to(logits.dtype), chosen
         return torch.topk(probs, self.top_k, dim=-1)
 
-    def _statistics(self, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """This layer's rows of the aux-loss statistic: assignments per expert (no gradient) and summed router
-        probabilities per expert. HF forms both from a softmax in the logits' dtype (fp32 routing aside)."""
+    def _statistics(self, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
+                    kept: torch.Tensor | None) -> torch.Tensor:
+        """This layer's rows of the router statistics: assignments per expert (no gradient), summed router
+        probabilities per expert (the aux loss's two terms: the router's choices, before any capacity drops some,
+        as Megatron-core counts them) and assignments dropped per expert. HF forms the first two from a softmax in
+        the logits' dtype (fp32 routing aside)."""
+        dropped = torch.zeros(self.num_experts, device=logits.device)
+        if kept is not None:
+            dropped = assignment_counts(chosen.reshape(-1).masked_fill(kept, self.num_experts),
+                                        self.num_experts + 1)[:-1].float()
         if logits.dtype != torch.float32:
             probs = torch.softmax(logits, dim=-1)
             chosen = torch.topk(probs, self.top_k, dim=-1).indices
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
-        return torch.stack([counts, probs.float().sum(dim=0)])
+        counts = assignment_counts(chosen.reshape(-1), self.num_experts).float()
+        return torch.stack([counts, probs.float().sum(dim=0), dropped])
 
-    def _run_experts(self, tokens: torch.Tensor, expert_of: torch.Tensor,
-                     input_scales: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_experts(self, tokens: torch.Tensor, expert_of: torch.Tensor, input_scales: torch.Tensor | None = None,
+                     kept: torch.Tensor | None = None) -> torch.Tensor:
         """Each assignment's expert output ([tokens x k, hidden], rows in assignment order): assignments sorted by
         expert (each token scaled by its assignment's ``input_scales`` first, where given), exchanged with the EP
-        ranks holding the experts, run, and returned."""
+        ranks holding the experts, run, and returned; an assignment not ``kept`` (over its expert's capacity) sorts
+        last, runs nowhere and returns zeros. At EP 1 nothing is read on the host on the grouped path; at EP > 1 the
+        all-to-all's split sizes are, once, right after the counts are exchanged."""
         k = self.top_k
+        if kept is not None:  # the dropped go to expert E, which no rank holds
+            expert_of = expert_of.masked_fill(~kept, self.num_experts)
         by_expert = torch.argsort(expert_of, stable=True)
         inputs = tokens[by_expert // k]
         if input_scales is not None:
             inputs = inputs * input_scales[by_expert].unsqueeze(-1)
-        per_expert = torch.bincount(expert_of, minlength=self.num_experts)
+        per_expert = assignment_counts(expert_of, self.num_experts + 1)[:-1]
         ep = self.pctx.ep_size
         if ep == 1:
-            outputs = self._local_experts(inputs, per_expert.view(1, -1).tolist())
+            if self._grouped():  # the rows past the last expert's (the dropped) come back zero
+                outputs = self._grouped_experts(inputs, per_expert, tail=kept is not None)
+            else:
+                counts = per_expert.tolist()
+                outputs = self._local_experts(inputs[:sum(counts)], [counts])
+                outputs = torch.cat([outputs, outputs.new_zeros(inputs.shape[0] - outputs.shape[0], outputs.shape[1])])
         else:
             # what every EP rank sends this rank's experts, [source rank, local expert]
             received = torch.empty_like(per_expert)
             dist.all_to_all_single(received, per_expert, group=self.pctx.ep_group)
-            send = per_expert.view(ep, -1).sum(dim=1).tolist()
-            received = received.view(ep, -1)
-            recv = received.sum(dim=1).tolist()
-            arrived = all_to_all_tokens(inputs, recv, send, self.pctx.ep_group)
-            outputs = all_to_all_tokens(self._local_experts(arrived, received.tolist()), send, recv,
-                                        self.pctx.ep_group)
+            sent_counts, received_counts = torch.stack([per_expert, received]).view(2, ep, -1).tolist()
+            send, recv = [sum(c) for c in sent_counts], [sum(c) for c in received_counts]
+            arrived = all_to_all_tokens(inputs[:sum(send)], recv, send, self.pctx.ep_group)
+            if self._grouped():
+                result = self._grouped_arrivals(arrived, received_counts)
+            else:
+                result = self._local_experts(arrived, received_counts)
+            outputs = all_to_all_tokens(result, send, recv, self.pctx.ep_group)
+            outputs = torch.cat([outputs, outputs.new_zeros(inputs.shape[0] - outputs.shape[0], outputs.shape[1])])
+        if kept is not None:
+            outputs = torch.where(kept[by_expert].unsqueeze(-1), outputs, 0.0)
         return outputs[torch.argsort(by_expert)]  # back to assignment order (an index: saves only the indices)
 
+    def _run_padded(self, tokens: torch.Tensor, expert_of: torch.Tensor, rank: torch.Tensor, kept: torch.Tensor,
+                    input_scales: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_run_experts` with every expert's input padded to its capacity C: assignment i fills slot
+        ``expert x C + rank`` (zero rows where an expert has fewer), the dropped none; the shapes, and the
+        all-to-all's split sizes at EP > 1, are fixed by the config, so nothing is read on the host."""
+        capacity = self.capacity.capacity(expert_of.numel(), self.num_experts)
+        slots = self.num_experts * capacity
+        inputs = tokens[torch.arange(expert_of.numel(), device=tokens.device) // self.top_k]
+        if input_scales is not None:
+            inputs = inputs * input_scales.unsqueeze(-1)
+        slot = torch.where(kept, expert_of * capacity + rank, slots)  # the dropped into one spare slot, discarded
+        padded = inputs.new_zeros(slots + 1, inputs.shape[1]).index_add(0, slot, inputs)[:slots]
+        ep = self.pctx.ep_size
+        local = self.num_experts // ep
+        counts = [[capacity] * local for _ in range(ep)]
+        if ep == 1:
+            result = (self._grouped_experts(padded, torch.full((local,), capacity, device=tokens.device))
+                      if self._grouped() else self._local_experts(padded, counts))
+        else:
+            split = [local * capacity] * ep
+            arrived = all_to_all_tokens(padded, split, split, self.pctx.ep_group)
+            result = self._grouped_arrivals(arrived, counts) if self._grouped() else self._local_experts(arrived, counts)
+            result = all_to_all_tokens(result, split, split, self.pctx.ep_group)
+        return torch.cat([result, result.new_zeros(1, result.shape[1])])[slot]
+
+    def _grouped(self) -> bool:
+        """The experts as grouped products (``kernels`` other than reference), but where FP8 scales an expert's
+        linears: torchao's float8 grouped GEMM is CUDA-only (SM90+) and scales per group, not as the per-expert
+        float8 linears the layouts and checkpoints are held to (docs/moe.md)."""
+        return self.kernels.grouped_experts and all(
+            e.gate_up_proj.float8 is None and e.down_proj.float8 is None for e in self.experts.values())
+
     def _local_experts(self, rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
-        """Run this rank's experts on ``rows``: blocks from each source rank in turn, each block split by local
-        expert (``counts[source][expert]``); the outputs come back in the same order."""
+        """Run this rank's experts one after another on ``rows`` (the reference): blocks from each source rank in
+        turn, each block split by local expert (``counts[source][expert]``); the outputs come back in the same
+        order."""
         blocks = [list(block.split(per_source)) for block, per_source in
                   zip(rows.split([sum(c) for c in counts]), counts)]
         outputs = [[None] * len(counts[0]) for _ in counts]
@@ -204,6 +334,54 @@ class MoEMLP(nn.Module):
             for s, piece in enumerate(result.split([p.shape[0] for p in pieces])):
                 outputs[s][j] = piece
         return torch.cat([piece for per_source in outputs for piece in per_source])
+
+    def _grouped_arrivals(self, rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """:meth:`_local_experts` on the grouped path: the arrived blocks ([source][local expert]) reordered by
+        expert (each expert's rows from every source in turn, as the loop concatenates them), run, put back."""
+        starts, position = [], 0
+        for per_source in counts:
+            starts.append([])
+            for count in per_source:
+                starts[-1].append(position)
+                position += count
+        order = [i for j in range(len(counts[0])) for s in range(len(counts))
+                 for i in range(starts[s][j], starts[s][j] + counts[s][j])]
+        order_t = torch.tensor(order, dtype=torch.long, device=rows.device)
+        per_expert = torch.tensor([sum(per_source[j] for per_source in counts) for j in range(len(counts[0]))],
+                                  device=rows.device)
+        out = self._grouped_experts(rows[order_t], per_expert)
+        return out[torch.argsort(order_t)]
+
+    def _grouped_experts(self, rows: torch.Tensor, per_expert: torch.Tensor, tail: bool = False) -> torch.Tensor:
+        """This rank's experts on ``rows`` sorted by local expert (``per_expert`` rows each, on the device; with
+        ``tail``, rows past them that come back zero): gate/up as one grouped product, the activation, down as
+        another; LoRA adapters on experts as grouped products of their factors. Row for row the products of
+        :meth:`_local_experts`."""
+        experts = list(self.experts.values())
+        offsets = expert_offsets(per_expert)
+        hidden = self._grouped_linear(rows, [e.gate_up_proj for e in experts], offsets, tail)
+        return self._grouped_linear(self.kernels.swiglu(hidden), [e.down_proj for e in experts], offsets, tail)
+
+    @staticmethod
+    def _grouped_linear(rows: torch.Tensor, linears: list[LocalLinear], offsets: torch.Tensor,
+                        tail: bool) -> torch.Tensor:
+        """What each expert's ``LocalLinear`` computes on its rows (the weight's product, plus its adapter's
+        ``(x A^T) B^T s``), for every expert at once."""
+        out = grouped_linear(rows, [linear.weight for linear in linears], offsets, linears[0].weight_grad_store,
+                             tail)
+        if linears[0].lora is None:
+            return out
+        factors = [linear.lora.low_rank_factors() for linear in linears]
+        store = linears[0].lora.weight_grad_store
+        low_rank = grouped_linear(rows, [a for a, _ in factors], offsets, store, tail)
+        return out + grouped_linear(low_rank, [b for _, b in factors], offsets, store, tail) * linears[0].lora.scaling
+
+
+def assignment_counts(expert_of: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many assignments each expert received ([num_experts], int64, on the device): a scatter, not
+    ``bincount``, which reads its input's maximum on the host."""
+    return torch.zeros(num_experts, dtype=torch.long, device=expert_of.device).scatter_add_(
+        0, expert_of, torch.ones_like(expert_of))
 
 
 class ExpertGroups(nn.Module):

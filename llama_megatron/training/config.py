@@ -22,6 +22,7 @@ from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import check_float8_selection
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
+from llama_megatron.model.moe import ExpertCapacity
 from llama_megatron.model.preference import PreferenceLossConfig
 from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config
@@ -181,6 +182,7 @@ _SECTIONS = {
     "pipeline": PipelineConfig,
     "distributed": DistributedConfig,
     "preference": PreferenceConfig,
+    "moe": ExpertCapacity,
 }
 
 
@@ -224,6 +226,8 @@ class TrainingConfig:
     # FP8 training with torchao's float8 recipes: {"recipe": tensorwise | rowwise | rowwise_with_gw_hp, "modules":
     # [...], "filter": [...], "emulate": false} (null: off; docs/fp8.md)
     fp8: Float8Config | None = None
+    # a mixture of experts' token dropping: the `moe` section below (docs/moe.md)
+    moe: ExpertCapacity = field(default_factory=ExpertCapacity)
     seed: int = 1234  # seed of initialisation, data order and dropout
     output_dir: str = "runs/default"  # run.json, metrics.jsonl and doctor.json go here
 
@@ -263,6 +267,10 @@ class TrainingConfig:
             check_float8_selection(self.model, self.fp8, self.parallel.tensor)
         elif self.logging.fp8_stats:
             raise ConfigError("logging.fp8_stats reports the FP8 linears' amaxes, and this run has no fp8 section")
+        self.moe.check()
+        if self.moe.capacity_factor is not None and not self.model.family.moe:
+            raise ConfigError(f"moe.capacity_factor drops a mixture of experts' assignments, and the "
+                              f"{self.model.model_type} model has no experts")
         if self.kernels not in KERNEL_CHOICES:
             raise ConfigError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         if not isinstance(self.seq_length, int) or self.seq_length < 1:

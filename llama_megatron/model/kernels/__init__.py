@@ -7,7 +7,9 @@ functions; they hold no device or library branches. Choices (the training JSON's
   every parity test pins.
 - ``compiled``: ``torch.compile``-fused elementwise kernels (residual add + RMSNorm, RoPE on the fused QKV
   output, SwiGLU), attention without K/V copies (flash-attn, SDPA ``enable_gqa``, FlexAttention for packed
-  documents on CUDA: on CPU the dense document mask) and the chunked linear + cross-entropy loss that never holds the full logits.
+  documents on CUDA: on CPU the dense document mask), the chunked linear + cross-entropy loss that never holds the full
+  logits, and a mixture of experts' routed experts as grouped GEMMs (``parallel/grouped_linear.py``) instead of one
+  after another.
 - ``liger``: as ``compiled`` with Liger-Kernel's Triton kernels for the elementwise work (CUDA, optional extra).
 - ``auto``: ``compiled`` on CUDA, ``reference`` elsewhere.
 """
@@ -39,11 +41,15 @@ class Kernels:
     attention: Any  # ReferenceAttention | FastAttention: (q, k, v, segment_ids) -> out
     fused_loss: bool  # chunked linear + cross-entropy (the head hands its input and weight to the loss)
     elementwise: str  # where the norm/RoPE/SwiGLU kernels come from, for the log
+    grouped_experts: bool = False  # a mixture of experts' experts as grouped GEMMs, not one after another
 
-    def describe(self) -> dict[str, str]:
-        """What runs, for the start-up line and the run's metadata."""
-        return {"kernels": self.name, "norm_rope_swiglu": self.elementwise, "attention": self.attention.name,
-                "loss": "chunked linear + cross-entropy" if self.fused_loss else "cross-entropy over full logits"}
+    def describe(self, moe: bool = False) -> dict[str, str]:
+        """What runs, for the start-up line and the run's metadata (a mixture of experts': how its experts run)."""
+        described = {"kernels": self.name, "norm_rope_swiglu": self.elementwise, "attention": self.attention.name,
+                     "loss": "chunked linear + cross-entropy" if self.fused_loss else "cross-entropy over full logits"}
+        if moe:
+            described["experts"] = "grouped GEMMs" if self.grouped_experts else "one after another"
+        return described
 
     def __repr__(self) -> str:  # LayerSpec prints its arguments
         return f"Kernels({self.name})"
@@ -81,4 +87,4 @@ def resolve_kernels(choice: str, device: torch.device | str) -> Kernels:
             raise ConfigError(f"kernels 'liger' needs liger-kernel (pip install -e \".[gpu]\"): {exc}") from None
         elementwise = "Liger-Kernel"
     return Kernels(choice, ops.rms_norm, ops.add_rms_norm, ops.rotary_qkv, ops.swiglu, FastAttention(),
-                   fused_loss=True, elementwise=elementwise)
+                   fused_loss=True, elementwise=elementwise, grouped_experts=True)

@@ -203,19 +203,21 @@ class TrainingEngine:
             dist.all_reduce(count, group=self.pctx.dp_cp_group)
         return (count.clamp(min=1).double() / (len(micro_batches) * ranks)).float()
 
-    def expert_load(self) -> list[float] | None:
+    def expert_load(self) -> tuple[list[float], float] | None:
         """A mixture-of-experts model's share of the last training step's token assignments per expert (all layers,
-        every rank's tokens), on every rank; None for a dense model. One all-reduce over the world: the counts live
-        on the last pipeline stage, the same on each of its TP ranks."""
+        every rank's tokens) and the share of them dropped over capacity, on every rank; None for a dense model.
+        One all-reduce over the world: the counts live on the last pipeline stage, the same on each of its TP
+        ranks."""
         if not self.config.model.family.moe:
             return None
         counts = self._expert_counts
-        counts = (torch.zeros(self.config.model.num_local_experts, device=self.device) if counts is None
+        counts = (torch.zeros(2, self.config.model.num_local_experts, device=self.device) if counts is None
                   else counts.clone())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
-        counts = counts.double() / counts.sum().clamp(min=1)
-        return [round(float(share), 6) for share in counts]
+        assigned = counts[0].double().sum().clamp(min=1)
+        load = counts[0].double() / assigned
+        return [round(float(share), 6) for share in load], round(float(counts[1].double().sum() / assigned), 6)
 
     def fp8_stats(self) -> dict | None:
         """With ``logging.fp8_stats``: per linear kind and cast, each decoder layer's largest amax since the last

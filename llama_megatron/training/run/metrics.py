@@ -194,7 +194,9 @@ class StepMeter:
             metrics["bad_step"] = "; ".join(report.reasons)
         load, preference = extras.get("expert_load"), extras.get("preference")
         if load is not None:
-            metrics["expert_load"] = load
+            metrics["expert_load"], dropped = load
+            if self.config.moe.capacity_factor is not None:  # the share of assignments dropped over capacity
+                metrics["moe_dropped"] = dropped
         if preference is not None:
             metrics.update(preference)
         if extras.get("fp8") is not None:

@@ -235,11 +235,13 @@ def start(pre: Preflight) -> tuple[ParallelContext, RunLogger]:
                 "micro_batch_size": config.batch.micro_batch_size,
                 "global_batch_size": config.batch.global_batch_size, "seq_length": config.seq_length,
                 "rows_per_sample": config.rows_per_sample,
-                "kernels": pre.kernels.describe(), "model": config.model.to_dict(),
+                "kernels": pre.kernels.describe(moe=config.model.family.moe is not None),
+                "model": config.model.to_dict(),
                 "fp8": dataclasses.asdict(config.fp8) if config.fp8 else None}
         with open(os.path.join(config.output_dir, RUN_INFO_FILE), "w", encoding="utf-8") as fh:
             json.dump(info, fh, indent=2)
-    log.info("kernels: " + " | ".join(f"{k} {v}" for k, v in pre.kernels.describe().items()))
+    described = pre.kernels.describe(moe=config.model.family.moe is not None)
+    log.info("kernels: " + " | ".join(f"{k} {v}" for k, v in described.items()))
     if config.fp8 is not None:
         log.info(f"fp8: {config.fp8.recipe} scaling (torchao) on {', '.join(config.fp8.modules)}"
                  + (f" matching {config.fp8.filter}" if config.fp8.filter else "")
@@ -287,7 +289,7 @@ def load_model(pre: Preflight, pctx: ParallelContext) -> nn.Module:
                             activation_checkpoint_interval=config.activation_checkpointing.interval,
                             partition_method=config.pipeline.partition_method, kernels=pre.kernels, lora=config.lora,
                             placement=config.pipeline.placement(pctx.pp_size),
-                            stage_layers=config.pipeline.stage_layers, fp8=config.fp8)
+                            stage_layers=config.pipeline.stage_layers, fp8=config.fp8, capacity=config.moe)
     if pre.adapters_checkpoint:
         load_model_weights(model, pre.lora_base.path, pre.lora_base.tag, pctx.tp_rank)
     if pre.weights_only:

@@ -192,9 +192,11 @@ class StepMeter:
                        consumed_samples=consumed)
         if report.bad:
             metrics["bad_step"] = "; ".join(report.reasons)
-        load, preference = extras.get("expert_load"), extras.get("preference")
-        if load is not None:
-            metrics["expert_load"], dropped = load
+        routed, preference = extras.get("expert_load"), extras.get("preference")
+        load = dropped = None
+        if routed is not None:
+            load, dropped = routed
+            metrics["expert_load"] = load
             if self.config.moe.capacity_factor is not None:  # the share of assignments dropped over capacity
                 metrics["moe_dropped"] = dropped
         if preference is not None:
@@ -210,6 +212,8 @@ class StepMeter:
                 f"ETA {format_eta((now - self.run_start) / steps * steps_left)}")
         if load is not None:  # 1.0: every expert got its share (1 / experts) of the assignments
             line += f" | expert load max/mean {max(load) * len(load):.2f}"
+            if "moe_dropped" in metrics:
+                line += f" | dropped {100 * dropped:.1f}%"
         if preference is not None:
             line += (f" | reward margin {preference['rewards/margins']:.4f} accuracy "
                      f"{preference['rewards/accuracies']:.3f}")

@@ -8,11 +8,18 @@ and activation recomputation see ordinary eager modules.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import llama_megatron.model.kernels.reference as reference
 
-rms_norm = torch.compile(reference.rms_norm, fullgraph=True)
-add_rms_norm = torch.compile(reference.add_rms_norm, fullgraph=True)
-rotary_qkv = torch.compile(reference.rotary_qkv, fullgraph=True)
-swiglu = torch.compile(reference.swiglu, fullgraph=True)
+# ATEN_CPU_CAPABILITY=default (no SIMD) leaves inductor without a vector ISA, yet torch 2.13's C++ code generator
+# still writes some reductions with at::vec, which then fail to compile; a vector width of 1 makes it write scalar
+# code throughout. Only where that variable asks for no SIMD, and only for these functions (no global setting).
+_OPTIONS = {"cpp.simdlen": 1} if os.environ.get("ATEN_CPU_CAPABILITY") == "default" else None
+
+rms_norm = torch.compile(reference.rms_norm, fullgraph=True, options=_OPTIONS)
+add_rms_norm = torch.compile(reference.add_rms_norm, fullgraph=True, options=_OPTIONS)
+rotary_qkv = torch.compile(reference.rotary_qkv, fullgraph=True, options=_OPTIONS)
+swiglu = torch.compile(reference.swiglu, fullgraph=True, options=_OPTIONS)

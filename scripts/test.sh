@@ -7,6 +7,9 @@ bash scripts/bootstrap.sh
 # hundreds of Python processes, and each would otherwise compile the package's modules anew (0.2 s of a core apiece)
 unset PYTHONDONTWRITEBYTECODE
 export OMP_NUM_THREADS=1
+# inductor's cache (the compiled kernels' tests) is keyed without ATEN_CPU_CAPABILITY: kernels compiled under one
+# setting were loaded under another (NaN losses, an abort), so each setting the suite runs under gets its own
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)_${ATEN_CPU_CAPABILITY:-native}}"
 .venv/bin/ruff check llama_megatron tests benchmarks
 # Two workers, a test file each at a time (a file's launched runs are module fixtures its tests share): the
 # multi-rank runs leave a core idle while a launcher starts or rank 0 checks results, the other file fills it.

@@ -344,13 +344,12 @@ class MoEMLP(nn.Module):
             for count in per_source:
                 starts[-1].append(position)
                 position += count
-        order = [i for j in range(len(counts[0])) for s in range(len(counts))
-                 for i in range(starts[s][j], starts[s][j] + counts[s][j])]
-        order_t = torch.tensor(order, dtype=torch.long, device=rows.device)
+        order = torch.cat([torch.arange(starts[s][j], starts[s][j] + counts[s][j], device=rows.device)
+                           for j in range(len(counts[0])) for s in range(len(counts))])
         per_expert = torch.tensor([sum(per_source[j] for per_source in counts) for j in range(len(counts[0]))],
                                   device=rows.device)
-        out = self._grouped_experts(rows[order_t], per_expert)
-        return out[torch.argsort(order_t)]
+        out = self._grouped_experts(rows[order], per_expert)
+        return out[torch.argsort(order)]
 
     def _grouped_experts(self, rows: torch.Tensor, per_expert: torch.Tensor, tail: bool = False) -> torch.Tensor:
         """This rank's experts on ``rows`` sorted by local expert (``per_expert`` rows each, on the device; with

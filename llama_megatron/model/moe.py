@@ -271,7 +271,9 @@ class MoEMLP(nn.Module):
             else:
                 counts = per_expert.tolist()
                 outputs = self._local_experts(inputs[:sum(counts)], [counts])
-                outputs = torch.cat([outputs, outputs.new_zeros(inputs.shape[0] - outputs.shape[0], outputs.shape[1])])
+                if kept is not None:  # the dropped rows, after the last expert's
+                    outputs = torch.cat([outputs, outputs.new_zeros(inputs.shape[0] - outputs.shape[0],
+                                                                    outputs.shape[1])])
         else:
             # what every EP rank sends this rank's experts, [source rank, local expert]
             received = torch.empty_like(per_expert)
@@ -284,7 +286,8 @@ class MoEMLP(nn.Module):
             else:
                 result = self._local_experts(arrived, received_counts)
             outputs = all_to_all_tokens(result, send, recv, self.pctx.ep_group)
-            outputs = torch.cat([outputs, outputs.new_zeros(inputs.shape[0] - outputs.shape[0], outputs.shape[1])])
+            if kept is not None:
+                outputs = torch.cat([outputs, outputs.new_zeros(inputs.shape[0] - outputs.shape[0], outputs.shape[1])])
         if kept is not None:
             outputs = torch.where(kept[by_expert].unsqueeze(-1), outputs, 0.0)
         return outputs[torch.argsort(by_expert)]  # back to assignment order (an index: saves only the indices)

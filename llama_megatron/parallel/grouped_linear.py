@@ -32,15 +32,17 @@ _ALIGNMENT = 16  # bytes: torch._grouped_mm's rule for its operands' strides
 
 @functools.cache
 def _kernel_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs on this device and dtype (a probe of two groups, both ways)."""
+    """Whether ``torch._grouped_mm`` runs on this device and dtype: a probe of two groups in the two forms
+    :class:`_GroupedLinear` calls (rows x transposed weights; a transposed gradient x rows). No autograd through
+    the kernel: ours computes its own backward from these two forms."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        rows = torch.ones(8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        weights = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        rows = torch.ones(8, 8, device=device_type, dtype=dtype)
+        weights = torch.ones(2, 8, 8, device=device_type, dtype=dtype)
         offsets = torch.tensor([3, 8], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(rows, weights.transpose(1, 2), offs=offsets).sum().backward()
-        torch._grouped_mm(rows.detach().t(), rows.detach(), offs=offsets)
+        torch._grouped_mm(rows, weights.transpose(1, 2), offs=offsets)
+        torch._grouped_mm(rows.t(), rows, offs=offsets)
     except (RuntimeError, NotImplementedError):
         return False
     return True

@@ -5,7 +5,9 @@ default ``eager`` experts and its ``grouped_mm`` ones), on the same weights and 
 A Mixtral-like shape scaled to a CPU (Mixtral 8x7B: hidden 4096, intermediate 14336, 8 experts, top 2): hidden 256,
 intermediate 896 (the same 3.5 ratio), 8 experts, top 2, 2 x 512 tokens, fp32. One JSON line: each variant's time
 per forward + backward (the median of ``--repeats``), the ratios of the loop's and transformers' times to the grouped
-path's (above 1: the grouped path is faster), and each output's largest difference from transformers'.
+path's (above 1: the grouped path is faster), and each output's largest difference from transformers'. Beside them
+the GEMM floor: the experts' products alone as the largest GEMMs they could form (no routing, no split by expert),
+and the loop's time over it, the most any experts kernel could gain over the loop on this CPU.
 
     python benchmarks/moe_layer.py
     python benchmarks/moe_layer.py --hidden 512 --intermediate 1792 --tokens 2048
@@ -96,6 +98,7 @@ def bench(args) -> dict:
 
     steps = {**{f"ours_{name}": ours_step(layer) for name, layer in ours.items()},
              **{f"hf_{name}": hf_step(block) for name, block in hf.items()}}
+    floor = _gemm_floor_step(config, x, args.top_k)
     want = steps["hf_eager"]().detach()
     result: dict = {"benchmark": "moe_layer", "hidden": args.hidden, "intermediate": args.intermediate,
                     "experts": args.experts, "top_k": args.top_k, "tokens": args.tokens, "dtype": "float32",
@@ -103,10 +106,33 @@ def bench(args) -> dict:
     for name, step in steps.items():
         error = float((step().detach() - want).abs().max())
         result[name] = {"ms": _median_ms(step, args.repeats), "max_abs_error_vs_hf": error}
+    result["gemm_floor"] = {"ms": _median_ms(floor, args.repeats)}
     grouped = result["ours_grouped"]["ms"]
     for name in ("ours_loop", "hf_eager", "hf_grouped_mm"):
         result[f"ratio_{name}_time_vs_ours_grouped"] = round(result[name]["ms"] / grouped, 3)
+    # the most any experts kernel could gain over our loop here: the loop's time over the GEMMs' own
+    result["ratio_ours_loop_time_vs_gemm_floor"] = round(result["ours_loop"]["ms"] / result["gemm_floor"]["ms"], 3)
     return result
+
+
+def _gemm_floor_step(config: ModelConfig, x: torch.Tensor, top_k: int):
+    """The experts' arithmetic with nothing around it: every routed row (tokens x top_k) through one gate/up
+    product, SwiGLU and one down product, forward and backward, as if all experts were one: the same FLOPs as the
+    experts' GEMMs in the largest GEMMs they could form, no router, no permutation, no per-expert split. No experts
+    kernel can be faster than this on the same CPU."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    gen = torch.Generator().manual_seed(2)
+    rows = x.reshape(-1, hidden).repeat(top_k, 1).requires_grad_(True)
+    gate_up = (torch.randn(2 * intermediate, hidden, generator=gen) * 0.02).requires_grad_(True)
+    down = (torch.randn(hidden, intermediate, generator=gen) * 0.02).requires_grad_(True)
+    grad = torch.randn(rows.shape[0], hidden, generator=gen)
+
+    def step():
+        gate, up = (rows @ gate_up.t()).chunk(2, dim=-1)
+        out = (torch.nn.functional.silu(gate) * up) @ down.t()
+        out.backward(grad)
+        return out
+    return step
 
 
 def main() -> None:

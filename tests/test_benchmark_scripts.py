@@ -55,6 +55,7 @@ def test_moe_layer_smoke() -> None:
     for name in ("ours_loop", "ours_grouped", "hf_grouped_mm"):
         assert line[name]["ms"] > 0 and line[name]["max_abs_error_vs_hf"] < 1e-5, (name, line[name])
     assert line["ratio_ours_loop_time_vs_ours_grouped"] > 0 and line["ratio_hf_eager_time_vs_ours_grouped"] > 0
+    assert line["ratio_ours_loop_time_vs_gemm_floor"] == round(line["ours_loop"]["ms"] / line["gemm_floor"]["ms"], 3)
 
 
 @pytest.mark.launched

@@ -128,6 +128,12 @@ PER_DOCUMENT = "data.per_document_attention=true"
 ZERO3 = 'deepspeed_config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}'
 TIED = "model.tie_word_embeddings=true"
 BF16_REL = 2e-2  # bf16 weights against the fp32 reference: bf16's precision, not an exactness claim
+# a bf16 run resumed at another data-parallel degree against its saved run: at PP 1 DeepSpeed accumulates bf16
+# gradients in bf16, so DP1 rounds every element after each of its 4 micro batches where DP2 rounded after 2 and
+# then averaged two ranks': the gradients part by a bf16 rounding or two (3.9e-3 relative) at every step, which AdamW
+# carries into every weight. Held to a quarter of one bf16 rounding of the loss; observed 2.3e-5 on AVX-512 CPUs,
+# 2.8e-4 with no SIMD at all (ATEN_CPU_CAPABILITY=default), growing from 4.5e-6 at the first step after the resume
+BF16_RESUME_REL = 1e-3
 
 
 def _matrix() -> dict[str, tuple[str, list[str], float]]:
@@ -357,11 +363,12 @@ def universal_resumed(two_rank_runs, data_prefix, work) -> dict[str, dict[int, f
 @pytest.mark.parametrize("name", list(UNIVERSAL))
 def test_resume_with_another_data_parallel_degree(name, two_rank_runs, universal_resumed) -> None:
     """ZeRO-1/3 and bf16 ZeRO-2 at DP2, and ZeRO-1 at CP2, resumed at DP1 CP1 through a universal checkpoint converted
-    beside the original: the FULL-step run continues (observed: 6.9e-8 fp32, 2.3e-5 bf16; DP1 sums gradients in
-    another order)."""
+    beside the original: the FULL-step run continues (observed: 6.9e-8 fp32; DP1 sums gradients in another order;
+    bf16: see BF16_RESUME_REL)."""
     resumed = universal_resumed[name]
     assert sorted(resumed) == list(range(HALF + 1, FULL + 1))
-    assert_losses_close(resumed, losses(two_rank_runs[name]), REL if "bf16" in name else 1e-6, range(HALF + 1, FULL + 1))
+    assert_losses_close(resumed, losses(two_rank_runs[name]), BF16_RESUME_REL if "bf16" in name else 1e-6,
+                        range(HALF + 1, FULL + 1))
     assert os.path.isdir(os.path.join(two_rank_runs[name], "ckpt", f"global_step{HALF}_universal"))
 
 

@@ -189,10 +189,14 @@ def test_fp8_layouts_match_one_process(fp8_runs, name) -> None:
 
 def test_the_mixtral_layout_routes_as_one_process(fp8_runs) -> None:
     """The EP2 x TP2 run took the one-process run's routes (every MoE layer's, each of its micro batches, every
-    step: 4 x 4 x 8 across its two DP ranks), and its own router computed the same probabilities to within bf16's
-    rounding of the router's input: at step 1, before any update, within 1e-2 (4.4e-3 measured in the last layer,
-    the layers' bf16 differences compounding), and within 5e-2 by step 8 (2.4e-2 measured: the weights part by
-    their own rounding too). Both TP ranks of a DP rank route the same tokens the same way: identical reports."""
+    step: 4 x 4 x 8 across its two DP ranks), and its own router computed the same probabilities as one process from
+    the same weights to within bf16's and FP8's rounding of the router's input: at step 1, before any update, within
+    1e-2 (4.4e-3 measured in the last layer on AVX-512 CPUs, 4.2e-3 with no SIMD: the layers' differences
+    compounding). After an update the two runs' weights part (their gradients round differently and AdamW carries
+    that into every weight: 2.4e-2 at step 8 on AVX-512 CPUs, 8.8e-2 with no SIMD), which the losses' agreement
+    bounds (test_fp8_layouts_match_one_process). At every step, its own choice differs from the replayed one only
+    where one process's top-k margin is within twice the micro batch's probability error: the layout picks the top k
+    of its own probabilities. Both TP ranks of a DP rank route the same tokens the same way: identical reports."""
     import torch
 
     reports = [torch.load(fp8_runs["dir"] / "mixtral" / f"replay-rank{r}.pt") for r in range(4)]
@@ -202,8 +206,10 @@ def test_the_mixtral_layout_routes_as_one_process(fp8_runs) -> None:
     assert sorted({micro for _, micro in seen}) == list(range(FULL * 4)) and len(seen) == layers * FULL * 4
     first_step = [r["prob_error"] for (_, micro), r in seen.items() if micro < 4]
     assert max(first_step) <= 1e-2, first_step
-    assert max(r["prob_error"] for r in seen.values()) <= 5e-2
+    for key, report in seen.items():  # 1e-6: the margin and the error are differences of bf16 probabilities
+        assert all(margin <= 2 * report["prob_error"] + 1e-6 for _, margin in report["flips"]), (key, report)
     assert all(r["tokens"] == 64 for r in seen.values())
+    assert any(r["flips"] for r in seen.values())  # the replay is needed: the layout alone would route otherwise
 
 
 def _largest_gap(found: dict[int, float], reference: dict[int, float]) -> float:

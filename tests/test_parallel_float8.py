@@ -3,7 +3,8 @@ and its bad input. One process, no launch (the layouts against TP 1 are launched
 
 The model pair: a random ``LlamaForCausalLM`` (and a Mixtral) loaded into ours; torchao converts HF's q, k, v, o,
 gate, up and down linears, ours scales its fused QKV and gate/up per projection (float8.py), so each float8 GEMM is
-torchao's. Both in fp32 (the GEMMs' high precision), 5 steps of AdamW on the same batches.
+torchao's. Both in fp32 (the GEMMs' high precision), 5 steps of AdamW on the same batches, torchao's GEMMs as torch
+computes them on a CPU without AMX (:func:`_scaled_mm_as_torch_defines_it`).
 
 What is exact and what is not: at step 1, from the same weights, every FP8 linear's weight gradient equals torchao's
 (the same casts, the same GEMMs) and so does the loss. The norms, embedding and head differ from HF's in the last bit
@@ -21,6 +22,7 @@ lr apart) and the next casts see other operands. The free losses are held to 1e-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -65,10 +67,40 @@ def _pair(config, recipe: str, filter_=None, hf_filter=lambda fqn: True):
     return ours, ref, selected
 
 
+@contextlib.contextmanager
+def _scaled_mm_as_torch_defines_it():
+    """``torch._scaled_mm`` as torch computes it on a CPU without AMX (``scaled_mm_cpu``), on every CPU, for the
+    reference's GEMMs. On a CPU with AMX torch hands the GEMMs with per-tensor scales (all of tensorwise's, the
+    rowwise recipes' backward ones) to oneDNN, whose fp32 sums differ from the emulation's in the last bit (2.5e-7
+    of the largest element measured), and ours computes the emulation's on every CPU (float8.py, docs/fp8.md). One
+    last bit upstream moves a tensorwise scale and so every operand it scales: on an AMX Xeon the first layer's
+    weight gradient was 7% off at step 1. Without AMX this is torch's own function (test below: bit for bit)."""
+    if not torch.cpu._is_amx_tile_supported():
+        yield
+        return
+    from llama_megatron.parallel.float8 import scaled_mm_cpu
+
+    def emulated(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        assert bias is None and scale_result is None and out_dtype is not None  # all torchao's training passes
+        return scaled_mm_cpu(a, b, scale_a, scale_b, out_dtype)
+
+    original = torch._scaled_mm
+    torch._scaled_mm = emulated
+    try:
+        yield
+    finally:
+        torch._scaled_mm = original
+
+
 def _train_both(ours, ref, config, fp8_linears: list[str]) -> list[tuple[float, float]]:
-    """STEPS steps of AdamW on both models (the free losses, ours and torchao's). At step 1 every FP8 linear's weight
-    gradient is torchao's; at every step a copy of ours also runs from torchao's weights of that step, whose loss
-    must be torchao's to FOLLOWER_LOSS_REL."""
+    """STEPS steps of AdamW on both models (the free losses, ours and torchao's, its GEMMs as torch defines them
+    without AMX). At step 1 every FP8 linear's weight gradient is torchao's; at every step a copy of ours also runs
+    from torchao's weights of that step, whose loss must be torchao's to FOLLOWER_LOSS_REL."""
+    with _scaled_mm_as_torch_defines_it():
+        return _train_steps(ours, ref, config, fp8_linears)
+
+
+def _train_steps(ours, ref, config, fp8_linears: list[str]) -> list[tuple[float, float]]:
     opt_ours, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, ref))
     follower = copy.deepcopy(ours)
     gen = torch.Generator().manual_seed(1)
@@ -147,7 +179,7 @@ def test_float8_gemms_have_the_shapes_a_gpu_takes(recipe, monkeypatch) -> None:
         return checked
 
     # the route a GPU takes (torchao's float8 mm, whose GEMM is torch._scaled_mm) instead of the CPU's own
-    monkeypatch.setattr(float8, "float8_mm", torch.mm)
+    monkeypatch.setattr(float8, "_emulated", lambda a: False)
     monkeypatch.setattr(torch, "_scaled_mm", gpu_rule(torch._scaled_mm))
     config = tiny_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
     model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
@@ -156,6 +188,32 @@ def test_float8_gemms_have_the_shapes_a_gpu_takes(recipe, monkeypatch) -> None:
     model(ids[:, :-1], labels=ids[:, 1:]).backward()
     experts = 2 * config.num_hidden_layers * config.num_local_experts  # gate/up and down of each expert
     assert len(calls) >= 3 * (2 * config.num_hidden_layers + experts), len(calls)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_product_over_no_token_is_zeros_on_either_route(recipe, monkeypatch) -> None:
+    """The weight-gradient GEMM of an expert no token reached contracts over nothing. On an AMX Xeon, oneDNN's
+    float8 kernel (torch._scaled_mm with per-tensor scales) returned uninitialised memory for it: NaN, 49152 and
+    2e-13 where zeros belong, the Mixtral FP8 run's non-finite gradients at step 3 (docs/fp8.md). float8_mm gives
+    zeros without a kernel, on the CPU's route and on torchao's (a GPU's), here with a _scaled_mm that leaves its
+    output as oneDNN did."""
+    from llama_megatron.parallel import float8
+    from llama_megatron.parallel.float8 import Float8Linear, float8_mm
+
+    spec = Float8Linear(Float8Config(recipe=recipe), "column")
+    grad, x = torch.randn(0, 48), torch.randn(0, 64)
+    operands = spec.cast(grad, "grad_output_for_grad_weight").t(), spec.cast(x, "input_for_grad_weight")
+    assert torch.equal(float8_mm(*operands), torch.zeros(48, 64))
+
+    def uninitialised(a, b, *args, out_dtype=None, **kwargs):
+        return torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=out_dtype)
+
+    monkeypatch.setattr(float8, "_emulated", lambda a: False)
+    monkeypatch.setattr(torch, "_scaled_mm", uninitialised)
+    assert torch.equal(float8_mm(*operands), torch.zeros(48, 64))
+    nonempty = spec.cast(torch.randn(3, 48), "grad_output_for_grad_weight").t(), spec.cast(torch.randn(3, 64),
+                                                                                          "input_for_grad_weight")
+    assert torch.isnan(float8_mm(*nonempty)).all()  # a product over tokens is the kernel's, on that route
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

@@ -223,6 +223,11 @@ def scaled_mm_cpu(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
     return torch.matmul(a.contiguous().float() * scale_a, b.contiguous().float() * scale_b).to(out_dtype)
 
 
+def _emulated(a) -> bool:
+    """Whether :func:`float8_mm` computes this product itself (a CPU's), or torchao's ``mm`` does (a GPU's)."""
+    return a._data.device.type == "cpu"
+
+
 def float8_mm(a, b) -> torch.Tensor:
     """``torch.mm`` of two operands as :meth:`Float8Linear.cast` returns them: torchao's float8 ``mm``, whose GEMM
     is ``torch._scaled_mm``, on a GPU; on a CPU the same product through :func:`scaled_mm_cpu`, on every CPU.
@@ -234,10 +239,18 @@ def float8_mm(a, b) -> torch.Tensor:
     on the CPU model beyond the rounding of bf16 GEMMs (docs/fp8.md: a Mixtral run's gradients turned non-finite
     there, and only there). Here every CPU computes the product torch's own fallback defines, with torchao's steps
     around it (its rescaling, its bf16 output for rowwise scales; not its zero padding of the inner dimension, which
-    a GPU needs and which adds nothing here): torchao's product bit for bit wherever torch emulates it."""
+    a GPU needs and which adds nothing here): torchao's product bit for bit wherever torch emulates it.
+
+    A product over an empty inner dimension (the weight gradient of an expert no token reached) is zeros on every
+    device, without a kernel: oneDNN's AMX kernel returned uninitialised memory for it (NaN, 49152, 2e-13: the
+    non-finite gradients of docs/fp8.md), and no GEMM library is asked to define that case."""
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, choose_scaled_mm_config
 
-    if not (isinstance(a, Float8TrainingTensor) and isinstance(b, Float8TrainingTensor)) or a._data.device.type != "cpu":
+    if not (isinstance(a, Float8TrainingTensor) and isinstance(b, Float8TrainingTensor)):
+        return torch.mm(a, b)
+    if a.shape[1] == 0:
+        return torch.zeros(a.shape[0], b.shape[1], dtype=a._orig_dtype, device=a._data.device)
+    if not _emulated(a):
         return torch.mm(a, b)
     mm_config = choose_scaled_mm_config(a._gemm_input_role, a._linear_mm_config, b._gemm_input_role,
                                         b._linear_mm_config)

@@ -211,22 +211,6 @@ def _run_function(job: Job, rank: int) -> int:
     return 0
 
 
-def _bind_core(job: Job, rank: int) -> None:
-    """Rank ``rank`` of a multi-rank job on one core of those the server may use (rank i on the i-th, round robin), as
-    ``deepspeed --bind_cores_to_rank`` binds a rank to its cores. Where ranks outnumber cores, an unbound rank's
-    threads (its own and gloo's TCP loop, which wakes for every message) migrate between cores at each of the
-    hundreds of collectives a step makes; bound, a rank's threads wake where they slept. Only one-thread ranks (the
-    thread count is what decides a rank's numerics, and it is left as it is); ``RANK_POOL_BIND=0`` turns it off."""
-    if job.nprocs < 2 or job.env.get("RANK_POOL_BIND") == "0":
-        return
-    threads = job.env.get("OMP_NUM_THREADS", "")
-    if (int(threads) if threads.isdigit() else _DEFAULT_THREADS) != 1:
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) > 1:
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-
-
 def _child_main(job: Job, rank: int, out_path: str, err_path: str) -> None:
     """A forked rank: its streams, its run, then the interpreter's own ending (threads joined, atexit, flush)."""
     try:
@@ -238,7 +222,6 @@ def _child_main(job: Job, rank: int, out_path: str, err_path: str) -> None:
             os.close(fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        _bind_core(job, rank)
         profile_dir = job.env.get("RANK_POOL_PROFILE")  # where each rank's cProfile of its job goes
         profiler = None
         if profile_dir:

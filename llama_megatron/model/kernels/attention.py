@@ -10,6 +10,10 @@ pipeline parallelism each stage rebuilds it from the ids that travel with the hi
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -65,14 +69,37 @@ def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, max_len
 
 
+@functools.cache
+def _cpu_flash_packs_below_its_isa() -> bool:
+    """Whether torch's CPU flash attention would pack reduced-precision operands for AMX that ATen then refuses to
+    pack. It packs when oneDNN can use AMX (the hardware has it, ``ONEDNN_MAX_CPU_ISA`` allows it), and the packing
+    is ATen's own kernel, which refuses below AVX-512: under ``ATEN_CPU_CAPABILITY=avx2`` (or ``default``) on an AMX
+    Xeon every bf16 attention over 64 tokens or more raised "pack_vnni2 is only supported when avx512 is supported"
+    (torch 2.13; transformers' SDPA attention too)."""
+    onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    return (torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2") and torch.cpu._is_amx_tile_supported()
+            and (onednn_isa == "ALL" or "AMX" in onednn_isa))
+
+
+def sdpa_backend(q: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context every SDPA call of ours runs in. Where the CPU flash kernel would fail
+    (:func:`_cpu_flash_packs_below_its_isa`), oneDNN is off for the call: the kernel then asks no AMX packing and
+    runs as on a CPU without AMX (the same kernel, the same saved tensors; its backward packs nothing)."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and _cpu_flash_packs_below_its_isa():
+        return torch.backends.mkldnn.flags(enabled=False)
+    return contextlib.nullcontext()
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, enable_gqa: bool,
           causal: bool = True) -> torch.Tensor:
-    """SDPA on [b, s, heads, d] tensors: ``mask`` if given, else causal (``causal``) or over every key."""
+    """SDPA on [b, s, heads, d] tensors: ``mask`` if given, else causal (``causal``) or over every key, in
+    :func:`sdpa_backend`."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    with sdpa_backend(q):
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     return out.transpose(1, 2)
 
 

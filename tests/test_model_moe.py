@@ -325,6 +325,46 @@ def _four_process_worker(rank: int, world_size: int) -> None:
             for pad in (False, True):  # dropped assignments never sent; padded inputs of fixed split sizes
                 check_grouped_equals_loop(CASES["top3-of-8-tied"], pctx,
                                           capacity=ExpertCapacity(capacity_factor=0.5, pad_to_capacity=pad))
+    _check_engines_read_packed_experts_as_one_tensor(world_size)
+
+
+def _check_engines_read_packed_experts_as_one_tensor(world_size: int) -> None:
+    """Under DeepSpeed's engines (ZeRO-1 bf16 at EP2, whose experts are in param groups of their own; ZeRO-2 fp32
+    at DP4) each layer's grouped experts are still one strided tensor per kind (no copy per call) before and after a
+    step (ZeRO-1/2 flatten the parameters in the order they were packed in), and the step's loss is the loop's."""
+    from llama_megatron.data.batch import collate
+    from llama_megatron.parallel.grouped_linear import as_one_tensor
+    from llama_megatron.training.config import TrainingConfig
+    from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config
+    from llama_megatron.training.engine.training_engine import TrainingEngine
+
+    def read_as_views(model) -> bool:
+        layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
+        kinds = [[e.gate_up_proj.weight for e in m.experts.values()] for m in layers] + [
+            [e.down_proj.weight for e in m.experts.values()] for m in layers]
+        return bool(layers) and all(as_one_tensor(kind).data_ptr() == kind[0].data_ptr() for kind in kinds)
+
+    gen = torch.Generator().manual_seed(3)
+    for ds, expert in (("ds_configs/zero1_bf16.json", 2), ("ds_configs/zero2_fp32.json", 1)):
+        config = TrainingConfig.from_file(PRETRAIN_CONFIG, [
+            'data={"type": "synthetic"}', "model.model_type=mixtral", "model.num_local_experts=4",
+            "model.num_experts_per_tok=2", f"parallel.expert={expert}", "batch.micro_batch_size=2",
+            f"batch.global_batch_size={2 * world_size}", "optimizer.warmup_steps=0"])
+        tokens = torch.randint(0, config.model.vocab_size, (2, config.seq_length + 1), generator=gen)
+        batch = collate([{"tokens": row.numpy()} for row in tokens])
+        losses = {}
+        for kernels in (GROUPED, REFERENCE):
+            pctx = ParallelContext.build(expert=expert)
+            model = build_model(config.model, config.parallel, pctx, seed=config.seed, kernels=kernels)
+            engine = TrainingEngine(config, build_deepspeed_config(config, ds, world_size), pctx, model)
+            if kernels.grouped_experts:
+                assert read_as_views(model), f"{ds}: the experts are copied every call"
+            losses[kernels.grouped_experts] = float(engine.train_step([batch]))
+            if kernels.grouped_experts:
+                assert read_as_views(model), f"{ds}: the experts are copied every call after a step"
+            del engine
+        # the same products per expert in the same order (CPU): equal whatever the dtype
+        assert losses[True] == losses[False], (ds, losses)
 
 
 @pytest.mark.launched

@@ -58,7 +58,7 @@ from llama_megatron.model.mlp import gate_up_parts
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp, all_to_all_tokens, scale_gradient
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import LocalShapes
-from llama_megatron.parallel.grouped_linear import expert_offsets, grouped_linear
+from llama_megatron.parallel.grouped_linear import expert_offsets, grouped_linear, pack_evenly
 from llama_megatron.parallel.layers import (
     LocalLinear,
     column_parallel_input,
@@ -179,6 +179,7 @@ class MoEMLP(nn.Module):
         # parameter of the block (its experts') when the block starts (DeepSpeed's "leaf module")
         self._z3_leaf = kernels.grouped_experts
         self.mark_experts()
+        self.pack_experts()
 
     def mark_experts(self) -> None:
         """DeepSpeed's mark of an expert parameter (reduced over its expert-data-parallel group), on every parameter
@@ -186,6 +187,13 @@ class MoEMLP(nn.Module):
         if self.pctx.ep_size > 1:
             for param in self.experts.parameters():
                 param.allreduce, param.group_name = False, self.pctx.expert_group_name
+
+    def pack_experts(self) -> None:
+        """On the grouped path, this rank's experts' parameters in one buffer, expert after expert, so that the
+        grouped products read each kind as one strided tensor instead of stacking a copy every call
+        (:func:`~llama_megatron.parallel.grouped_linear.as_one_tensor`)."""
+        if self.kernels.grouped_experts:
+            pack_evenly(list(self.experts.parameters()))
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """DeepSpeed's engine calls this on every module that has it, before it reads its expert groups."""
@@ -377,6 +385,14 @@ class MoEMLP(nn.Module):
         store = linears[0].lora.weight_grad_store
         low_rank = grouped_linear(rows, [a for a, _ in factors], offsets, store, tail)
         return out + grouped_linear(low_rank, [b for _, b in factors], offsets, store, tail) * linears[0].lora.scaling
+
+
+def pack_experts(model: nn.Module) -> None:
+    """:meth:`MoEMLP.pack_experts` on every MoE layer of ``model``: once it is built, and again once it is on its
+    device (a move copies each parameter on its own)."""
+    for module in model.modules():
+        if isinstance(module, MoEMLP):
+            module.pack_experts()
 
 
 def assignment_counts(expert_of: torch.Tensor, num_experts: int) -> torch.Tensor:

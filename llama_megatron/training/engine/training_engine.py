@@ -26,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from llama_megatron.data.batch import MicroBatch, to_device
 from llama_megatron.data.sft.config import PreferenceData
 from llama_megatron.model.build import build_model
+from llama_megatron.model.moe import pack_experts
 from llama_megatron.model.preference import METRICS, preference_targets
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
@@ -54,6 +55,7 @@ class TrainingEngine:
                 fp8=config.fp8,
             )
         model.to(self.device)
+        pack_experts(model)  # after the move, before the optimizer and DeepSpeed hold the parameters
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
         optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload, experts=pctx.ep_size > 1)
         total_steps = config.train.steps

@@ -23,6 +23,7 @@ import torch
 from llama_megatron.checkpoint.directory import read_meta
 from llama_megatron.errors import CheckpointError, ConfigError
 from llama_megatron.model.generation import Sampling, generate
+from llama_megatron.model.moe import pack_experts
 from llama_megatron.model.staged_inference import StagedCausalLM
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.placement import placement
@@ -158,6 +159,7 @@ def open_checkpoint(request: GenerationRequest, before_groups: Callable[[Trainin
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[request.dtype or ("bf16" if device.type == "cuda"
                                                                                else "fp32")]
     model = load_model(pre, pctx).to(device=device, dtype=dtype).eval()
+    pack_experts(model)  # the move copied each expert's parameters apart: grouped experts read them as one again
     if pctx.pp_size > 1:
         model = StagedCausalLM(model, config.model, pctx, config.parallel.local_shapes(config.model))
     return InferenceModel(config, pctx, model, tokenizer_dir, tokenizer)

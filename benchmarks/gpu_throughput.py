@@ -2,7 +2,7 @@
 
 One process, the same config, weights and batches, bf16 parameters, a train step = forward + backward + fused
 AdamW. Prints one JSON line per model shape (tokens/s, MFU, peak GiB of each variant and the ratios against HF
-and HF + Liger) and one per per-document attention length (fwd+bwd time and peak memory of the reference dense
+and HF + Liger; with ``--profile`` each variant's longest kernels and its host synchronisations per step) and one per per-document attention length (fwd+bwd time and peak memory of the reference dense
 mask, our fast path, causal SDPA and FlexAttention with a document block mask).
 
     python benchmarks/gpu_throughput.py                      # TinyLlama-1.1B seq 2048 x 4, Llama-2-7B dims x 8 layers,
@@ -29,6 +29,7 @@ from llama_megatron.config import ModelConfig  # noqa: E402
 from llama_megatron.model.build import build_model  # noqa: E402
 from llama_megatron.model.kernels import resolve_kernels  # noqa: E402
 from llama_megatron.model.kernels.attention import FastAttention, ReferenceAttention  # noqa: E402
+from llama_megatron.model.moe import pack_experts  # noqa: E402
 from llama_megatron.model.param_layout import as_checkpoint_tensors  # noqa: E402
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
@@ -88,10 +89,27 @@ def top_kernels(step, ids, device: torch.device, count: int = 12) -> list:
         [name[:90], round(us / 1e3, 2), calls] for name, us, calls in rows[:count]]
 
 
+def host_syncs(step, ids, device: torch.device) -> int | None:
+    """The device-to-host synchronisations of one step (CUDA: torch's sync debug mode warns at each ``.item()``,
+    ``.tolist()``, ``nonzero``, host copy); None elsewhere (a CPU has nothing to wait for)."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def time_train_steps(model, loss_of, batches, warmup: int, device: torch.device,
-                     profile: bool = False) -> tuple[float, float | None] | tuple[float, float | None, list]:
+                     profile: bool = False) -> tuple[float, float | None] | tuple[float, float | None, list, int | None]:
     """Seconds for the timed steps and the peak memory of the whole (warm-up included) run; with ``profile``, the
-    top kernels of one more step (after the timing)."""
+    top kernels of one more step (after the timing) and the host synchronisations of another."""
     _reset_peak(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
@@ -109,7 +127,8 @@ def time_train_steps(model, loss_of, batches, warmup: int, device: torch.device,
     _sync(device)
     elapsed = time.perf_counter() - start
     if profile:
-        return elapsed, _peak_gib(device), top_kernels(step, batches[-1], device)
+        peak = _peak_gib(device)
+        return elapsed, peak, top_kernels(step, batches[-1], device), host_syncs(step, batches[-1], device)
     return elapsed, _peak_gib(device)
 
 
@@ -156,8 +175,10 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
 
     began = time.perf_counter()
 
-    def record(label: str, seconds: float, peak_gib: float | None, kernels: list | None = None) -> None:
-        """``wall_s``: the variant's whole time (building, loading, compiling, warm-up, timing, profiling)."""
+    def record(label: str, seconds: float, peak_gib: float | None, kernels: list | None = None,
+               syncs: int | None = None) -> None:
+        """``wall_s``: the variant's whole time (building, loading, compiling, warm-up, timing, profiling);
+        ``host_syncs`` (profiled runs): a step's device-to-host synchronisations (None off CUDA)."""
         nonlocal began
         tflops = flops / seconds / 1e12
         result[label] = {"tokens_per_s": round(tokens / seconds, 1), "tflops": round(tflops, 2),
@@ -166,6 +187,7 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
         began = time.perf_counter()
         if kernels:
             result[label]["top_kernels_ms"] = kernels
+            result[label]["host_syncs"] = syncs
 
     def ours_loss(m, ids):
         return m(ids[:, :-1], labels=ids[:, 1:])
@@ -182,6 +204,7 @@ def bench_shape(name: str, spec, args, device: torch.device, dtype: torch.dtype)
                                 kernels=resolve_kernels(choice, device), fp8=fp8 if precision == "fp8" else None)
             model.load_state_dict(state)
             model.to(device=device, dtype=dtype)
+            pack_experts(model)  # the move copied each expert's parameters apart (the training engine packs too)
             label = f"ours_{choice}" + ("_fp8" if precision == "fp8" else "")
             record(label, *time_train_steps(model, ours_loss, batches, args.warmup, device, args.profile))
             del model

@@ -4,7 +4,7 @@
 #   GPU, one part after another (cores 0-5):
 #     model      benchmarks/gpu_throughput.py: a train step of TinyLlama-1.1B, Llama-2-7B dims x 8 layers and Mixtral-8x7B
 #                dims x 2 layers (the MoE layer), ours (compiled: kernels auto on CUDA) vs transformers and transformers + Liger,
-#                each variant's top kernels in one profiled step
+#                each variant's top kernels in one profiled step and its host synchronisations in another
 #     fp8        the same script with --fp8 tensorwise on TinyLlama and the 7B-dims layers: ours FP8 / bf16, and
 #                against HF with torchao's float8 (torchtitan's way; docs/fp8.md)
 #     attention  the same script's per-document attention at 2k / 8k / 32k vs FlexAttention

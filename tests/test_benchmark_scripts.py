@@ -26,6 +26,7 @@ def test_gpu_throughput_smoke() -> None:
         assert {"ratio_ours_reference_fp8_vs_ours_reference", "ratio_ours_reference_fp8_vs_hf_torchao_fp8"} <= set(model)
         total, *longest = model["hf"]["top_kernels_ms"]  # the profiled step: its total and longest operators
         assert total[0] == "total" and longest and all(0 < ms <= total[1] for _, ms, _ in longest)
+        assert model["ours_reference"]["host_syncs"] is None  # counted on CUDA only: a CPU has nothing to wait for
     for key in ("reference_dense_mask", "ours_fast", "causal_sdpa_no_documents"):
         assert attention[key]["ms"] > 0
 

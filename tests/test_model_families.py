@@ -290,8 +290,11 @@ def test_token_dropping_is_logged_and_a_capacity_that_drops_nothing_changes_noth
 def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
     """Losses (1e-5; observed 1.2e-7) and gradient norms (1e-4; observed 8.6e-6): the pipeline engine clips by the
     whole model's norm, later stages' norms and biases included (training/engine/pipeline_engine.py). A bf16 layout against
-    the bf16 TP1-PP1 run: 1e-4 and 1e-2 (observed 4e-5 and 3e-3), expert loads 2e-2 (near ties route a few of a
-    step's 2048 assignments differently in bf16: observed 9e-3 at step 6)."""
+    the bf16 TP1-PP1 run: 1e-4 and 1e-2 (observed 4e-5 and 3e-3). Expert loads: 2e-2, or what bf16 itself does to
+    the loads by that step if more (the bf16 TP1-PP1 run's loads against the fp32 one's). Near ties route some of a
+    step's 2048 assignments differently in bf16, and once they do the runs' routings drift apart as bf16's does
+    from fp32's: observed 3.4e-3 at step 6 on an AMX Xeon; 7.0e-2 on the same CPU without SIMD, where bf16's own
+    drift at step 6 is 0.13 (0.18 with AVX-512)."""
     bf16 = layout.endswith("bf16")
     variant = next((v for v in ("-bf16", "-documents") if layout.endswith(v)), "")
     reference_run = runs / f"{family}-tp1-pp1{variant}"
@@ -303,10 +306,14 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
         assert_losses_close(losses(runs / f"{family}-{layout}", key), losses(reference_run, key), rel,
                             range(1, STEPS + 1))
     if family in MOE_FAMILIES:  # the same routing, logged as each expert's share of the step's assignments
+        fp32_loads = losses(runs / f"{family}-tp1-pp1", "expert_load")
         for step, (ours, reference) in enumerate(zip(losses(runs / f"{family}-{layout}", "expert_load").values(),
                                                      losses(reference_run, "expert_load").values()), start=1):
             assert len(ours) == 4 and abs(sum(ours) - 1) < 1e-5, step
-            assert max(abs(a - b) for a, b in zip(ours, reference)) < (load_abs if bf16 else 1e-6), step
+            bound = 1e-6
+            if bf16:  # bf16's own drift: the bf16 reference's loads against the fp32 reference's at this step
+                bound = max(load_abs, max(abs(a - b) for a, b in zip(reference, fp32_loads[step])))
+            assert max(abs(a - b) for a, b in zip(ours, reference)) < bound, step
 
 
 def test_llama4_release_through_an_expert_parallel_checkpoint_and_back_is_exact(runs, tmp_path) -> None:

@@ -74,7 +74,9 @@ def _scaled_mm_as_torch_defines_it():
     rowwise recipes' backward ones) to oneDNN, whose fp32 sums differ from the emulation's in the last bit (2.5e-7
     of the largest element measured), and ours computes the emulation's on every CPU (float8.py, docs/fp8.md). One
     last bit upstream moves a tensorwise scale and so every operand it scales: on an AMX Xeon the first layer's
-    weight gradient was 7% off at step 1. Without AMX this is torch's own function (test below: bit for bit)."""
+    weight gradient was 7% off at step 1. Without AMX this is torch's own function (test below: bit for bit). With
+    oneDNN held below AMX (``ONEDNN_MAX_CPU_ISA=AVX2`` on an AMX Xeon) torch still hands it those GEMMs, and oneDNN
+    refuses them ("could not create a primitive descriptor"): this is then the only way they run at all."""
     if not torch.cpu._is_amx_tile_supported():
         yield
         return
@@ -180,12 +182,17 @@ def test_float8_gemms_have_the_shapes_a_gpu_takes(recipe, monkeypatch) -> None:
 
     # the route a GPU takes (torchao's float8 mm, whose GEMM is torch._scaled_mm) instead of the CPU's own
     monkeypatch.setattr(float8, "_emulated", lambda a: False)
-    monkeypatch.setattr(torch, "_scaled_mm", gpu_rule(torch._scaled_mm))
     config = tiny_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
     model = build_model(config, ParallelConfig(make_vocab_size_divisible_by=1), ParallelContext.single(),
                         initialize=False, fp8=Float8Config(recipe=recipe))
     ids = torch.randint(0, config.vocab_size, (2, 18), generator=torch.Generator().manual_seed(0))
-    model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    with _scaled_mm_as_torch_defines_it():  # where oneDNN would take them, the GEMMs run as torch defines them
+        gemm = torch._scaled_mm
+        torch._scaled_mm = gpu_rule(gemm)
+        try:
+            model(ids[:, :-1], labels=ids[:, 1:]).backward()
+        finally:
+            torch._scaled_mm = gemm
     experts = 2 * config.num_hidden_layers * config.num_local_experts  # gate/up and down of each expert
     assert len(calls) >= 3 * (2 * config.num_hidden_layers + experts), len(calls)
 

@@ -218,12 +218,16 @@ def _largest_gap(found: dict[int, float], reference: dict[int, float]) -> float:
 
 def test_the_layouts_gap_is_bf16s_own(fp8_runs) -> None:
     """Why no layout is held to 1e-5 of one process: without FP8, the same bf16 model at TP2 is already further than
-    that from one process (TP's all-reduce adds bf16 partial sums in another order), and the FP8 run's TP2 gap is
-    of the same size, not a float8 error on top of it."""
+    that from one process (TP's all-reduce adds bf16 partial sums in another order). Under FP8 those last bits move
+    a few float8 casts across a rounding boundary (a whole float8 step, 6-12% of the element), so the FP8 run's TP2
+    gap is set by float8's rounding, not by bf16's gap: it is less than what float8's rounding of every operand does
+    to the one-process run (its distance from the bf16 run)."""
     bf16_gap = _largest_gap(fp8_runs["tp2-bf16"], fp8_runs["bf16"])
     fp8_gap = _largest_gap(fp8_runs["tp2"], fp8_runs["fp8"])
-    assert bf16_gap > 1e-5, bf16_gap  # 1.5e-4 measured (2026-11-29)
-    assert fp8_gap <= 10 * bf16_gap, (fp8_gap, bf16_gap)  # 3.8e-4: 2.5x; a float8 cast moves an operand a whole step
+    recipe_gap = _largest_gap(fp8_runs["fp8"], fp8_runs["bf16"])
+    # measured on an AMX Xeon: 2.4e-4, 2.2e-4, 1.1e-3; on the same CPU without SIMD: 3.0e-5, 5.4e-4, 9.4e-4
+    assert bf16_gap > 1e-5, bf16_gap
+    assert fp8_gap < recipe_gap, (fp8_gap, recipe_gap)
 
 
 def test_recomputation_repeats_the_float8_forward_exactly(fp8_runs) -> None:

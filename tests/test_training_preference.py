@@ -26,6 +26,7 @@ table is gone; an ORPO run (reference-free: no reference pass); TensorBoard's pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -290,13 +291,23 @@ def _single_process_twin(name: str) -> str:
 @pytest.mark.parametrize("name", [n for n, (procs, _) in WHOLE.items() if procs > 1])
 def test_whole_runs_match_the_single_process_run(name, whole_runs) -> None:
     """Every layout trains the TP1-PP1 run's model (of the same rows: a packed sample is a row of pairs; of the same
-    family and precision): losses, validation losses and reward margins per step (fp32 1e-4 relative; bf16 5e-3)."""
+    family and precision): losses, validation losses and reward margins per step (fp32 1e-4 relative; bf16 5e-3, the
+    margins what that bound lets the loss's argument move)."""
     want, got = whole_runs[_single_process_twin(name)], whole_runs[name]
     rel = BF16_REL if "bf16" in name else REL
     assert_losses_close(got["loss"], want["loss"], rel, range(1, RUN_STEPS + 1))
     assert_losses_close(got["val"], want["val"], rel, [2, 4])
     for step in range(2, RUN_STEPS + 1):  # step 1's margins are 0 up to rounding (the policy is the reference)
-        assert got["margins"][step] == pytest.approx(want["margins"][step], rel=rel * 10, abs=ABS)
+        if "bf16" not in name:
+            assert got["margins"][step] == pytest.approx(want["margins"][step], rel=rel * 10, abs=ABS)
+            continue
+        # A margin is a difference of summed log-probabilities that nearly cancel, so its bf16 rounding is the sums',
+        # not a share of the small difference (5.7% of it on a CPU without SIMD, 2.0e-3 absolute). It is held to
+        # what the loss's own bound lets it move: the sigmoid loss -log sigmoid(m) moves by sigmoid(-m) per unit
+        # of m (1/2 at m = 0)
+        margin = want["margins"][step]
+        bound = rel * want["loss"][step] / (1 / (1 + math.exp(margin)))
+        assert got["margins"][step] == pytest.approx(margin, abs=bound)
 
 
 def test_a_resume_reads_its_reference_and_continues_exactly(whole_runs) -> None:

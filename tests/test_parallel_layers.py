@@ -9,7 +9,7 @@ from dist_utils import run_distributed
 
 from llama_megatron.parallel.collectives import scatter_to_tp_region
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_entropy
 from llama_megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 B, S, IN, OUT = 2, 8, 12, 16
@@ -125,6 +125,12 @@ def _check_cross_entropy(pctx: ParallelContext) -> None:
 
     bf16 = vocab_parallel_cross_entropy(local.detach().bfloat16(), target, pctx, vocab_size=vocab)
     assert bf16.dtype == torch.float32
+    # each position's entropy over the true vocabulary (the huge padded logits left out), against torch's
+    # Categorical on the whole true logits; fp32 sums of 37 terms in another order: 1e-5
+    entropy = vocab_parallel_entropy(local, pctx, vocab)
+    want = torch.distributions.Categorical(logits=logits[..., :vocab]).entropy()
+    torch.testing.assert_close(entropy, want, rtol=1e-5, atol=1e-5)
+    assert not entropy.requires_grad
 
 
 def _check_scatter_gather(pctx: ParallelContext) -> None:

@@ -20,17 +20,24 @@ def _all_reduce(x: torch.Tensor, op, pctx: ParallelContext) -> None:
         dist.all_reduce(x, op=op, group=pctx.tp_group)
 
 
+def _true_vocab_logits(logits: torch.Tensor, pctx: ParallelContext, vocab_size: int) -> torch.Tensor:
+    """This rank's vocabulary shard of ``logits`` in fp32, the padding columns past the true vocabulary at -inf."""
+    rows = logits.shape[-1]
+    valid_cols = vocab_size - pctx.tp_rank * rows
+    logits = logits.float()
+    if valid_cols < rows:
+        logits = logits.clone()
+        logits[..., max(valid_cols, 0):] = float("-inf")
+    return logits
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, pctx, vocab_size, ignore_index):
         rows = logits.shape[-1]
         input_dtype = logits.dtype
         vocab_start = pctx.tp_rank * rows
-        logits = logits.float()
-        valid_cols = vocab_size - vocab_start
-        if valid_cols < rows:
-            logits = logits.clone()
-            logits[..., max(valid_cols, 0):] = float("-inf")
+        logits = _true_vocab_logits(logits, pctx, vocab_size)
 
         logits_max = logits.amax(dim=-1)
         _all_reduce(logits_max, dist.ReduceOp.MAX, pctx)
@@ -71,6 +78,21 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pct
     The loss is computed in fp32 whatever the logits' dtype.
     """
     return _VocabParallelCrossEntropy.apply(logits, target, pctx, vocab_size, ignore_index)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor, pctx: ParallelContext, vocab_size: int) -> torch.Tensor:
+    """The entropy (nats, fp32, no gradient: a metric, and what GRPO's high-entropy mask ranks) of each position's
+    next-token distribution over the true vocabulary, from ``logits`` [..., padded_vocab / tp]: ``log S - sum(e z) /
+    S`` with ``e = exp(z - max)``, ``S = sum(e)``; one max and one two-value sum over TP, no full vocabulary."""
+    shifted = _true_vocab_logits(logits, pctx, vocab_size)
+    top = shifted.amax(dim=-1)
+    _all_reduce(top, dist.ReduceOp.MAX, pctx)
+    shifted = shifted - top.unsqueeze(-1)
+    weights = shifted.exp()
+    sums = torch.stack([weights.sum(dim=-1), (weights * shifted.masked_fill(weights == 0, 0.0)).sum(dim=-1)])
+    _all_reduce(sums, dist.ReduceOp.SUM, pctx)
+    return sums[0].log() - sums[1] / sums[0]
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

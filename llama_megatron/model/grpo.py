@@ -1,0 +1,218 @@
+"""GRPO and its loss family: group-relative advantages from rewards, and the clipped policy-gradient loss of each
+completion token, as TRL's ``GRPOTrainer`` defines them (TRL 1.16: ``_generate_and_score_completions`` for the
+advantages, ``_compute_loss`` for the loss and its metrics; the names are ``GRPOConfig``'s).
+
+A loss is written as what one micro batch adds to the loss of the whole optimizer step (:func:`micro_batch_loss`
+with the step's :class:`GRPOStepCounts`), so the micro batches of a step, wherever they run (data-parallel ranks,
+gradient accumulation, a pipeline's last stage), add up to the loss whose gradient TRL's step takes: the mean over
+its processes of the sum over its accumulated micro batches of each micro batch's loss. Each ``loss_type`` divides
+by its own count:
+
+- ``dapo`` (TRL's default) and ``cispo``: the completion tokens of the step (TRL's ``num_items_in_batch``, the
+  generation batch's, when one generation serves one optimizer step);
+- ``grpo``: each completion's token mean, averaged over the step's completions;
+- ``luspo``: each completion's token sum, averaged over the completions;
+- ``dr_grpo``: the tokens' sum over completions x ``max_completion_length``;
+- ``bnpo``: each micro batch's token mean, averaged over the micro batches (the one count that depends on how the
+  step is cut into micro batches: TRL's per-device micro batches are ours).
+
+Only sum-then-normalise reward aggregation (TRL's default ``multi_objective_aggregation``) is written; the ``sapo``
+and ``vespo`` losses, the off-policy mask, vLLM's importance-sampling correction and the entropy bonus are not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "luspo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+_STD_FLOOR = 1e-4  # TRL's: advantages are divided by (std + 1e-4), so a group of equal rewards gives zeros
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """TRL's ``GRPOConfig`` names and defaults: ``loss_type``, ``beta`` (the KL coefficient against the reference;
+    0: no reference), ``epsilon`` and ``epsilon_high`` (the clip range ``[1 - epsilon, 1 + epsilon_high]``; for
+    ``cispo`` the ratio's upper bound is ``epsilon_high``), ``delta`` (two-sided clipping: the ratio's cap),
+    ``importance_sampling_level`` (``sequence``: GSPO's one ratio per completion), ``scale_rewards``,
+    ``max_completion_length`` (``dr_grpo``'s constant) and ``use_bias_correction_kl`` (the KL term weighted by the
+    importance ratio)."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    max_completion_length: int = 512
+    use_bias_correction_kl: bool = True
+
+    @property
+    def upper(self) -> float:
+        """``epsilon_high``, or ``epsilon`` where it is not set (TRL's rule)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta != 0.0
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one line each (empty: nothing)."""
+        found = []
+        for name, value, choices in (("loss_type", self.loss_type, LOSS_TYPES),
+                                     ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+                                     ("importance_sampling_level", self.importance_sampling_level,
+                                      IMPORTANCE_SAMPLING_LEVELS)):
+            if value not in choices:
+                found.append(f"grpo.{name} {value!r} is not one of {', '.join(choices)}")
+        if self.beta < 0:
+            found.append(f"grpo.beta must be >= 0 (got {self.beta})")
+        if not 0 <= self.epsilon < 1:
+            found.append(f"grpo.epsilon must be in [0, 1) (got {self.epsilon})")
+        if self.upper < 0:
+            found.append(f"grpo.epsilon_high must be >= 0 (got {self.epsilon_high})")
+        if self.delta is not None and self.delta <= 0:
+            found.append(f"grpo.delta must be > 0 (got {self.delta})")
+        if self.max_completion_length < 1:
+            found.append(f"grpo.max_completion_length must be >= 1 (got {self.max_completion_length})")
+        return found
+
+
+def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation ignoring NaN, with Bessel's correction (NaN where fewer than two values)."""
+    keep = dim is not None
+    dims = dim if keep else tuple(range(values.dim()))
+    mean = torch.nanmean(values, dim=dims, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dims, keepdim=True)
+    # the count in the values' dtype: TRL's nanstd divides two int64 counts, a float32 correction that float64
+    # rewards would see; for float32 rewards (TRL's) the two are the same
+    count = (~torch.isnan(values)).sum(dim=dims, keepdim=True).to(values.dtype)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = variance.sqrt()
+    return std.squeeze(dim) if keep else std.reshape(())
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """One value per completion of a generation batch (prompt after prompt, ``num_generations`` each)."""
+
+    advantages: torch.Tensor  # what the loss multiplies each completion's tokens by
+    rewards: torch.Tensor  # the weighted sum of the reward functions (NaN: no function scored it)
+    std: torch.Tensor  # the deviation the advantages were divided by (or, for "none", would have been)
+
+
+def group_advantages(rewards_per_function: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str = "group") -> Advantages:
+    """Advantages of a generation batch from ``rewards_per_function`` [completions, functions] (NaN where a
+    function returned None) and the functions' ``weights``: each completion's weighted reward sum (NaN where no
+    function scored it) less its group's mean (NaN ignored), divided by the group's deviation (``group``), the whole
+    batch's (``batch``) or nothing (``none``), plus 1e-4; a completion no function scored gets 0."""
+    if rewards_per_function.shape[0] % num_generations:
+        raise ValueError(f"{rewards_per_function.shape[0]} completions are not groups of {num_generations}")
+    unscorable = torch.isnan(rewards_per_function).all(dim=1)
+    rewards = (rewards_per_function * weights.to(rewards_per_function).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = float("nan")
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif num_generations > 1:
+        std = _nanstd(groups, dim=1).repeat_interleave(num_generations)
+    else:
+        std = torch.zeros_like(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + _STD_FLOOR)
+    return Advantages(torch.nan_to_num(advantages, nan=0.0), rewards, std)
+
+
+@dataclass(frozen=True)
+class TokenLosses:
+    """Per completion token ([completions, tokens]; GSPO's ratio terms [completions, 1] where nothing else
+    broadcasts them): the loss before its reduction, and what the metrics read."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor  # the importance ratio (exp of the log-ratio), per token or per completion
+    kl: torch.Tensor | None  # the per-token KL estimate against the reference (beta > 0)
+    low_clipped: torch.Tensor  # the ratio under 1 - epsilon where the advantage is negative
+    high_clipped: torch.Tensor  # over 1 + epsilon_high (cispo: over epsilon_high) where the advantage is positive
+
+
+def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 config: GRPOLossConfig, ref_logps: torch.Tensor | None = None) -> TokenLosses:
+    """The loss of each completion token from the policy's log-probabilities ``logps`` [B, T] (with their graph),
+    those at generation time ``old_logps`` (equal to ``logps`` on the first pass over fresh completions), the
+    completions' ``advantages`` [B] and the trained tokens' ``mask`` [B, T]; ``ref_logps`` where ``beta`` > 0."""
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    log_ratio = logps - old_logps
+    if config.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    kl = None
+    if config.beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference's log-probabilities")
+        # k3, the estimator TRL (and DeepSeekMath) use: exp(r - p) - (r - p) - 1 >= 0
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if config.use_bias_correction_kl:
+            kl = kl * ratio
+    low = 1 - config.epsilon
+    if config.loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=config.upper).detach() * advantages * logps
+        low_clipped = torch.zeros_like(ratio * advantages, dtype=torch.bool)
+        high_clipped = (ratio > config.upper) & (advantages > 0)
+    else:
+        clipped = torch.clamp(ratio, low, 1 + config.upper)
+        capped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
+        loss = -torch.min(capped * advantages, clipped * advantages)
+        low_clipped = (ratio < low) & (advantages < 0)
+        high_clipped = (ratio > 1 + config.upper) & (advantages > 0)
+    if kl is not None:
+        loss = loss + config.beta * kl
+    return TokenLosses(loss, ratio, kl, low_clipped, high_clipped)
+
+
+@dataclass(frozen=True)
+class GRPOStepCounts:
+    """Counts over one optimizer step (every data-parallel rank's micro batches): its completions, their trained
+    tokens and its micro batches."""
+
+    completions: int
+    tokens: float
+    micro_batches: int
+
+
+def micro_batch_loss(per_token: torch.Tensor, mask: torch.Tensor, config: GRPOLossConfig,
+                     counts: GRPOStepCounts) -> torch.Tensor:
+    """What this micro batch adds to its step's loss: ``per_token`` (:attr:`TokenLosses.loss`) over the trained
+    tokens ``mask``, divided as the ``loss_type`` says (module docstring), so that the step's micro batches sum to
+    the loss TRL's step differentiates."""
+    mask = mask.to(per_token.dtype) if per_token.is_floating_point() else mask.float()
+    masked = per_token * mask
+    if config.loss_type in ("dapo", "cispo"):
+        return masked.sum() / max(counts.tokens, 1.0)
+    if config.loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / counts.completions
+    if config.loss_type == "luspo":
+        return masked.sum(-1).sum() / counts.completions
+    if config.loss_type == "dr_grpo":
+        return masked.sum() / (counts.completions * config.max_completion_length)
+    if config.loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0) / counts.micro_batches
+    raise ValueError(f"unknown loss_type {config.loss_type!r}")
+
+
+def masked_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[sum, count]`` of ``values`` over the trained tokens (a per-completion value [B, 1] counts once per
+    completion, as TRL's metrics count it): summed over ranks, their ratio is TRL's global masked mean."""
+    values = values.detach()
+    values = values if values.is_floating_point() and values.dtype.itemsize >= 4 else values.float()
+    if values.shape[-1] == 1:
+        return torch.stack([values.sum(), torch.tensor(float(values.shape[0]), dtype=values.dtype,
+                                                       device=values.device)])
+    mask = mask.to(values.dtype)
+    return torch.stack([(values * mask).sum(), mask.sum()])

@@ -1,0 +1,79 @@
+"""Prompt records of online RL (GRPO) and their token ids, as TRL 1.16's ``GRPOTrainer`` makes them.
+
+A record is a JSON object with a ``prompt``: a string, or a list of messages (roles as in SFT's ``messages``
+format) that the chat template renders with its generation prompt; every other key is a column handed to the reward
+functions (:mod:`llama_megatron.data.rewards`), such as the answer a completion is checked against. The token ids
+follow ``GRPOTrainer._tokenize_prompts``: a message list is rendered and tokenised as ``apply_chat_template(...,
+add_generation_prompt=True, tokenize=True)`` does (no special tokens added to the rendered text), a string is
+tokenised with the tokenizer's special tokens (its BOS).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_megatron.data.sft.chat_template import ChatEncoder
+from llama_megatron.data.sft.formats import ROLES, RecordError, _message_list
+from llama_megatron.errors import DataError
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt: what the reward functions see as ``prompts`` (the string or the messages), its token ids and the
+    record's other columns."""
+
+    prompt: str | list[dict]
+    ids: list[int]
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_prompt(record: Any) -> tuple[str | list[dict], dict[str, Any]]:
+    """The record's prompt (a non-empty string, or its messages) and its other columns; RecordError if malformed."""
+    if not isinstance(record, dict):
+        raise RecordError(f"expected a JSON object, got {type(record).__name__}")
+    if "prompt" not in record:
+        raise RecordError("no 'prompt' (a string, or a list of messages)")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RecordError("'prompt' is empty")
+    else:
+        prompt = _message_list(prompt, "prompt", "role", "content", {r: r for r in ROLES})
+    return prompt, {key: value for key, value in record.items() if key != "prompt"}
+
+
+def prompt_ids(encoder: ChatEncoder, prompt: str | list[dict]) -> list[int]:
+    """The prompt's token ids as TRL's ``GRPOTrainer`` tokenises it (module docstring)."""
+    if isinstance(prompt, str):
+        return encoder.tokenize_text(prompt)
+    return encoder.tokenize_rendered(encoder.render(prompt, add_generation_prompt=True))
+
+
+def read_prompt_records(path: str, encoder: ChatEncoder, max_prompt_tokens: int | None = None) -> list[PromptRecord]:
+    """Every record of the JSONL file ``path`` with its token ids; a DataError naming ``path:line`` for a malformed
+    record, and for a prompt longer than ``max_prompt_tokens`` (what the context leaves after the completion)."""
+    records = []
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"cannot open {path}: {exc.strerror}") from None
+    with fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                prompt, columns = parse_prompt(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            except RecordError as exc:
+                raise DataError(f"{path}:{number}: {exc}") from None
+            ids = prompt_ids(encoder, prompt)
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                raise DataError(f"{path}:{number}: the prompt is {len(ids)} tokens, more than the "
+                                f"{max_prompt_tokens} the context leaves it")
+            records.append(PromptRecord(prompt, ids, columns))
+    if not records:
+        raise DataError(f"{path} holds no prompt record")
+    return records

@@ -59,6 +59,22 @@ def test_moe_layer_smoke() -> None:
     assert line["ratio_ours_loop_time_vs_gemm_floor"] == round(line["ours_loop"]["ms"] / line["gemm_floor"]["ms"], 3)
 
 
+@pytest.mark.launched  # torch.compile's first compilation starts worker processes
+def test_rope_qkv_smoke() -> None:
+    """The fused QKV's RoPE at a tiny shape with grouped queries: the compiled backward is one generated kernel (the
+    slices' gradients written into the fused gradient together, no separate scatter), and every variant's output
+    and gradients are the reference's (transformers' on its own q and k)."""
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "rope_qkv.py"), "--seq", "8", "--heads", "4", "--kv-heads", "2",
+         "--head-dim", "8", "--repeats", "1"], timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert line["backward_kernels"] == 1, line
+    # fp32, the same products in another grouping of the same elementwise ops: a last bit at most
+    assert line["max_abs_error_compiled_vs_reference"] < 1e-5 and line["max_abs_error_hf_vs_reference"] < 1e-5, line
+    assert line["ratio_hf_apply_rotary_pos_emb_time_vs_ours_compiled"] > 0
+
+
 @pytest.mark.launched
 def test_checkpoint_integrity_smoke() -> None:
     result = run_python(

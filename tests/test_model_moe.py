@@ -330,8 +330,9 @@ def _four_process_worker(rank: int, world_size: int) -> None:
 
 def _check_engines_read_packed_experts_as_one_tensor(world_size: int) -> None:
     """Under DeepSpeed's engines (ZeRO-1 bf16 at EP2, whose experts are in param groups of their own; ZeRO-2 fp32
-    at DP4) each layer's grouped experts are still one strided tensor per kind (no copy per call) before and after a
-    step (ZeRO-1/2 flatten the parameters in the order they were packed in), and the step's loss is the loop's."""
+    and ZeRO-0 bf16 at DP4) each layer's grouped experts are still one strided tensor per kind (no copy per call)
+    before and after a step (DeepSpeed casts each parameter to bf16 on its own, then ZeRO-1/2 and its bf16 optimizer
+    flatten them in the order they were packed in), and the step's loss is the loop's."""
     from llama_megatron.data.batch import collate
     from llama_megatron.parallel.grouped_linear import as_one_tensor
     from llama_megatron.training.config import TrainingConfig
@@ -345,7 +346,8 @@ def _check_engines_read_packed_experts_as_one_tensor(world_size: int) -> None:
         return bool(layers) and all(as_one_tensor(kind).data_ptr() == kind[0].data_ptr() for kind in kinds)
 
     gen = torch.Generator().manual_seed(3)
-    for ds, expert in (("ds_configs/zero1_bf16.json", 2), ("ds_configs/zero2_fp32.json", 1)):
+    for ds, expert in (("ds_configs/zero1_bf16.json", 2), ("ds_configs/zero2_fp32.json", 1),
+                       ("ds_configs/zero0_bf16.json", 1)):
         config = TrainingConfig.from_file(PRETRAIN_CONFIG, [
             'data={"type": "synthetic"}', "model.model_type=mixtral", "model.num_local_experts=4",
             "model.num_experts_per_tok=2", f"parallel.expert={expert}", "batch.micro_batch_size=2",

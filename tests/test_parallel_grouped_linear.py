@@ -65,3 +65,7 @@ def test_packing_keeps_values_and_is_done_once() -> None:
     assert as_one_tensor(params[0::2]).data_ptr() != params[0].data_ptr()
     assert torch.equal(as_one_tensor(params[0::2]), torch.stack(params[0::2]))
     assert not pack_evenly([torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])
+    # in the dtype an engine will train in (DeepSpeed's cast then leaves them be): values cast as .to() casts them
+    assert pack_evenly(params, torch.bfloat16) and not pack_evenly(params, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, v.to(torch.bfloat16)) for p, v in zip(params, values))
+    assert as_one_tensor(params[1::2]).data_ptr() == params[1].data_ptr()

@@ -188,12 +188,12 @@ class MoEMLP(nn.Module):
             for param in self.experts.parameters():
                 param.allreduce, param.group_name = False, self.pctx.expert_group_name
 
-    def pack_experts(self) -> None:
-        """On the grouped path, this rank's experts' parameters in one buffer, expert after expert, so that the
-        grouped products read each kind as one strided tensor instead of stacking a copy every call
-        (:func:`~llama_megatron.parallel.grouped_linear.as_one_tensor`)."""
+    def pack_experts(self, dtype: torch.dtype | None = None) -> None:
+        """On the grouped path, this rank's experts' parameters in one buffer (in ``dtype`` where given), expert
+        after expert, so that the grouped products read each kind as one strided tensor instead of stacking a copy
+        every call (:func:`~llama_megatron.parallel.grouped_linear.as_one_tensor`)."""
         if self.kernels.grouped_experts:
-            pack_evenly(list(self.experts.parameters()))
+            pack_evenly(list(self.experts.parameters()), dtype)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """DeepSpeed's engine calls this on every module that has it, before it reads its expert groups."""
@@ -387,12 +387,13 @@ class MoEMLP(nn.Module):
         return out + grouped_linear(low_rank, [b for _, b in factors], offsets, store, tail) * linears[0].lora.scaling
 
 
-def pack_experts(model: nn.Module) -> None:
+def pack_experts(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """:meth:`MoEMLP.pack_experts` on every MoE layer of ``model``: once it is built, and again once it is on its
-    device (a move copies each parameter on its own)."""
+    device (a move, or a cast such as DeepSpeed's to bf16, copies each parameter on its own: the training engine
+    packs them in the dtype DeepSpeed will train them in, which its cast then leaves alone)."""
     for module in model.modules():
         if isinstance(module, MoEMLP):
-            module.pack_experts()
+            module.pack_experts(dtype)
 
 
 def assignment_counts(expert_of: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -88,23 +88,26 @@ def as_one_tensor(weights: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((len(weights), *first.shape), (step, *first.stride()))
 
 
-def pack_evenly(parameters: list[torch.nn.Parameter]) -> bool:
+def pack_evenly(parameters: list[torch.nn.Parameter], dtype: torch.dtype | None = None) -> bool:
     """Move ``parameters`` (one expert's after another's, each expert's in the same order) into one buffer, each
     parameter a view of it at a 16-byte boundary, so that every kind of them lies evenly spaced
-    (:func:`as_one_tensor`); values, names and ``requires_grad`` unchanged. False (nothing moved) where they differ
-    in dtype or device, are not materialised, or are packed so already. Done before an optimizer or DeepSpeed's
-    engine holds them (ZeRO-1/2 then flattens them in the same order: evenly spaced still)."""
-    if not parameters or len({(p.dtype, p.device) for p in parameters}) != 1 or parameters[0].device.type == "meta":
+    (:func:`as_one_tensor`); values (cast to ``dtype`` where given), names and ``requires_grad`` unchanged. False
+    (nothing moved) where they differ in dtype (``dtype`` not given) or device, are not materialised, or are packed
+    so already. Done before an optimizer or DeepSpeed's engine holds them: in the dtype the engine trains in, its
+    cast leaves them be, and ZeRO-1/2 flatten them in the same order (evenly spaced still)."""
+    if not parameters or len({(dtype or p.dtype, p.device) for p in parameters}) != 1:
         return False
-    if any(hasattr(p, "ds_id") or p.numel() == 0 for p in parameters):  # ZeRO-3's partitioned: placeholders
-        return False
-    sizes = [-(-p.numel() * p.element_size() // _ALIGNMENT) * _ALIGNMENT // p.element_size() for p in parameters]
+    if parameters[0].device.type == "meta" or any(hasattr(p, "ds_id") or p.numel() == 0 for p in parameters):
+        return False  # not materialised, or ZeRO-3's partitioned placeholders
+    dtype = dtype or parameters[0].dtype
+    size = dtype.itemsize
+    sizes = [-(-p.numel() * size // _ALIGNMENT) * _ALIGNMENT // size for p in parameters]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     base = parameters[0]
-    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    if all(p.dtype == dtype and p.is_contiguous() and p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
            and p.storage_offset() - base.storage_offset() == start for p, start in zip(parameters, starts)):
         return False
-    buffer = torch.empty(sum(sizes), dtype=base.dtype, device=base.device)
+    buffer = torch.empty(sum(sizes), dtype=dtype, device=base.device)
     with torch.no_grad():
         for param, start in zip(parameters, starts):
             view = buffer[start:start + param.numel()].view(param.shape)

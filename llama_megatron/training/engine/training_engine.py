@@ -32,6 +32,7 @@ from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 from llama_megatron.parallel.float8 import amax_record, collect_amax
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.engine.deepspeed_config import precision
 from llama_megatron.training.engine.experts import global_grad_norm, initialize_engine
 from llama_megatron.training.engine.lr_schedule import build_scheduler
 from llama_megatron.training.engine.optimizer import build_optimizer
@@ -55,7 +56,8 @@ class TrainingEngine:
                 fp8=config.fp8,
             )
         model.to(self.device)
-        pack_experts(model)  # after the move, before the optimizer and DeepSpeed hold the parameters
+        # after the move, before the optimizer and DeepSpeed hold the parameters, in the dtype DeepSpeed trains in
+        pack_experts(model, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision(ds_config)))
         offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
         optimizer = build_optimizer(model, config.optimizer, offload_to_cpu=offload, experts=pctx.ep_size > 1)
         total_steps = config.train.steps

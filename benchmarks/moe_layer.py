@@ -19,30 +19,20 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _timing import median_ms  # noqa: E402
+
 from llama_megatron.config import ModelConfig  # noqa: E402
 from llama_megatron.model.kernels import REFERENCE  # noqa: E402
 from llama_megatron.model.moe import MoEMLP  # noqa: E402
 from llama_megatron.parallel.context import ParallelContext  # noqa: E402
 from llama_megatron.parallel.degrees import ParallelConfig  # noqa: E402
-
-
-def _median_ms(step, repeats: int) -> float:
-    step()  # warm-up (allocations, the first call's dispatch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
 
 
 def _hf_block(config: ModelConfig, implementation: str):
@@ -105,8 +95,8 @@ def bench(args) -> dict:
                     "threads": torch.get_num_threads()}
     for name, step in steps.items():
         error = float((step().detach() - want).abs().max())
-        result[name] = {"ms": _median_ms(step, args.repeats), "max_abs_error_vs_hf": error}
-    result["gemm_floor"] = {"ms": _median_ms(floor, args.repeats)}
+        result[name] = {"ms": median_ms(step, args.repeats), "max_abs_error_vs_hf": error}
+    result["gemm_floor"] = {"ms": median_ms(floor, args.repeats)}
     grouped = result["ours_grouped"]["ms"]
     for name in ("ours_loop", "hf_eager", "hf_grouped_mm"):
         result[f"ratio_{name}_time_vs_ours_grouped"] = round(result[name]["ms"] / grouped, 3)

@@ -18,26 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _timing import median_ms  # noqa: E402
+
 from llama_megatron.model.kernels import compiled, reference  # noqa: E402
-
-
-def _median_ms(step, repeats: int) -> float:
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
 
 
 def _compiled_backward_kernels(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
@@ -96,7 +86,7 @@ def bench(args) -> dict:
                                                    float((hf[3] - want[3][:, :, :, per_group]).abs().max()))}
     for name, step in (("ours_compiled", ours(compiled.rotary_qkv)), ("ours_reference", ours(reference.rotary_qkv)),
                        ("hf_apply_rotary_pos_emb", hf_step)):
-        result[name] = {"ms": _median_ms(step, args.repeats)}
+        result[name] = {"ms": median_ms(step, args.repeats)}
     base = result["ours_compiled"]["ms"]
     for name in ("ours_reference", "hf_apply_rotary_pos_emb"):
         result[f"ratio_{name}_time_vs_ours_compiled"] = round(result[name]["ms"] / base, 3)

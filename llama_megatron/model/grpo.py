@@ -163,7 +163,8 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch
     low = 1 - config.epsilon
     if config.loss_type == "cispo":
         loss = -torch.clamp(ratio, max=config.upper).detach() * advantages * logps
-        low_clipped = torch.zeros_like(ratio * advantages, dtype=torch.bool)
+        low_clipped = torch.zeros(torch.broadcast_shapes(ratio.shape, advantages.shape), dtype=torch.bool,
+                                  device=ratio.device)
         high_clipped = (ratio > config.upper) & (advantages > 0)
     else:
         clipped = torch.clamp(ratio, low, 1 + config.upper)
@@ -191,7 +192,7 @@ def micro_batch_loss(per_token: torch.Tensor, mask: torch.Tensor, config: GRPOLo
     """What this micro batch adds to its step's loss: ``per_token`` (:attr:`TokenLosses.loss`) over the trained
     tokens ``mask``, divided as the ``loss_type`` says (module docstring), so that the step's micro batches sum to
     the loss TRL's step differentiates."""
-    mask = mask.to(per_token.dtype) if per_token.is_floating_point() else mask.float()
+    mask = mask.to(per_token.dtype)
     masked = per_token * mask
     if config.loss_type in ("dapo", "cispo"):
         return masked.sum() / max(counts.tokens, 1.0)

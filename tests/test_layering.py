@@ -1,7 +1,7 @@
 """The package's floors, bottom up: config/families/errors/progress/temps/host_sockets/quiet/process_exit/
 lm_eval_registration, parallel, model, data, checkpoint, training, commands.
 
-Inside training/ the rooms have floors too, bottom up: config, faults/, pipeline/ (schedules) and background_save; checkpointing, save_dir, checkpointer,
+Inside training/ the rooms have floors too, bottom up: config and objectives, faults/, pipeline/ (schedules) and background_save; checkpointing, save_dir, checkpointer,
 resume and engine/; diagnostics/; run/ (the setup path and the loop). A module may import only from its own floor or a
 lower one, and no two modules, folders or training rooms import each other in a loop. Imports are read from the source (every ``import`` statement, also those inside functions), so a
 lazy import cannot hide a cycle.
@@ -22,7 +22,7 @@ FLOORS = {  # top-level module or folder -> floor
     "commands": 6, "cli": 6, "train": 7, "__main__": 7, "__init__": 0,
 }
 TRAINING_ROOMS = {  # module or folder inside training/ -> floor; nothing below run/ imports the run loop
-    "__init__": 0, "config": 0, "config_sections": 0, "faults": 0, "pipeline": 0,
+    "__init__": 0, "config": 0, "config_sections": 0, "objectives": 0, "faults": 0, "pipeline": 0,
     "background_save": 0, "checkpointing": 1, "checkpointer": 1, "resume": 1, "save_dir": 1, "engine": 1, "diagnostics": 2, "run": 3,
     "planner": 3,
 }

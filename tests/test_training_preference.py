@@ -388,7 +388,7 @@ def test_a_bad_pair_stops_train_before_launch(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["preference.beta=0.2"], "the preference section sets the loss of preference pairs, and data.type is 'sft'"),
+    (["preference.beta=0.2"], "the preference section sets the loss of the preference objective, and data.type is 'sft'"),
     (["data.type=preference", "preference.loss_type=aot"], "preference.loss_type 'aot' is not one of"),
     (["data.type=preference", "preference.loss_type=[\"sigmoid\",\"sft\"]", "preference.loss_weights=[1.0]"],
      "preference.loss_weights has 1 weights for 2 loss types"),

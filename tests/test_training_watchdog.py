@@ -187,7 +187,7 @@ def test_the_reference_pass_beats_as_it_goes(tmp_path, monkeypatch, capfd) -> No
 
     class Engine:
         model = torch.nn.Linear(1, 1)
-        model.loss_fn = SimpleNamespace(sequence_log_probs=None)
+        model.loss_fn = SimpleNamespace(objective=SimpleNamespace(captured=None))
         reference_logps = None
 
         def holds_loss(self) -> bool:
@@ -198,7 +198,7 @@ def test_the_reference_pass_beats_as_it_goes(tmp_path, monkeypatch, capfd) -> No
                 progress()  # as the engine's forward pre-hook calls it
                 seen.append((dog.step, dog.doing))
                 time.sleep(0.25)
-                self.model.loss_fn.sequence_log_probs.append(torch.zeros(2 * len(mb.pair_ids)))
+                self.model.loss_fn.objective.captured.append(torch.zeros(2 * len(mb.pair_ids)))
 
     class Pairs(list):
         stats = {"rows_per_epoch": 16}

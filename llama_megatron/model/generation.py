@@ -1,5 +1,6 @@
-"""Autoregressive decoding with this model (PP=1, any TP): greedy by default, or sampling with temperature,
-top-k and top-p as transformers' ``generate`` applies them; stops at any of the stop ids.
+"""Autoregressive decoding with this model (any TP; a pipeline through staged_inference.py): greedy by default, or
+sampling with temperature, top-k and top-p as transformers' ``generate`` applies them; stops at any of the stop
+ids. One prompt's rows decode as one batch (:func:`generate_rows`: online RL's group of completions).
 
 With the KV cache, the prompt is run once and every new token attends to the cached keys and values of the
 earlier positions; without it, every step runs the whole sequence again (the same logits, for checking).
@@ -45,36 +46,68 @@ class Sampling:
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
+@dataclass
+class Completions:
+    """A batch of rows decoded from one prompt: each row's new tokens (a stop id, where reached, the last), the
+    sampler's log-probability of each (of its logits / temperature before top-k and top-p, as a training pass at
+    that temperature computes it: what the rollout/training mismatch is measured on) and whether the row ended
+    without reaching a stop (``max_new_tokens`` used up)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    truncated: list[bool]
+
+
 @torch.no_grad()
-def generate(model: LlamaCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
-             sampling: Sampling | None = None, use_cache: bool = True,
-             stop_when: Callable[[list[int]], bool] | None = None) -> list[int]:
-    """The new tokens after ``prompt`` (a stop id, when reached, is the last one returned; so is the token after
-    which ``stop_when(new tokens)`` holds: a stop sequence in their text). Every TP rank returns the same tokens."""
+def generate_rows(model: LlamaCausalLM, prompt: list[int], rows: int, max_new_tokens: int, stop_ids: set[int],
+                  sampling: Sampling | None = None, use_cache: bool = True,
+                  stop_when: Callable[[list[int]], bool] | None = None,
+                  generator: torch.Generator | None = None) -> Completions:
+    """``rows`` completions of ``prompt`` decoded as one batch (the prompt's K/V computed once per row, as
+    transformers' ``generate`` does for ``num_return_sequences``): every step samples each row's next token, so
+    the random draws are HF's for the same probabilities and seed; a row that reached a stop id (or after which
+    ``stop_when`` holds) keeps its tokens while the others go on, and decoding ends when every row has. Sampling
+    draws from ``generator`` (default: a new one seeded ``sampling.seed``). Every TP rank returns the same
+    tokens."""
     sampling = sampling or Sampling()
     config, pctx = model.config, model.pctx
     device = next(model.parameters()).device
-    generator = None
-    if sampling.temperature > 0:
+    if generator is None and sampling.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    tokens = torch.tensor([prompt], dtype=torch.long, device=device)
+    tokens = torch.tensor([prompt], dtype=torch.long, device=device).expand(rows, -1)
     cache = None
     if use_cache:
         dtype = next(model.parameters()).dtype
-        cache = KVCache(config.num_hidden_layers, 1, len(prompt) + max_new_tokens, model.shapes.kv_heads,
+        cache = KVCache(config.num_hidden_layers, rows, len(prompt) + max_new_tokens, model.shapes.kv_heads,
                         config.head_dim, dtype, device, config.layer_chunks())
-    new: list[int] = []
+    new: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    running = [True] * rows
     step_input, start = tokens, 0
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     for _ in range(max_new_tokens):
-        positions = torch.arange(start, start + step_input.shape[1], device=device).unsqueeze(0)
+        positions = torch.arange(start, start + step_input.shape[1], device=device).expand(rows, -1)
         local = model.forward_cached(step_input, positions, cache) if cache else model(step_input, positions)
         logits = model.full_logits(local[:, -1]).float()
         token = sampling.choose(logits, generator)
         if pctx.tp_size > 1:  # one choice for every TP rank, whatever their sampling does
             dist.broadcast(token, src=dist.get_global_rank(pctx.tp_group, 0), group=pctx.tp_group)
-        new.append(int(token))
-        if new[-1] in stop_ids or (stop_when is not None and stop_when(new)):
+        chosen = torch.log_softmax(logits / temperature, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        for row, (value, logprob) in enumerate(zip(token.tolist(), chosen.tolist())):
+            if running[row]:
+                new[row].append(value)
+                logprobs[row].append(logprob)
+                running[row] = value not in stop_ids and not (stop_when is not None and stop_when(new[row]))
+        if not any(running):
             break
-        tokens = torch.cat([tokens, token.view(1, 1)], dim=1)
-        step_input, start = (token.view(1, 1), tokens.shape[1] - 1) if cache else (tokens, 0)
-    return new
+        tokens = torch.cat([tokens, token[:, None]], dim=1)
+        step_input, start = (token[:, None], tokens.shape[1] - 1) if cache else (tokens, 0)
+    return Completions(new, logprobs, running)
+
+
+def generate(model: LlamaCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+             sampling: Sampling | None = None, use_cache: bool = True,
+             stop_when: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """The new tokens after ``prompt`` (a stop id, when reached, is the last one returned; so is the token after
+    which ``stop_when(new tokens)`` holds: a stop sequence in their text). Every TP rank returns the same tokens."""
+    return generate_rows(model, prompt, 1, max_new_tokens, stop_ids, sampling, use_cache, stop_when).tokens[0]

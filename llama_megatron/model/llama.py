@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Protocol
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -31,15 +32,6 @@ from llama_megatron.model.layers import (
     tied_lm_head_forward,
 )
 from llama_megatron.model.moe import router_aux_loss
-from llama_megatron.model.preference import (
-    BatchCounts,
-    PreferenceLossConfig,
-    is_preference_targets,
-    metric_sums,
-    pair_log_probs,
-    preference_loss,
-    sequence_log_probs,
-)
 from llama_megatron.parallel.collectives import gather_from_tp_region
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX, masked_mean_loss, vocab_parallel_cross_entropy
@@ -59,6 +51,10 @@ class CausalLMLoss:
     micro batch's token losses divided by ``divisor``, which the training engine sets so that the step's loss is the
     token mean over its whole global batch (training/engine/training_engine.py, "the loss rule").
 
+    A training objective other than the token mean (preference pairs, GRPO: training/objectives.py) sets
+    ``objective``: a loss of the per-token values (:class:`ObjectiveLoss`), whose targets ``labels`` then are; a
+    chunked head's logits are made whole for it (each token's gradient is scaled by its sequence's).
+
     A mixture-of-experts model adds the load-balancing loss when its config says so (``output_router_logits``, as
     HF's MixtralForCausalLM does), computed per micro batch (:func:`~llama_megatron.model.moe.router_aux_loss`).
     """
@@ -69,9 +65,8 @@ class CausalLMLoss:
         self.pctx = pctx
         # assignments and dropped assignments per expert since the last reset ([2, E], MoE)
         self.expert_counts: torch.Tensor | None = None
-        self.preference: PreferenceLossConfig | None = None  # the loss of preference pairs (set by the engine)
-        self.preference_metrics: torch.Tensor | None = None  # sums of METRICS since the last reset
-        self.sequence_log_probs: list[torch.Tensor] | None = None  # a list: each micro batch's, kept (reference)
+        self.objective: ObjectiveLoss | None = None  # set by the engine from the run's objective
+        self.metric_sums: torch.Tensor | None = None  # sums of the objective's metric_names since the last reset
 
     def __call__(self, head: HeadOutput, labels: torch.Tensor | tuple) -> torch.Tensor:
         aux = None
@@ -83,12 +78,10 @@ class CausalLMLoss:
             else:  # no aux loss, but a gradient (of zeros) for the statistics a pipeline stage received
                 aux = 0.0 * head.router_stats[1].sum()
             head = head.head
-        loss = self._cross_entropy(head, labels)
+        loss = self._objective_loss(head, labels) if self.objective is not None else self._cross_entropy(head, labels)
         return loss if aux is None else loss + aux
 
     def _cross_entropy(self, head: torch.Tensor | tuple, labels: torch.Tensor | tuple) -> torch.Tensor:
-        if is_preference_targets(labels):
-            return self._preference_loss(head, *labels)
         labels, divisor = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if isinstance(head, tuple):
             hidden, weight = head
@@ -99,23 +92,22 @@ class CausalLMLoss:
             return masked_mean_loss(total, labels, IGNORE_INDEX)
         return total.sum() / divisor
 
-
-    def _preference_loss(self, head: torch.Tensor | tuple, labels: torch.Tensor, counts: torch.Tensor,
-                         sequence_ids: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-        """The preference loss of the micro batch's pairs (model/preference.py). Per-token values are needed (each
-        token's gradient is scaled by its pair's), so a chunked head's logits are made whole here."""
-        if self.preference is None:
-            raise RuntimeError("preference pairs reached a loss that was given no preference loss config")
-        token_losses = vocab_parallel_cross_entropy(logits_of(head), labels, self.pctx, self.vocab_size,
+    def _objective_loss(self, head: torch.Tensor | tuple, targets: tuple) -> torch.Tensor:
+        token_losses = vocab_parallel_cross_entropy(logits_of(head), targets[0], self.pctx, self.vocab_size,
                                                     IGNORE_INDEX)
-        logps, tokens = sequence_log_probs(token_losses, labels, sequence_ids, reference.numel(), IGNORE_INDEX,
-                                           self.pctx)
-        if self.sequence_log_probs is not None:
-            self.sequence_log_probs.append(logps.detach())
-        pairs = pair_log_probs(logps, tokens, reference)
-        sums = torch.stack(list(metric_sums(self.preference, pairs).values()))
-        self.preference_metrics = sums if self.preference_metrics is None else self.preference_metrics + sums
-        return preference_loss(self.preference, pairs, BatchCounts(counts[0], counts[1]))
+        loss, sums = self.objective(token_losses, targets)
+        self.metric_sums = sums if self.metric_sums is None else self.metric_sums + sums
+        return loss
+
+
+class ObjectiveLoss(Protocol):
+    """A training objective's loss over a micro batch's per-token values: ``token_losses`` (the vocab-parallel
+    cross-entropy of each label, minus its log-probability) and its ``targets`` (a tuple of tensors, the labels
+    first, as DeepSpeed's pipeline moves them); the loss and the sums of its ``metric_names`` (detached)."""
+
+    metric_names: tuple[str, ...]
+
+    def __call__(self, token_losses: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def logits_of(head: HeadOutput) -> torch.Tensor:

@@ -181,9 +181,6 @@ def metric_sums(config: PreferenceLossConfig, logps: PairLogProbs) -> dict[str, 
         return {name: value.detach().sum() for name, value in zip(METRICS, values)}
 
 
-PREFERENCE_TARGETS = 4  # (labels, counts, sequence_ids, reference): what a preference micro batch hands its loss
-
-
 def preference_targets(labels: torch.Tensor, counts: torch.Tensor, sequence_ids: torch.Tensor,
                        reference: torch.Tensor) -> tuple:
     """The loss's second argument for preference pairs, a tuple of tensors as DeepSpeed's pipeline moves labels:
@@ -192,8 +189,27 @@ def preference_targets(labels: torch.Tensor, counts: torch.Tensor, sequence_ids:
     return labels, counts, sequence_ids, reference
 
 
-def is_preference_targets(labels) -> bool:
-    return isinstance(labels, (tuple, list)) and len(labels) == PREFERENCE_TARGETS
+class PreferenceLoss:
+    """The preference objective's loss over one micro batch's per-token values (the ``objective`` of
+    ``CausalLMLoss``): its targets are :func:`preference_targets`; it returns the loss and the sums of
+    :data:`METRICS`. ``captured``, when a list, receives each micro batch's sequence log-probabilities (the
+    reference pass before training)."""
+
+    metric_names = METRICS
+
+    def __init__(self, config: PreferenceLossConfig, pctx: ParallelContext, ignore_index: int) -> None:
+        self.config, self.pctx, self.ignore_index = config, pctx, ignore_index
+        self.captured: list[torch.Tensor] | None = None
+
+    def __call__(self, token_losses: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        labels, counts, sequence_ids, reference = targets
+        logps, tokens = sequence_log_probs(token_losses, labels, sequence_ids, reference.numel(), self.ignore_index,
+                                           self.pctx)
+        if self.captured is not None:
+            self.captured.append(logps.detach())
+        pairs = pair_log_probs(logps, tokens, reference)
+        sums = torch.stack(list(metric_sums(self.config, pairs).values()))
+        return preference_loss(self.config, pairs, BatchCounts(counts[0], counts[1])), sums
 
 
 def sequence_log_probs(token_losses: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor,

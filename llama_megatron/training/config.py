@@ -17,7 +17,6 @@ from typing import Any
 from llama_megatron.checkpoint.directory import check_tag_name
 from llama_megatron.config import ModelConfig
 from llama_megatron.data.config import DataConfig, SyntheticData, data_config_from_dict
-from llama_megatron.data.sft.config import PreferenceData
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import check_float8_selection
 from llama_megatron.model.kernels import KERNEL_CHOICES
@@ -28,6 +27,7 @@ from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
 from llama_megatron.training.config_sections import EvalConfig, read_config_data, typed_section
+from llama_megatron.training.objectives import check_objective, objective_of
 from llama_megatron.training.pipeline.schedules import (
     SCHEDULES,
     micro_batch_rule,
@@ -316,25 +316,12 @@ class TrainingConfig:
         if not self.distributed.timeout_minutes > 0:
             raise ConfigError(f"distributed.timeout_minutes must be > 0, got {self.distributed.timeout_minutes}")
         self._validate_experts()
-        self._validate_preference()
+        check_objective(self, {name: section() for name, section in _SECTIONS.items()})
 
     @property
     def rows_per_sample(self) -> int:
-        """Rows of seq_length tokens a sample of the data takes: a padded preference pair is two (its chosen and
-        rejected sequences), anything else one (a packed pair's sequences share a row)."""
-        return 2 if self.data.type == PreferenceData.type and not self.data.pack else 1
-
-    def _validate_preference(self) -> None:
-        """The preference section's losses; given only with preference data."""
-        pairs = self.data.type == PreferenceData.type
-        if not pairs and self.preference != PreferenceConfig():
-            raise ConfigError(f"the preference section sets the loss of preference pairs, and data.type is "
-                              f"{self.data.type!r}: set data.type preference, or leave the section out")
-        problems = self.preference.loss().problems()
-        if problems:
-            raise ConfigError(problems[0])
-        if pairs:
-            self.data.pair_truncation(self.seq_length).check_rows(self.seq_length, self.data.pack)
+        """Rows of seq_length tokens a sample of the data takes (its objective's: a padded preference pair is two)."""
+        return objective_of(self).rows_per_sample(self)
 
     def _validate_experts(self) -> None:
         """LoRA targets that fit the model's MLP."""

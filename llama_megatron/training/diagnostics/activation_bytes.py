@@ -18,6 +18,7 @@ from llama_megatron.model.lora_layout import (
 )
 from llama_megatron.parallel.linear_cross_entropy import default_chunk_tokens
 from llama_megatron.training.config import TrainingConfig
+from llama_megatron.training.objectives import objective_of
 
 
 def _decoder_layer_bytes(config: TrainingConfig, b: int, e: int, fast: bool) -> tuple[int, int]:
@@ -225,9 +226,10 @@ def activations(config: TrainingConfig, kinds: list[str], b: int, e: int,
         local = config.local_shapes
         vocab_local = local.vocab_rows
         padded = local.padded_vocab_size > m.vocab_size
-        # the chunked loss keeps d(loss)/d(head input) and d(loss)/d(weight) (fp32) from its forward; preference
-        # losses weight each token's gradient by its pair's, so they take the whole logits whatever the kernels
-        if fast and config.data.type != "preference":
+        # the chunked loss keeps d(loss)/d(head input) and d(loss)/d(weight) (fp32) from its forward; an objective
+        # weighting each token's gradient by its sequence's (preference pairs) takes the whole logits whatever the
+        # kernels
+        if fast and not objective_of(config).whole_logits:
             saved += _norm_bytes(tokens, m.hidden_size, t if sp else 1, e, fast, feeds_linear=False)
             saved += e * tokens * m.hidden_size + 4 * vocab_local * m.hidden_size
             chunk = min(tokens, default_chunk_tokens(tokens, vocab_local, m.hidden_size))

@@ -23,13 +23,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from llama_megatron.data.batch import MicroBatch, to_device
-from llama_megatron.data.sft.config import PreferenceData
+from llama_megatron.data.batch import MicroBatch
 from llama_megatron.model.build import build_model
 from llama_megatron.model.moe import pack_experts
-from llama_megatron.model.preference import METRICS, preference_targets
 from llama_megatron.parallel.context import ParallelContext
-from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 from llama_megatron.parallel.float8 import amax_record, collect_amax
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.engine.deepspeed_config import precision
@@ -37,6 +34,7 @@ from llama_megatron.training.engine.experts import global_grad_norm, initialize_
 from llama_megatron.training.engine.lr_schedule import build_scheduler
 from llama_megatron.training.engine.optimizer import build_optimizer
 from llama_megatron.training.engine.pipeline_engine import initialize_pipeline_engine
+from llama_megatron.training.objectives import objective_of
 
 
 class TrainingEngine:
@@ -71,12 +69,12 @@ class TrainingEngine:
         self.model = model
         self._grad_norm: torch.Tensor | None = None
         self._expert_counts: torch.Tensor | None = None
-        if config.data.type == PreferenceData.type:
-            model.loss_fn.preference = config.preference.loss()
-        # preference pairs: the reference's log-probabilities [pairs of the data, 2] (chosen, rejected), by the
-        # pair's sample id; None while they are being computed (training/run/reference.py)
+        self.objective = objective_of(config)
+        model.loss_fn.objective = self.objective.loss(config, pctx)
+        # a precomputed reference's log-probabilities (preference pairs: [pairs of the data, 2], chosen and
+        # rejected, by the pair's sample id); None while they are being computed (training/run/reference.py)
         self.reference_logps: torch.Tensor | None = None
-        self._preference_sums: torch.Tensor | None = None
+        self._metric_sums: torch.Tensor | None = None
         if config.fp8 is not None and config.logging.fp8_stats:  # each FP8 linear keeps its window's amaxes
             for module in model.modules():
                 if getattr(module, "float8", None) is not None:
@@ -86,13 +84,13 @@ class TrainingEngine:
         """One optimizer step over this rank's micro batches; the loss averaged over DP ranks, left on the device
         (reading it is a host sync: the loop does that only on logging steps)."""
         loss_fn = self.model.loss_fn
-        loss_fn.expert_counts = loss_fn.preference_metrics = None
+        loss_fn.expert_counts = loss_fn.metric_sums = None
         loss = self._train_step(micro_batches)
         self._expert_counts = loss_fn.expert_counts  # this step's routing, kept from evaluation's
-        self._preference_sums = loss_fn.preference_metrics
-        if self._preference_sums is not None:  # on the ranks holding the loss: the pairs they summed over
-            self._preference_sums = torch.cat([self._preference_sums.detach().float(), torch.tensor(
-                [float(sum(mb.pair_ids.numel() for mb in micro_batches))], device=self.device)])
+        self._metric_sums = loss_fn.metric_sums
+        if self._metric_sums is not None:  # on the ranks holding the loss: what they summed over
+            self._metric_sums = torch.cat([self._metric_sums.detach().float(), torch.tensor(
+                [float(self.objective.metric_count(micro_batches))], device=self.device)])
         return loss
 
     def _train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
@@ -145,67 +143,28 @@ class TrainingEngine:
         return iter([(mb.to(self.device).model_inputs(), target) for mb, target in zip(micro_batches, targets)])
 
     def _loss_targets(self, micro_batches: list[MicroBatch]) -> list:
-        """Each micro batch's second argument of the loss, on the device: its labels and the divisor of the loss
-        rule, or for preference pairs :func:`~llama_megatron.model.preference.preference_targets`; the labels alone
-        on pipeline stages without the loss."""
-        if micro_batches[0].pair_ids is not None:
-            return self._preference_targets(micro_batches)
-        divisor = self._loss_divisor(micro_batches)
-        return [to_device(mb.labels, self.device) if divisor is None else (to_device(mb.labels, self.device), divisor)
-                for mb in micro_batches]
+        """Each micro batch's second argument of the loss, on the device: the objective's targets (the token loss:
+        its labels and the divisor of the loss rule); the labels alone on pipeline stages without the loss."""
+        return self.objective.targets(self, micro_batches)
 
     def holds_loss(self) -> bool:
         """This rank computes the loss (the last pipeline stage's ranks; every rank without a pipeline)."""
         return not self.pipelined or self.engine.holds_loss()
 
-    def _preference_targets(self, micro_batches: list[MicroBatch]) -> list:
-        """The pair rule: each micro batch's loss is its pairs' losses summed over the global batch's pair count
-        (and ``sft``'s over its chosen completion tokens), both divided by M x DP for DeepSpeed's averaging over M
-        micro batches and DP x CP ranks (the CP ranks' gradients of a pair add up: model/preference.py)."""
-        labels = [to_device(mb.labels, self.device) for mb in micro_batches]
-        if not self.holds_loss():
-            return labels
-        pairs = sum(mb.pair_ids.numel() for mb in micro_batches)
-        chosen = sum(int(((mb.labels != IGNORE_INDEX) & (mb.sequence_ids >= 0) & (mb.sequence_ids % 2 == 0)).sum())
-                     for mb in micro_batches)
-        counts = to_device(torch.tensor([pairs, chosen], dtype=torch.int64), self.device)
-        if self.pctx.dp_cp_size > 1:
-            dist.all_reduce(counts, group=self.pctx.dp_cp_group)
-        counts = counts.double() / torch.tensor([self.pctx.cp_size, 1.0], dtype=torch.float64, device=self.device)
-        counts = (counts.clamp(min=1) / (len(micro_batches) * self.pctx.dp_size)).float()
-        return [preference_targets(label, counts, to_device(mb.sequence_ids, self.device), self._reference(mb))
-                for label, mb in zip(labels, micro_batches)]
-
-    def _reference(self, mb: MicroBatch) -> torch.Tensor:
-        """The reference's log-probabilities of the micro batch's sequences (zeros while they are computed)."""
-        if self.reference_logps is None:
-            return torch.zeros(2 * mb.pair_ids.numel(), device=self.device)
-        return to_device(self.reference_logps[mb.pair_ids].reshape(-1), self.device)
-
-    def preference_metrics(self) -> dict[str, float] | None:
-        """TRL's six preference metrics of the last training step (means over its global batch's pairs), on every
-        rank; None without preference data. One all-reduce over the world of the sums and their pair counts: they
-        live on the last stage, the same on each of its TP and CP ranks (so the copies cancel in the ratio)."""
-        if self.model.loss_fn.preference is None:
+    def objective_metrics(self) -> dict[str, float] | None:
+        """The objective's metrics of the last training step (means of its sums over their count: TRL's six
+        preference metrics over the global batch's pairs), on every rank; None where it has none. One all-reduce
+        over the world of the sums and their counts: they live on the last stage, the same on each of its TP and CP
+        ranks (so the copies cancel in the ratio)."""
+        names = self.objective.metric_names
+        if not names:
             return None
-        sums = self._preference_sums
-        sums = torch.zeros(len(METRICS) + 1, device=self.device) if sums is None else sums.clone()
+        sums = self._metric_sums
+        sums = torch.zeros(len(names) + 1, device=self.device) if sums is None else sums.clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
         sums = sums.double()
-        return {name: float(value) for name, value in zip(METRICS, sums[:-1] / sums[-1].clamp(min=1))}
-
-    def _loss_divisor(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
-        """N / (M x DP x CP) of the loss rule (module docstring), on the device; None on pipeline stages without
-        the loss (a DP x CP group lies within one stage, so skipping its all-reduce there is safe)."""
-        if self.pipelined and not self.engine.holds_loss():
-            return None
-        count = to_device(torch.tensor(sum(mb.num_targets() for mb in micro_batches), dtype=torch.int64),
-                          self.device)
-        ranks = self.pctx.dp_cp_size  # the group DeepSpeed averages gradients over
-        if ranks > 1:
-            dist.all_reduce(count, group=self.pctx.dp_cp_group)
-        return (count.clamp(min=1).double() / (len(micro_batches) * ranks)).float()
+        return {name: float(value) for name, value in zip(names, sums[:-1] / sums[-1].clamp(min=1))}
 
     def expert_load(self) -> tuple[list[float], float] | None:
         """A mixture-of-experts model's share of the last training step's token assignments per expert (all layers,

@@ -7,7 +7,6 @@ import math
 import time
 from collections.abc import Callable
 
-from llama_megatron.data.sft.config import PreferenceData
 from llama_megatron.errors import ConfigError
 from llama_megatron.parallel.placement import launcher_chain, placement
 from llama_megatron.parallel.process_groups import barrier
@@ -18,6 +17,7 @@ from llama_megatron.training.engine.deepspeed_config import precision, zero_stag
 from llama_megatron.training.faults.guard import StepGuard
 from llama_megatron.training.faults.preemption import StopRequests
 from llama_megatron.training.faults.watchdog import StallWatchdog, job_store
+from llama_megatron.training.objectives import objective_of
 from llama_megatron.training.resume import finished_run
 from llama_megatron.training.run.batches import build_datasets, step_batches
 from llama_megatron.training.run.metrics import Cadence, StepMeter, start_line
@@ -33,7 +33,7 @@ def evaluate(session: Session, valid_ds, progress: Callable[[], None] | None = N
         raise ConfigError("evaluation needs a validation split (data.split gives it no documents)")
     batches = [mb for batch in step_batches(valid_ds, config, session.pctx, 0, config.eval.iters) for mb in batch]
     loss = session.engine.eval_loss(batches, progress)
-    if config.data.type == PreferenceData.type:  # a preference loss is no token mean: no perplexity
+    if not objective_of(config).perplexity:  # a preference loss is no token mean
         return {"val_loss": loss}
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
@@ -42,7 +42,7 @@ def run_evaluation(config: TrainingConfig, ds_source=None) -> dict:
     """Evaluate ``checkpoint.load`` (or the seeded model) on the validation split; one metrics record."""
     session = open_session(config, ds_source, mode="evaluate")
     _, valid_ds, _ = build_datasets(config, session.pre.eod_id)
-    if config.data.type == PreferenceData.type and config.preference.loss().needs_reference:
+    if objective_of(config).precomputed_reference(config):
         prepare_reference(session, [valid_ds], session.log, evaluation=True)
     result = {"step": session.step, **evaluate(session, valid_ds)}
     ppl = f" | val ppl {result['val_ppl']:.3f}" if "val_ppl" in result else ""
@@ -121,7 +121,7 @@ class _TrainingRun:
         self.last_metrics: dict = {}
 
     def prepare(self) -> None:
-        if self.config.data.type == PreferenceData.type and self.config.preference.loss().needs_reference:
+        if objective_of(self.config).precomputed_reference(self.config):
             prepare_reference(self.session, [self.train_ds, self.valid_ds], self.log, watchdog=self.watchdog)
         self.watchdog.beat(self.step + 1, "reading its batches")
 
@@ -164,7 +164,7 @@ class _TrainingRun:
                 with self.watchdog.working(self.step, "lm-eval tasks"):
                     extras.update(self._tasks())
         if due.log:  # read where logged only: each is an all-reduce over the world
-            extras.update(expert_load=self.engine.expert_load(), preference=self.engine.preference_metrics(),
+            extras.update(expert_load=self.engine.expert_load(), objective=self.engine.objective_metrics(),
                           fp8=self.engine.fp8_stats())
             metrics, line = self.meter.record(reports[-1], lr, self.consumed, extras)
             self.log.log(reports[-1].step, metrics, line)

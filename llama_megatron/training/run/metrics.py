@@ -20,6 +20,7 @@ import torch
 
 from llama_megatron.training.config import TrainingConfig
 from llama_megatron.training.diagnostics.flops import recomputed_flops_per_token, training_flops_per_token
+from llama_megatron.training.objectives import objective_of
 from llama_megatron.training.pipeline.schedules import analytic_bubble
 from llama_megatron.training.planner.devices import profile_for_device
 
@@ -155,7 +156,7 @@ def start_line(config: TrainingConfig, pctx, device: str, zero: int, first_step:
                 "pass costs)" if pctx.pp_size > 1 else "")
     return (f"training {config.model.num_parameters() / 1e6:.1f}M parameters on {device} | tensor {pctx.tp_size} "
             f"pipeline {pctx.pp_size}{schedule} context {pctx.cp_size} data {pctx.dp_size} | ZeRO {zero} | global "
-            f"batch {config.batch.global_batch_size}{' pairs' if config.rows_per_sample == 2 else ''} x "
+            f"batch {config.batch.global_batch_size}{objective_of(config).sample_unit(config)} x "
             f"{config.rows_per_sample * config.seq_length} tokens | steps {first_step}..{config.train.steps}")
 
 
@@ -180,7 +181,7 @@ class StepMeter:
 
     def record(self, report, lr: float, consumed: int, extras: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """The metrics record and the line of step ``report.step`` (``extras``: the engine's expert load and
-        preference metrics, where it has them, and an evaluation's); the window starts again."""
+        objective's metrics, where it has them, and an evaluation's); the window starts again."""
         now = time.perf_counter()
         elapsed, steps = now - self.window_start, report.step - self.start_step
         tokens_per_s = self.tokens_per_step * self.window_steps / elapsed
@@ -192,15 +193,15 @@ class StepMeter:
                        consumed_samples=consumed)
         if report.bad:
             metrics["bad_step"] = "; ".join(report.reasons)
-        routed, preference = extras.get("expert_load"), extras.get("preference")
+        routed, objective = extras.get("expert_load"), extras.get("objective")
         load = dropped = None
         if routed is not None:
             load, dropped = routed
             metrics["expert_load"] = load
             if self.config.moe.capacity_factor is not None:  # the share of assignments dropped over capacity
                 metrics["moe_dropped"] = dropped
-        if preference is not None:
-            metrics.update(preference)
+        if objective is not None:
+            metrics.update(objective)
         if extras.get("fp8") is not None:
             metrics["fp8"] = extras["fp8"]
         mfu = f" | MFU {100 * metrics['mfu']:.1f}%" if metrics["mfu"] else ""
@@ -214,9 +215,8 @@ class StepMeter:
             line += f" | expert load max/mean {max(load) * len(load):.2f}"
             if "moe_dropped" in metrics:
                 line += f" | dropped {100 * dropped:.1f}%"
-        if preference is not None:
-            line += (f" | reward margin {preference['rewards/margins']:.4f} accuracy "
-                     f"{preference['rewards/accuracies']:.3f}")
+        if objective is not None:
+            line += objective_of(self.config).log_line(objective)
         if report.bad:
             line += f" | bad step: {metrics['bad_step']}"
         if "val_loss" in metrics:

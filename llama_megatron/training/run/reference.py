@@ -155,9 +155,9 @@ def compute_reference(session: Session, datasets: list, progress: Callable[[], N
             rows = min(len(dataset), dataset.stats["rows_per_epoch"])
             steps = math.ceil(rows / global_batch)
             for micro_batches in step_batches(_Rows(dataset, rows, steps * global_batch), config, pctx, 0, steps):
-                loss_fn.sequence_log_probs = []
+                loss_fn.objective.captured = []
                 engine.eval_loss(micro_batches, progress)
-                collected, loss_fn.sequence_log_probs = loss_fn.sequence_log_probs, None
+                collected, loss_fn.objective.captured = loss_fn.objective.captured, None
                 if not writes:
                     continue
                 for mb, logps in zip(micro_batches, collected, strict=True):

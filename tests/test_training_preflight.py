@@ -42,7 +42,7 @@ def _repo_root(monkeypatch):
         ([], "ds_configs/zero1_fp16.json", 1, ConfigError, "fp16 is not supported on CPU"),
         ([], {"optimizer": {"type": "Adam"}}, 1, ConfigError, "has an 'optimizer' section"),
         (['data={"prefix": "no/such/prefix"}'], None, 1, ConfigError, "no/such/prefix"),
-        (['data={"type": "dpo"}'], None, 1, ConfigError, "data.type 'dpo' is not one of preference, pretrain, sft, synthetic"),
+        (['data={"type": "dpo"}'], None, 1, ConfigError, "data.type 'dpo' is not one of preference, pretrain, prompts, sft, synthetic"),
         (['data={"type": "sft"}'], None, 1, ConfigError, "data.type sft needs exactly one of path"),
         (['data={"type": "synthetic", "prefix": "x"}'], None, 1, ConfigError,
          "unknown keys for data.type 'synthetic': prefix"),

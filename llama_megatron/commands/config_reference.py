@@ -1,7 +1,8 @@
 """Every key of the training JSON, with its type, default and meaning, read from the typed config classes.
 
 A field's meaning is the comment on its line or the comment lines right above it, in the class that declares it
-(``llama_megatron/training/config.py``, ``config.py``, ``data/config.py``, ``data/sft/config.py``,
+(``llama_megatron/training/config.py``, ``training/objectives.py``, ``config.py``, ``data/config.py``,
+``data/sft/config.py``, ``data/sft/prompts.py``,
 ``model/lora_layout.py``). The reference is printed by ``llama-megatron train --help-config`` and written into
 docs/configuration.md between its markers:
 
@@ -26,6 +27,7 @@ import tokenize
 
 from llama_megatron.data.config import PretrainData, SyntheticData
 from llama_megatron.data.sft.config import PreferenceData, SFTData
+from llama_megatron.data.sft.prompts import PromptData
 from llama_megatron.model.lora_layout import LoraConfig
 from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config
@@ -102,6 +104,7 @@ def sections() -> list[tuple[str, str, type]]:
            ("data", '`data` with `"type": "pretrain"` (the default without `type`)', PretrainData),
            ("data", '`data` with `"type": "sft"`', SFTData),
            ("data", '`data` with `"type": "preference"`', PreferenceData),
+           ("data", '`data` with `"type": "prompts"` (online RL: the `grpo` objective)', PromptData),
            ("data", '`data` with `"type": "synthetic"` (or `"synthetic": true`)', SyntheticData)]
     for name, cls in training_config._SECTIONS.items():
         out.append((name, f"`{name}`", cls))

@@ -40,13 +40,17 @@ class MicroBatch:
     # rejected one of the micro batch's pair k; and each pair's sample id in its dataset (host)
     sequence_ids: torch.Tensor | None = None
     pair_ids: torch.Tensor | None = None
+    # online RL: values per label ([b, s] like ``labels``, host) its objective reads, by name (GRPO's advantages
+    # and the log-probabilities of generation time)
+    label_values: dict[str, torch.Tensor] | None = None
 
     def to(self, device) -> MicroBatch:
         """On ``device``; to CUDA through pinned memory without waiting (a plain copy from pageable memory would
         stall the host until the device has finished its queue, once per micro batch)."""
+        values = None if self.label_values is None else {k: to_device(v, device) for k, v in self.label_values.items()}
         return MicroBatch(*(None if t is None else to_device(t, device) for t in
                             (self.input_ids, self.position_ids, self.labels, self.segment_ids,
-                             self.sequence_ids)), pair_ids=self.pair_ids)
+                             self.sequence_ids)), pair_ids=self.pair_ids, label_values=values)
 
     def pipeline_inputs(self, loss_divisor: torch.Tensor | None = None) -> tuple:
         """``((input_ids, position_ids[, segment_ids]), labels)``, or ``(labels, loss_divisor)`` as the second item:
@@ -67,9 +71,11 @@ class MicroBatch:
         if size == 1:
             return self
         sequence_ids = None if self.sequence_ids is None else context_shard(self.sequence_ids, rank, size).contiguous()
+        values = None if self.label_values is None else {
+            k: context_shard(v, rank, size).contiguous() for k, v in self.label_values.items()}
         return MicroBatch(context_shard(self.input_ids, rank, size).contiguous(), self.position_ids,
                           context_shard(self.labels, rank, size).contiguous(), self.segment_ids, sequence_ids,
-                          self.pair_ids)
+                          self.pair_ids, values)
 
     def num_targets(self) -> int:
         """Labels that count in the loss (not ignored); read on the host, before the batch moves to the device."""

@@ -25,6 +25,7 @@ from llama_megatron.data.gpt_dataset import (
     validate_data_config,
 )
 from llama_megatron.data.sft.config import PreferenceData, SFTData
+from llama_megatron.data.sft.prompts import PromptData
 from llama_megatron.data.synthetic import SyntheticDataset
 from llama_megatron.errors import ConfigError
 
@@ -117,7 +118,8 @@ class SyntheticData:
                      if n else None for split_id, n in enumerate(num_samples))
 
 
-DATA_TYPES: dict[str, type] = {cls.type: cls for cls in (PretrainData, SyntheticData, SFTData, PreferenceData)}
+DATA_TYPES: dict[str, type] = {
+    cls.type: cls for cls in (PretrainData, SyntheticData, SFTData, PreferenceData, PromptData)}
 
 
 def data_config_from_dict(section: Any) -> DataConfig:

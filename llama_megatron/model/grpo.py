@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_entropy
+
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "luspo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -217,3 +220,61 @@ def masked_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
                                                        device=values.device)])
     mask = mask.to(values.dtype)
     return torch.stack([(values * mask).sum(), mask.sum()])
+
+
+# what GRPOLoss's metric sums hold, a [sum, count] pair each (TRL's masked means: over the completion tokens, or the
+# completions for a value per completion); the mismatch is |the sampler's log-probability - the training pass's|
+METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+           "sampler_logprob_diff")
+VALUES = ("advantages", "old_logps", "ref_logps", "sampler_logps")  # the label values a GRPO micro batch carries
+
+
+def grpo_targets(labels: torch.Tensor, values: dict[str, torch.Tensor], counts: torch.Tensor) -> tuple:
+    """The loss's second argument for a GRPO micro batch, a tuple of tensors as DeepSpeed's pipeline moves labels:
+    the labels, then :data:`VALUES` per label ([b, s] each: the completion's advantage at every position of its row,
+    the log-probabilities of generation time on its tokens), then ``counts`` = the step's (completions, trained tokens, micro
+    batches), each divided by the engine's averaging factor."""
+    return (labels, *(values[name] for name in VALUES), counts)
+
+
+class GRPOLoss:
+    """The GRPO objective's loss of one micro batch (the ``objective`` of ``CausalLMLoss``) from its logits and
+    :func:`grpo_targets`: each label's log-probability under logits / ``temperature`` (TRL's training pass), the
+    token losses of :func:`token_losses` reduced by :func:`micro_batch_loss`; with it the sums of :data:`METRICS`.
+    ``on_policy`` (one optimizer step per generation): the old log-probabilities are the policy's own, detached
+    (TRL's rule: the ratio is exactly 1). ``captured``, when a list, receives each micro batch's per-label
+    log-probabilities (the passes after generation: old and reference log-probabilities)."""
+
+    metric_size = 2 * len(METRICS)
+
+    def __init__(self, config: GRPOLossConfig, pctx: ParallelContext, vocab_size: int, temperature: float, on_policy: bool,
+                 ignore_index: int = -100) -> None:
+        self.config, self.pctx, self.vocab_size = config, pctx, vocab_size
+        self.temperature, self.on_policy, self.ignore_index = temperature, on_policy, ignore_index
+        self.captured: list[torch.Tensor] | None = None
+
+    def __call__(self, logits: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        labels, advantages, old_logps, ref_logps, sampler_logps, counts = targets
+        scaled = logits / self.temperature
+        logps = -vocab_parallel_cross_entropy(scaled, labels, self.pctx, self.vocab_size, self.ignore_index)
+        mask = labels != self.ignore_index
+        if self.captured is not None:
+            self.captured.append(logps.detach())
+        old = logps.detach() if self.on_policy else old_logps
+        # every position of a row holds its completion's advantage: one per completion, [b, 1], as TRL's
+        terms = token_losses(logps, old, advantages[:, :1], mask, self.config,
+                             ref_logps if self.config.beta != 0.0 else None)
+        loss = micro_batch_loss(terms.loss, mask, self.config, GRPOStepCounts(counts[0], counts[1], counts[2]))
+        zero = torch.zeros_like(logps)
+        sums = [masked_sums(terms.kl if terms.kl is not None else zero, mask),
+                masked_sums(vocab_parallel_entropy(scaled.detach(), self.pctx, self.vocab_size), mask),
+                masked_sums(terms.low_clipped, mask), masked_sums(terms.high_clipped, mask),
+                masked_sums(terms.low_clipped | terms.high_clipped, mask),
+                masked_sums((logps.detach() - sampler_logps).abs(), mask)]
+        return loss, torch.cat([s.to(torch.float32) for s in sums])
+
+
+def grpo_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """The masked means of :data:`METRICS` from :class:`GRPOLoss`'s sums added over a step's micro batches."""
+    pairs = sums.double().view(-1, 2)
+    return {name: float(total / count.clamp(min=1)) for name, (total, count) in zip(METRICS, pairs)}

@@ -93,21 +93,19 @@ class CausalLMLoss:
         return total.sum() / divisor
 
     def _objective_loss(self, head: torch.Tensor | tuple, targets: tuple) -> torch.Tensor:
-        token_losses = vocab_parallel_cross_entropy(logits_of(head), targets[0], self.pctx, self.vocab_size,
-                                                    IGNORE_INDEX)
-        loss, sums = self.objective(token_losses, targets)
+        loss, sums = self.objective(logits_of(head), targets)
         self.metric_sums = sums if self.metric_sums is None else self.metric_sums + sums
         return loss
 
 
 class ObjectiveLoss(Protocol):
-    """A training objective's loss over a micro batch's per-token values: ``token_losses`` (the vocab-parallel
-    cross-entropy of each label, minus its log-probability) and its ``targets`` (a tuple of tensors, the labels
-    first, as DeepSpeed's pipeline moves them); the loss and the sums of its ``metric_names`` (detached)."""
+    """A training objective's loss of a micro batch from this rank's vocab shard of its ``logits`` (with their
+    graph) and its ``targets`` (a tuple of tensors, the labels first, as DeepSpeed's pipeline moves them): the loss
+    and a vector of ``metric_size`` sums its metrics are made of (detached; summed over ranks by the engine)."""
 
-    metric_names: tuple[str, ...]
+    metric_size: int
 
-    def __call__(self, token_losses: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, logits: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def logits_of(head: HeadOutput) -> torch.Tensor:

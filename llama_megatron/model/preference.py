@@ -29,6 +29,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from llama_megatron.parallel.context import ParallelContext
+from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 # every loss this module computes; each needs the four log-probabilities, some the completions' token counts too
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
@@ -190,26 +191,34 @@ def preference_targets(labels: torch.Tensor, counts: torch.Tensor, sequence_ids:
 
 
 class PreferenceLoss:
-    """The preference objective's loss over one micro batch's per-token values (the ``objective`` of
-    ``CausalLMLoss``): its targets are :func:`preference_targets`; it returns the loss and the sums of
-    :data:`METRICS`. ``captured``, when a list, receives each micro batch's sequence log-probabilities (the
-    reference pass before training)."""
+    """The preference objective's loss of one micro batch (the ``objective`` of ``CausalLMLoss``) from its logits
+    and :func:`preference_targets`; with it the sums of :data:`METRICS` and the micro batch's pair count.
+    ``captured``, when a list, receives each micro batch's sequence log-probabilities (the reference pass before
+    training)."""
 
-    metric_names = METRICS
+    metric_size = len(METRICS) + 1
 
-    def __init__(self, config: PreferenceLossConfig, pctx: ParallelContext, ignore_index: int) -> None:
-        self.config, self.pctx, self.ignore_index = config, pctx, ignore_index
+    def __init__(self, config: PreferenceLossConfig, pctx: ParallelContext, vocab_size: int,
+                 ignore_index: int) -> None:
+        self.config, self.pctx, self.vocab_size, self.ignore_index = config, pctx, vocab_size, ignore_index
         self.captured: list[torch.Tensor] | None = None
 
-    def __call__(self, token_losses: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         labels, counts, sequence_ids, reference = targets
+        token_losses = vocab_parallel_cross_entropy(logits, labels, self.pctx, self.vocab_size, self.ignore_index)
         logps, tokens = sequence_log_probs(token_losses, labels, sequence_ids, reference.numel(), self.ignore_index,
                                            self.pctx)
         if self.captured is not None:
             self.captured.append(logps.detach())
         pairs = pair_log_probs(logps, tokens, reference)
-        sums = torch.stack(list(metric_sums(self.config, pairs).values()))
+        sums = torch.stack([*metric_sums(self.config, pairs).values(), logps.new_tensor(float(pairs.chosen.numel()))])
         return preference_loss(self.config, pairs, BatchCounts(counts[0], counts[1])), sums
+
+
+def preference_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """TRL's means over the step's pairs from :class:`PreferenceLoss`'s sums added over every micro batch."""
+    sums = sums.double()
+    return {name: float(value) for name, value in zip(METRICS, sums[:-1] / sums[-1].clamp(min=1))}
 
 
 def sequence_log_probs(token_losses: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor,

@@ -22,12 +22,11 @@ from llama_megatron.model.build import check_float8_selection
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
 from llama_megatron.model.moe import ExpertCapacity
-from llama_megatron.model.preference import PreferenceLossConfig
 from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule
 from llama_megatron.training.config_sections import EvalConfig, read_config_data, typed_section
-from llama_megatron.training.objectives import check_objective, objective_of
+from llama_megatron.training.objectives import GRPOConfig, PreferenceConfig, check_objective, objective_of
 from llama_megatron.training.pipeline.schedules import (
     SCHEDULES,
     micro_batch_rule,
@@ -155,22 +154,6 @@ class DistributedConfig:
     zero3_init: bool = True
 
 
-@dataclass
-class PreferenceConfig:
-    # DPOTrainer loss(es) of data.type preference: one name or a list, summed with loss_weights (docs/preference.md)
-    loss_type: str | tuple[str, ...] = "sigmoid"
-    loss_weights: tuple[float, ...] | None = None  # one weight per loss_type (default 1 each)
-    beta: float = 0.1  # the implicit reward's scale: beta log(pi / pi_ref)
-    label_smoothing: float = 0.0  # robust, exo_pair, simpo: the probability that a pair's labels are flipped
-    discopop_tau: float = 0.05  # discopop's temperature
-    simpo_gamma: float = 0.5  # simpo's target margin (TRL's CPOConfig)
-
-    def loss(self) -> PreferenceLossConfig:
-        names = (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
-        return PreferenceLossConfig(names, self.loss_weights, self.beta, self.label_smoothing, self.discopop_tau,
-                                    self.simpo_gamma)
-
-
 _SECTIONS = {
     "batch": BatchConfig,
     "train": TrainConfig,
@@ -182,6 +165,7 @@ _SECTIONS = {
     "pipeline": PipelineConfig,
     "distributed": DistributedConfig,
     "preference": PreferenceConfig,
+    "grpo": GRPOConfig,
     "moe": ExpertCapacity,
 }
 
@@ -216,6 +200,8 @@ class TrainingConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # the loss of preference pairs (data.type preference): the `preference` section below
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    # online RL over prompts (data.type prompts): the `grpo` section below
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     # a ds_configs/*.json path or an inline object; no optimizer/scheduler sections, batch keys only when they
     # agree
     deepspeed_config: str | dict | None = None

@@ -20,9 +20,80 @@ import torch.distributed as dist
 
 from llama_megatron.data.batch import MicroBatch, to_device
 from llama_megatron.errors import ConfigError
-from llama_megatron.model.preference import METRICS as PREFERENCE_METRICS
-from llama_megatron.model.preference import PreferenceLoss, preference_targets
+from llama_megatron.model.grpo import GRPOLoss, GRPOLossConfig, grpo_metrics, grpo_targets
+from llama_megatron.model.preference import (
+    PreferenceLoss,
+    PreferenceLossConfig,
+    preference_metrics,
+    preference_targets,
+)
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+
+
+@dataclass
+class PreferenceConfig:
+    # DPOTrainer loss(es) of data.type preference: one name or a list, summed with loss_weights (docs/preference.md)
+    loss_type: str | tuple[str, ...] = "sigmoid"
+    loss_weights: tuple[float, ...] | None = None  # one weight per loss_type (default 1 each)
+    beta: float = 0.1  # the implicit reward's scale: beta log(pi / pi_ref)
+    label_smoothing: float = 0.0  # robust, exo_pair, simpo: the probability that a pair's labels are flipped
+    discopop_tau: float = 0.05  # discopop's temperature
+    simpo_gamma: float = 0.5  # simpo's target margin (TRL's CPOConfig)
+
+    def loss(self) -> PreferenceLossConfig:
+        names = (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
+        return PreferenceLossConfig(names, self.loss_weights, self.beta, self.label_smoothing, self.discopop_tau,
+                                    self.simpo_gamma)
+
+
+@dataclass
+class GRPOConfig:
+    """Online RL with TRL's GRPOTrainer semantics (data.type prompts; docs/grpo.md). The global batch counts
+    completions: batch.global_batch_size / num_generations prompts per generation."""
+
+    num_generations: int = 8  # completions sampled per prompt (a group)
+    max_completion_length: int = 256  # new tokens at most per completion
+    temperature: float = 1.0  # sampling temperature; the training pass divides the logits by it too (TRL)
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens whose probability exceeds it (1: all)
+    # token ids that end a completion (default: the tokenizer's end-of-sequence id)
+    stop_ids: tuple[int, ...] | None = None
+    # the reward functions: "package.module:function" or "path/to/file.py:function" (TRL's signature)
+    reward_funcs: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] | None = None  # one per function (default 1 each)
+    loss_type: str = "dapo"  # dapo, grpo, bnpo, dr_grpo, cispo, luspo (TRL's GRPOConfig)
+    beta: float = 0.0  # the KL coefficient against the reference (0: no reference)
+    epsilon: float = 0.2  # the clip range's lower side (and upper, unless epsilon_high)
+    epsilon_high: float | None = None  # the clip range's upper side (DAPO's clip-higher; default: epsilon)
+    delta: float | None = None  # two-sided clipping: the ratio's cap
+    importance_sampling_level: str = "token"  # token, or sequence (GSPO)
+    scale_rewards: str = "group"  # group, batch or none: what advantages are divided by
+    mask_truncated_completions: bool = False  # completions that hit max_completion_length train no token
+    num_iterations: int = 1  # optimizer steps per generation (old log-probabilities kept from generation time)
+    log_completions: bool = False  # write each generation's completions to <checkpoint.save or cwd>/completions/
+
+    def loss(self) -> GRPOLossConfig:
+        return GRPOLossConfig(self.loss_type, self.beta, self.epsilon, self.epsilon_high, self.delta,
+                              self.importance_sampling_level, self.scale_rewards, self.max_completion_length)
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings alone, one line each."""
+        found = self.loss().problems()
+        for name in ("num_generations", "num_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                found.append(f"grpo.{name} must be a positive integer (got {value!r})")
+        if not self.temperature > 0:
+            found.append(f"grpo.temperature must be > 0 (got {self.temperature})")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            found.append(f"grpo.top_k must be >= 0 and grpo.top_p in (0, 1] (got {self.top_k}, {self.top_p})")
+        if not self.reward_funcs:
+            found.append("grpo.reward_funcs names no reward function (module:function or file.py:function)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            found.append(f"grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
+                         "reward functions")
+        return found
+
 
 # ``config`` below is a TrainingConfig (training/config.py, which reads this module); ``engine`` a TrainingEngine:
 # its ``device``, ``pctx``, ``holds_loss()`` and the reference's log-probabilities it holds (``reference_logps``)
@@ -40,10 +111,15 @@ class Objective:
     targets: Callable[[Any, list[MicroBatch]], list]  # (engine, this rank's micro batches) -> the loss's targets
     precomputed_reference: Callable[[Any], bool]  # its reference is computed before training (run/reference.py)
     perplexity: bool  # its loss is a token mean: evaluation reports exp(loss)
-    metric_names: tuple[str, ...]  # what its loss sums per micro batch, logged as means over the count below
-    metric_count: Callable[[list[MicroBatch]], int]  # the count of a rank's micro batches those sums are over
+    # its metrics from the sums its loss returns, added over a step's micro batches and every rank (None: it has
+    # none); the copies TP and CP ranks hold cancel in the ratios they are made of
+    metrics: Callable[[torch.Tensor], dict] | None
     log_line: Callable[[dict], str]  # its part of the log line, from its metrics
     whole_logits: bool  # its loss needs every token's logits whole (no chunked head: activation estimates)
+    # after the data is read, before any process group: what needs it (a prompt that leaves no room, a reward
+    # function that does not import), ConfigError
+    check_prepared: Callable[[Any], None] = lambda config: None
+    rollout: bool = False  # its batches are generated by the policy each step (training/run/rollout.py)
 
 
 def loss_divisor(engine, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
@@ -104,24 +180,93 @@ def _preference_line(metrics: dict) -> str:
     return f" | reward margin {metrics['rewards/margins']:.4f} accuracy {metrics['rewards/accuracies']:.3f}"
 
 
+def _grpo_targets(engine, micro_batches: list[MicroBatch]) -> list:
+    """The step's counts for GRPO's normalisers (model/grpo.py): its completions, their trained tokens and its
+    micro batches over every data-parallel rank, each divided by M x DP for DeepSpeed's averaging; with each
+    micro batch's label values (advantages, log-probabilities of generation time)."""
+    device, pctx = engine.device, engine.pctx
+    labels = [to_device(mb.labels, device) for mb in micro_batches]
+    if not engine.holds_loss():
+        return labels
+    completions = sum(mb.labels.shape[0] for mb in micro_batches)
+    counts = to_device(torch.tensor([completions, sum(mb.num_targets() for mb in micro_batches)], dtype=torch.int64),
+                       device)
+    if pctx.dp_cp_size > 1:
+        dist.all_reduce(counts, group=pctx.dp_cp_group)
+    averaged = len(micro_batches) * pctx.dp_size
+    counts = torch.cat([counts.double() / torch.tensor([pctx.cp_size, 1.0], dtype=torch.float64, device=device),
+                        torch.tensor([float(averaged)], dtype=torch.float64, device=device)])
+    counts = (counts.clamp(min=1) / averaged).float()
+    return [grpo_targets(label, {k: to_device(v, device) for k, v in mb.label_values.items()}, counts)
+            for label, mb in zip(labels, micro_batches)]
+
+
+def _check_grpo(config) -> None:
+    grpo = config.grpo
+    problems = grpo.problems()
+    if problems:
+        raise ConfigError(problems[0])
+    batch = config.batch.global_batch_size
+    if batch % grpo.num_generations:
+        raise ConfigError(f"batch.global_batch_size {batch} (completions per step) is not whole groups of "
+                          f"grpo.num_generations {grpo.num_generations}")
+    if grpo.beta != 0.0 and config.lora is None:
+        raise ConfigError("grpo.beta > 0 needs a reference policy, and only a LoRA run holds one without a second "
+                          "copy of the weights (its base, adapters off): set lora, or grpo.beta 0")
+    if config.parallel.context > 1:
+        raise ConfigError("grpo under context parallelism is not built: its sequences are short enough for "
+                          "parallel.context 1")
+    if grpo.max_completion_length >= config.seq_length:
+        raise ConfigError(f"grpo.max_completion_length {grpo.max_completion_length} leaves no room for a prompt "
+                          f"in seq_length {config.seq_length}")
+
+
+def _check_grpo_prepared(config) -> None:
+    """Every prompt fits with a whole completion (a row is the prompt and the completion, its last token no input);
+    every reward function loads."""
+    from llama_megatron.data.rewards import load_reward_function
+
+    room = config.seq_length + 1 - config.grpo.max_completion_length
+    for number, record in enumerate(config.data.records, start=1):
+        if len(record.ids) > room:
+            raise ConfigError(f"{config.data.path}: prompt {number} is {len(record.ids)} tokens, and seq_length "
+                              f"{config.seq_length} leaves {room} beside grpo.max_completion_length "
+                              f"{config.grpo.max_completion_length}")
+    for spec in config.grpo.reward_funcs:
+        load_reward_function(spec)
+
+
+def _grpo_line(metrics: dict) -> str:
+    line = f" | reward {metrics['reward']:.4f} (std {metrics['reward_std']:.4f})" if "reward" in metrics else ""
+    if metrics.get("kl"):  # beta > 0
+        line += f" | kl {metrics['kl']:.5f}"
+    return line + f" | clipped {metrics['clip_ratio/region_mean']:.3f} | entropy {metrics['entropy']:.3f}"
+
+
 TOKEN_LOSS = Objective(
     name="token", data_type=None, section=None, rows_per_sample=lambda config: 1, sample_unit=lambda config: "",
     check=lambda config: None, loss=lambda config, pctx: None, targets=_token_targets,
-    precomputed_reference=lambda config: False, perplexity=True, metric_names=(), metric_count=lambda mbs: 0,
-    log_line=lambda metrics: "", whole_logits=False)
+    precomputed_reference=lambda config: False, perplexity=True, metrics=None, log_line=lambda metrics: "",
+    whole_logits=False)
 
 PREFERENCE = Objective(
     name="preference", data_type="preference", section="preference",
     # a padded pair is two rows (its chosen and rejected sequences); a packed pair's sequences share a row
     rows_per_sample=lambda config: 1 if config.data.pack else 2, check=_check_preference,
     sample_unit=lambda config: "" if config.data.pack else " pairs",  # a packed row holds whole pairs
-    loss=lambda config, pctx: PreferenceLoss(config.preference.loss(), pctx, IGNORE_INDEX),
+    loss=lambda config, pctx: PreferenceLoss(config.preference.loss(), pctx, config.model.vocab_size, IGNORE_INDEX),
     targets=_preference_targets, precomputed_reference=lambda config: config.preference.loss().needs_reference,
-    perplexity=False, metric_names=PREFERENCE_METRICS,
-    metric_count=lambda micro_batches: sum(mb.pair_ids.numel() for mb in micro_batches),
-    log_line=_preference_line, whole_logits=True)
+    perplexity=False, metrics=preference_metrics, log_line=_preference_line, whole_logits=True)
 
-OBJECTIVES = (TOKEN_LOSS, PREFERENCE)
+GRPO = Objective(
+    name="grpo", data_type="prompts", section="grpo", rows_per_sample=lambda config: 1,
+    sample_unit=lambda config: " completions", check=_check_grpo,
+    loss=lambda config, pctx: GRPOLoss(config.grpo.loss(), pctx, config.model.vocab_size, config.grpo.temperature,
+                                       on_policy=config.grpo.num_iterations == 1, ignore_index=IGNORE_INDEX),
+    targets=_grpo_targets, precomputed_reference=lambda config: False, perplexity=False, metrics=grpo_metrics,
+    log_line=_grpo_line, whole_logits=True, check_prepared=_check_grpo_prepared, rollout=True)
+
+OBJECTIVES = (TOKEN_LOSS, PREFERENCE, GRPO)
 
 
 def objective_of(config) -> Objective:

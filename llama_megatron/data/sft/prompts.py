@@ -11,12 +11,13 @@ tokenised with the tokenizer's special tokens (its BOS).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from llama_megatron.data.sft.chat_template import ChatEncoder
 from llama_megatron.data.sft.formats import ROLES, RecordError, _message_list
-from llama_megatron.errors import DataError
+from llama_megatron.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -77,3 +78,58 @@ def read_prompt_records(path: str, encoder: ChatEncoder, max_prompt_tokens: int 
     if not records:
         raise DataError(f"{path} holds no prompt record")
     return records
+
+
+@dataclass
+class PromptData:
+    """``data.type: "prompts"``: the prompt records of online RL (the ``grpo`` objective), one JSONL file read whole
+    (and tokenised through the chat template) before any process starts: a bad record or an overlong prompt is one
+    line then.
+
+        "data": {"type": "prompts", "path": "data/grpo/arithmetic.jsonl"}
+    """
+
+    type: ClassVar[str] = "prompts"
+    path: str | None = None  # the JSONL of prompt records
+    chat_template: str | None = None  # a Jinja file; default: the tokenizer's chat_template
+    _records: list[PromptRecord] | None = field(default=None, init=False, repr=False, compare=False)
+
+    per_document_attention: ClassVar[bool] = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **{k: v for k, v in (("path", self.path), ("chat_template", self.chat_template))
+                                      if v is not None}}
+
+    def validate(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError("data.type prompts needs data.path: a JSONL of prompt records")
+        if not os.path.isfile(self.path):
+            raise ConfigError(f"data.path {self.path!r} not found (cwd {os.getcwd()})")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"data.chat_template {self.chat_template!r} not found (cwd {os.getcwd()})")
+
+    def prepare(self, tokenizer: str | None) -> None:
+        if self._records is None:
+            self._records = read_prompt_records(self.path, ChatEncoder(tokenizer, self.chat_template))
+
+    @property
+    def records(self) -> list[PromptRecord]:
+        if self._records is None:
+            raise RuntimeError("PromptData.prepare(tokenizer) must run before its records are read")
+        return self._records
+
+    def check(self, vocab_size: int, need_validation: bool) -> None:
+        for number, record in enumerate(self.records, start=1):
+            if max(record.ids, default=0) >= vocab_size or min(record.ids, default=0) < 0:
+                raise ConfigError(f"{self.path}: prompt {number} has token ids outside the model's vocabulary of "
+                                  f"{vocab_size}")
+        if need_validation:
+            raise ConfigError("data.type prompts has no validation split (online RL scores its own rollouts): set "
+                              "eval.interval 0")
+
+    def build(self, seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
+              eod_id: int | None) -> tuple:
+        return self.records, None, None
+
+    def files(self) -> list[str]:
+        return [self.path] + ([self.chat_template] if self.chat_template else [])

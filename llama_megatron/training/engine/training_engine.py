@@ -87,10 +87,7 @@ class TrainingEngine:
         loss_fn.expert_counts = loss_fn.metric_sums = None
         loss = self._train_step(micro_batches)
         self._expert_counts = loss_fn.expert_counts  # this step's routing, kept from evaluation's
-        self._metric_sums = loss_fn.metric_sums
-        if self._metric_sums is not None:  # on the ranks holding the loss: what they summed over
-            self._metric_sums = torch.cat([self._metric_sums.detach().float(), torch.tensor(
-                [float(self.objective.metric_count(micro_batches))], device=self.device)])
+        self._metric_sums = loss_fn.metric_sums  # on the ranks holding the loss
         return loss
 
     def _train_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
@@ -152,19 +149,19 @@ class TrainingEngine:
         return not self.pipelined or self.engine.holds_loss()
 
     def objective_metrics(self) -> dict[str, float] | None:
-        """The objective's metrics of the last training step (means of its sums over their count: TRL's six
-        preference metrics over the global batch's pairs), on every rank; None where it has none. One all-reduce
-        over the world of the sums and their counts: they live on the last stage, the same on each of its TP and CP
-        ranks (so the copies cancel in the ratio)."""
-        names = self.objective.metric_names
-        if not names:
+        """The objective's metrics of the last training step (TRL's six preference metrics: means over the global
+        batch's pairs), on every rank; None where it has none. One all-reduce over the world of the sums its loss
+        returned: they live on the last stage, the same on each of its TP and CP ranks (so the copies cancel in the
+        ratios the metrics are)."""
+        if self.objective.metrics is None:
             return None
         sums = self._metric_sums
-        sums = torch.zeros(len(names) + 1, device=self.device) if sums is None else sums.clone()
+        if sums is None:  # a rank without the loss: its zeros, as long as the loss ranks' sums (one all-reduce)
+            sums = torch.zeros(self.model.loss_fn.objective.metric_size, device=self.device)
+        sums = sums.detach().double()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
-        sums = sums.double()
-        return {name: float(value) for name, value in zip(names, sums[:-1] / sums[-1].clamp(min=1))}
+        return self.objective.metrics(sums)
 
     def expert_load(self) -> tuple[list[float], float] | None:
         """A mixture-of-experts model's share of the last training step's token assignments per expert (all layers,

@@ -22,6 +22,7 @@ from llama_megatron.training.resume import finished_run
 from llama_megatron.training.run.batches import build_datasets, step_batches
 from llama_megatron.training.run.metrics import Cadence, StepMeter, start_line
 from llama_megatron.training.run.reference import prepare_reference
+from llama_megatron.training.run.rollout import Rollout
 from llama_megatron.training.run.setup import Session, open_session
 
 
@@ -77,7 +78,10 @@ def _train(session: Session, config: TrainingConfig, profiler: StepProfiler | No
         profiler.attach(session.pctx, precision(session.pre.ds_config), engine.engine if engine.pipelined else None)
     try:
         run.prepare()
-        batches = step_batches(run.train_ds, config, session.pctx, run.consumed, config.train.steps - run.step)
+        if run.rollout is not None:  # the policy generates each step's batches
+            batches = run.rollout.step_batches(run.step, config.train.steps)
+        else:
+            batches = step_batches(run.train_ds, config, session.pctx, run.consumed, config.train.steps - run.step)
         while True:
             with profiler.step(run.step + 1) if profiler else contextlib.nullcontext():
                 with profiler.data() if profiler else contextlib.nullcontext():
@@ -119,6 +123,7 @@ class _TrainingRun:
             self.log.info(f"MFU against {self.meter.peak:,.4g} TFLOP/s per device: {self.meter.peak_source}")
         self.skipped = self.engine.skipped_steps
         self.last_metrics: dict = {}
+        self.rollout = Rollout(session, self.log) if objective_of(config).rollout else None
 
     def prepare(self) -> None:
         if objective_of(self.config).precomputed_reference(self.config):
@@ -164,8 +169,10 @@ class _TrainingRun:
                 with self.watchdog.working(self.step, "lm-eval tasks"):
                     extras.update(self._tasks())
         if due.log:  # read where logged only: each is an all-reduce over the world
-            extras.update(expert_load=self.engine.expert_load(), objective=self.engine.objective_metrics(),
-                          fp8=self.engine.fp8_stats())
+            objective = self.engine.objective_metrics()
+            if self.rollout is not None:  # the generation this step trained on
+                objective = {**self.rollout.metrics, **(objective or {})}
+            extras.update(expert_load=self.engine.expert_load(), objective=objective, fp8=self.engine.fp8_stats())
             metrics, line = self.meter.record(reports[-1], lr, self.consumed, extras)
             self.log.log(reports[-1].step, metrics, line)
             self.last_metrics = metrics

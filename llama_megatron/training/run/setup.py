@@ -38,6 +38,7 @@ from llama_megatron.training.config import AUTO_LOAD, TrainingConfig
 from llama_megatron.training.diagnostics.stage_census import moe_layers_per_pipeline_rank
 from llama_megatron.training.engine.deepspeed_config import build_deepspeed_config, precision, zero_stage
 from llama_megatron.training.engine.training_engine import TrainingEngine
+from llama_megatron.training.objectives import objective_of
 from llama_megatron.training.pipeline.schedules import analytic_bubble
 from llama_megatron.training.resume import ResumePlan, plan_resume, replan_without
 from llama_megatron.training.run.metrics import RunLogger
@@ -142,6 +143,7 @@ def preflight(config: TrainingConfig, ds_source=None, world_size: int | None = N
     # what building the datasets would find late: ids beyond the vocabulary, no validation split to evaluate on
     config.data.check(config.model.vocab_size,
                       need_validation=mode == "evaluate" or (mode == "train" and config.eval.interval > 0))
+    objective_of(config).check_prepared(config)
     if config.eval.tasks and config.eval.interval and mode == "train":
         _check_eval_tasks(config)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,260 @@
+"""Online RL's rollouts on the training weights themselves (the ``grpo`` objective): every ``num_iterations``
+optimizer steps, sample ``num_generations`` completions of each of the step's prompts with the engine's own module
+(no export, no second copy: the same sharded weights, KV-cache decoding under TP, staged decoding over a
+pipeline), score them, compute group advantages, and cut the completions into this rank's micro batches.
+
+What a run generates does not depend on its layout: prompt ``j`` of generation ``g`` is a fixed slot of a seeded
+permutation of the records (a new one each epoch), and its group is sampled from a generator seeded by (seed,
+generation, slot). Each data-parallel rank decodes the groups its share of the global batch lies in (a group split
+between two ranks is decoded by both, identically), scores them, and the ranks sum the rewards of the rows they
+train into the whole batch's table (one all-reduce), from which every rank computes the same advantages. So a run
+at TP2 x PP2 or DP2 samples what the one-process run samples, and a resumed run samples what it would have.
+
+With ``num_iterations`` > 1 the log-probabilities of generation time (the old policy's) come from a training-layout
+forward over the micro batches right after generation, as TRL computes them; with ``beta`` > 0 the reference's
+come from the same forward with the LoRA adapters off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llama_megatron.checkpoint.atomic import write_text_atomic
+from llama_megatron.data.batch import MicroBatch
+from llama_megatron.data.rewards import load_reward_function, score
+from llama_megatron.model.generation import Completions, Sampling, generate_rows
+from llama_megatron.model.grpo import group_advantages
+from llama_megatron.model.lora import adapters_off
+from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+from llama_megatron.training.run.setup import Session
+
+
+def prompt_slot(seed: int, index: int, prompts: int) -> int:
+    """The record of the ``index``-th prompt drawn: a seeded permutation of the ``prompts`` records, a new one each
+    epoch."""
+    epoch, position = divmod(index, prompts)
+    return int(np.random.default_rng([seed, epoch]).permutation(prompts)[position])
+
+
+def group_seed(seed: int, generation: int, group: int) -> int:
+    """The sampling seed of one group (its completions): a function of where it is, not of who decodes it."""
+    return int(np.random.SeedSequence([seed, generation, group]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class Rollout:
+    """One GRPO run's generations; :meth:`step_batches` yields each optimizer step's micro batches of this rank."""
+
+    def __init__(self, session: Session, log) -> None:
+        from llama_megatron.data.sft.chat_template import load_hf_tokenizer
+
+        self.session, self.config, self.log = session, session.config, log
+        self.grpo = self.config.grpo
+        self.records = self.config.data.records
+        self.rewards = [load_reward_function(spec) for spec in self.grpo.reward_funcs]
+        self.weights = torch.tensor(self.grpo.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
+        self.tokenizer = load_hf_tokenizer(self.config.tokenizer)
+        eos = self.tokenizer.eos_token_id
+        self.stop_ids = set(self.grpo.stop_ids) if self.grpo.stop_ids else {eos}
+        self.pad_id = eos if eos is not None else 0
+        self.sampling = Sampling(self.grpo.temperature, self.grpo.top_k, self.grpo.top_p)
+        self.metrics: dict = {}  # the last generation's, logged with the steps it serves
+
+    def step_batches(self, done_steps: int, steps: int) -> Iterator[list[MicroBatch]]:
+        """This rank's micro batches of steps ``done_steps + 1 .. steps``: a new generation every ``num_iterations``
+        steps (a run resumed within a generation decodes it again: the same completions)."""
+        batches, generation = None, None
+        for step in range(done_steps, steps):
+            if generation != step // self.grpo.num_iterations:
+                generation = step // self.grpo.num_iterations
+                batches = self.generate(generation)
+            yield batches
+
+    def _groups(self) -> tuple[int, int, range]:
+        """(completions per DP rank, this rank's first completion, the groups its completions lie in)."""
+        pctx, batch, per_group = self.session.pctx, self.config.batch.global_batch_size, self.grpo.num_generations
+        rows = batch // pctx.dp_size
+        first = pctx.dp_rank * rows
+        return rows, first, range(first // per_group, (first + rows - 1) // per_group + 1)
+
+    @torch.no_grad()
+    def _decode(self, generation: int, groups: range) -> list[tuple[int, Completions]]:
+        """Each group's record slot and completions, decoded on the engine's module in eval mode."""
+        session, grpo = self.session, self.grpo
+        engine = session.engine
+        module = engine.engine.module
+        if session.pctx.pp_size > 1:
+            from llama_megatron.model.staged_inference import StagedCausalLM
+
+            model = StagedCausalLM(module, self.config.model, session.pctx,
+                                   self.config.parallel.local_shapes(self.config.model))
+        else:
+            model = module
+        prompts_per_step = self.config.batch.global_batch_size // grpo.num_generations
+        device = engine.device
+        out = []
+        module.eval()
+        try:
+            for group in groups:
+                slot = prompt_slot(self.config.seed, generation * prompts_per_step + group, len(self.records))
+                generator = torch.Generator(device=device).manual_seed(group_seed(self.config.seed, generation, group))
+                out.append((slot, generate_rows(model, self.records[slot].ids, grpo.num_generations,
+                                                grpo.max_completion_length, self.stop_ids, self.sampling,
+                                                generator=generator)))
+        finally:
+            module.train()
+        return out
+
+    def generate(self, generation: int) -> list[MicroBatch]:
+        """Decode, score and cut generation ``generation`` into this rank's micro batches."""
+        session, grpo, pctx = self.session, self.grpo, self.session.pctx
+        start = time.perf_counter()
+        rows, first, groups = self._groups()
+        decoded = self._decode(generation, groups)
+        decode_s = time.perf_counter() - start
+        per_group = grpo.num_generations
+        # every generated completion, in batch order from the first group's first
+        slots = [slot for slot, _ in decoded for _ in range(per_group)]
+        tokens = [row for _, c in decoded for row in c.tokens]
+        logprobs = [row for _, c in decoded for row in c.logprobs]
+        truncated = [t for _, c in decoded for t in c.truncated]
+        rewards = self._score(slots, tokens)
+        # this rank's rows of the whole batch's table; the ranks' rows are disjoint, so a sum is the table
+        batch = self.config.batch.global_batch_size
+        offset = first - groups.start * per_group
+        table = torch.zeros(batch, len(self.rewards) + 2, dtype=torch.float64)
+        mine = slice(first, first + rows)
+        table[mine, :-2] = rewards[offset:offset + rows].double()
+        table[mine, -2] = torch.tensor([float(len(t)) for t in tokens[offset:offset + rows]], dtype=torch.float64)
+        table[mine, -1] = torch.tensor([float(t) for t in truncated[offset:offset + rows]], dtype=torch.float64)
+        if pctx.dp_size > 1:  # on the engine's device: NCCL reduces no host tensor
+            on_device = table.to(session.engine.device)
+            dist.all_reduce(on_device, group=pctx.dp_group)
+            table = on_device.cpu()
+        per_function = table[:, :-2].float()
+        advantages = group_advantages(per_function, self.weights, per_group, grpo.scale_rewards)
+        local = slice(offset, offset + rows)
+        micro_batches = self._micro_batches(slots[local], tokens[local], logprobs[local], truncated[local],
+                                            advantages.advantages[first:first + rows])
+        self._log_probs(micro_batches)
+        generated = sum(len(t) for t in tokens)  # this rank's decoding: its groups' tokens
+        self.metrics = self._metrics(per_function, advantages, table[:, -2], table[:, -1], decode_s, generated)
+        if grpo.log_completions:
+            self._write_completions(generation, slots[local], tokens[local], per_function[first:first + rows],
+                                    advantages.advantages[first:first + rows])
+        self.metrics["generation_s"] = time.perf_counter() - start
+        return micro_batches
+
+    def _texts(self, tokens: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode([[t for t in row if t not in self.stop_ids] for row in tokens],
+                                           skip_special_tokens=True)
+
+    def _score(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """Every reward function's reward of every completion (TRL's call: prompts, completions as text, or as one
+        assistant message for a conversational prompt, completion ids, the records' other columns)."""
+        records = [self.records[slot] for slot in slots]
+        texts = self._texts(tokens)
+        completions = [[{"role": "assistant", "content": text}] if isinstance(r.prompt, list) else text
+                       for r, text in zip(records, texts)]
+        keys = sorted({key for r in records for key in r.columns})
+        columns = {key: [r.columns.get(key) for r in records] for key in keys}
+        return score(self.rewards, [r.prompt for r in records], completions, tokens, columns)
+
+    def _micro_batches(self, slots: list[int], tokens: list[list[int]], logprobs: list[list[float]],
+                       truncated: list[bool], advantages: torch.Tensor) -> list[MicroBatch]:
+        """Rows of prompt + completion padded to seq_length, the completion's tokens as the labels (none of a
+        truncated completion's under ``mask_truncated_completions``)."""
+        seq, micro = self.config.seq_length, self.config.batch.micro_batch_size
+        count = len(tokens)
+        ids = torch.full((count, seq + 1), self.pad_id, dtype=torch.long)
+        labels = torch.full((count, seq), IGNORE_INDEX, dtype=torch.long)
+        sampler = torch.zeros(count, seq)
+        for i, (slot, row, row_logprobs) in enumerate(zip(slots, tokens, logprobs)):
+            prompt = self.records[slot].ids
+            whole = prompt + row
+            ids[i, :len(whole)] = torch.tensor(whole[:seq + 1])
+            span = slice(len(prompt) - 1, len(prompt) - 1 + len(row))  # the positions whose next token is a completion's
+            if not (self.grpo.mask_truncated_completions and truncated[i]):
+                labels[i, span] = torch.tensor(row)
+            sampler[i, span] = torch.tensor(row_logprobs)
+        positions = torch.arange(seq).expand(count, seq)
+        values = {"advantages": advantages.float()[:, None].expand(count, seq).contiguous(),
+                  "old_logps": torch.zeros(count, seq), "ref_logps": torch.zeros(count, seq),
+                  "sampler_logps": sampler}
+        return [MicroBatch(ids[k:k + micro, :-1].contiguous(), positions[k:k + micro], labels[k:k + micro],
+                           label_values={name: v[k:k + micro] for name, v in values.items()})
+                for k in range(0, count, micro)]
+
+    def _log_probs(self, micro_batches: list[MicroBatch]) -> None:
+        """The old policy's (``num_iterations`` > 1) and the reference's (``beta`` > 0) log-probabilities of every
+        label, from a training-layout forward now (the reference's: LoRA adapters off)."""
+        passes = []
+        if self.grpo.num_iterations > 1:
+            passes.append(("old_logps", False))
+        if self.grpo.beta != 0.0:
+            passes.append(("ref_logps", True))
+        engine = self.session.engine
+        objective = engine.model.loss_fn.objective
+        for name, reference in passes:
+            objective.captured = []
+            try:
+                if reference:
+                    with adapters_off(engine.model):
+                        engine.eval_loss(micro_batches)
+                else:
+                    engine.eval_loss(micro_batches)
+                captured = objective.captured
+            finally:
+                objective.captured = None
+            for mb, logps in zip(micro_batches, captured):  # on the ranks holding the loss; the others never read them
+                mb.label_values[name] = logps.float().cpu()
+
+    def _metrics(self, per_function: torch.Tensor, advantages, lengths: torch.Tensor, truncated: torch.Tensor,
+                 decode_s: float, generated: int) -> dict:
+        """TRL's rollout metrics of the whole batch (every rank the same), and this rank's decoding rate."""
+        out: dict = {}
+        for j, reward in enumerate(self.rewards):
+            column = per_function[:, j]
+            out[f"rewards/{reward.name}/mean"] = float(torch.nanmean(column))
+            out[f"rewards/{reward.name}/std"] = float(_nan_std(column))
+        groups = advantages.rewards.view(-1, self.grpo.num_generations)
+        out["reward"] = float(torch.nanmean(advantages.rewards))
+        out["reward_std"] = float(torch.nanmean(advantages.std))  # the groups' deviations (TRL's reward_std)
+        out["frac_reward_zero_std"] = float((advantages.std.view(groups.shape)[:, 0] < 1e-6).double().mean())
+        out["advantages/std"] = float(advantages.advantages.std())
+        out["completions/mean_length"] = float(lengths.mean())
+        out["completions/max_length"] = float(lengths.max())
+        out["completions/clipped_ratio"] = float(truncated.mean())
+        out["rollout_tokens_per_s"] = generated / max(decode_s, 1e-9)
+        return out
+
+    def _write_completions(self, generation: int, slots: list[int], tokens: list[list[int]], rewards: torch.Tensor,
+                           advantages: torch.Tensor) -> None:
+        """``completions/generation_<g>.jsonl`` under checkpoint.save (or the working directory): this generation's
+        completions with their rewards and advantages, every rank's, written by global rank 0."""
+        pctx = self.session.pctx
+        rows = [{"prompt": self.records[slot].prompt, "completion": text, "completion_ids": row,
+                 "rewards": {r.name: (None if v != v else float(v)) for r, v in zip(self.rewards, reward.tolist())},
+                 "advantage": float(adv)}
+                for slot, text, row, reward, adv in zip(slots, self._texts(tokens), tokens, rewards, advantages)]
+        if pctx.dp_size > 1:
+            gathered: list = [None] * pctx.dp_size
+            dist.all_gather_object(gathered, rows, group=pctx.dp_group)
+            rows = [row for part in gathered for row in part]
+        if pctx.rank != 0:
+            return
+        directory = os.path.join(self.config.checkpoint.save or ".", "completions")
+        os.makedirs(directory, exist_ok=True)
+        write_text_atomic(os.path.join(directory, f"generation_{generation + 1:06d}.jsonl"),
+                          "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _nan_std(values: torch.Tensor) -> torch.Tensor:
+    kept = values[~torch.isnan(values)]
+    return kept.std() if kept.numel() > 1 else torch.zeros(())

@@ -103,3 +103,24 @@ def recording_losses(trainer_class: type, step_losses: list[float]) -> type:
             return loss
 
     return Recording
+
+
+def peft_twin(hf_dir, config, lora_section: dict):
+    """PEFT's LoRA on the HF model in ``hf_dir``, its adapters the ones our run of ``config`` draws with the ``lora``
+    section ``lora_section`` (A seeded per name, B zero): TRL + PEFT's start."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from llama_megatron.model.init import initial_hf_tensor
+    from llama_megatron.model.lora_layout import LoraConfig, adapter_layout
+
+    lora = LoraConfig(rank=lora_section["rank"], alpha=lora_section["alpha"], targets=tuple(lora_section["targets"]))
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
+                                                target_modules=list(lora.module_targets)))
+    tensors = {spec.hf_names[0]: initial_hf_tensor(spec.hf_names[0], spec.hf_shapes[0], spec.init,
+                                                   config.model.initializer_range, config.seed)
+               for spec in adapter_layout(config.model, lora)}
+    result = peft.set_peft_model_state_dict(model, tensors)
+    assert not result.unexpected_keys
+    return model

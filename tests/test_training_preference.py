@@ -34,7 +34,7 @@ import pytest
 import torch
 from chat_families import TOKENIZER, preference_records, write_templates
 from launch_utils import ROOT, SFT_CONFIG, assert_losses_close, launch, launch_many, losses, train_args
-from model_utils import recording_losses
+from model_utils import peft_twin, recording_losses
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.preference import METRICS
@@ -97,24 +97,6 @@ def trl_case(tmp_path_factory) -> dict:
 
     Recording = recording_losses(DPOTrainer, step_losses)
 
-    def peft_model():
-        """PEFT's LoRA on the start, its adapters the ones our run draws (A seeded per name, B zero)."""
-        import peft
-
-        from llama_megatron.model.init import initial_hf_tensor
-        from llama_megatron.model.lora_layout import LoraConfig, adapter_layout
-
-        lora = LoraConfig(rank=LORA["rank"], alpha=LORA["alpha"], targets=tuple(LORA["targets"]))
-        model = peft.get_peft_model(LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32),
-                                    peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
-                                                    target_modules=list(lora.module_targets)))
-        tensors = {spec.hf_names[0]: initial_hf_tensor(spec.hf_names[0], spec.hf_shapes[0], spec.init,
-                                                       config.model.initializer_range, config.seed)
-                   for spec in adapter_layout(config.model, lora)}
-        result = peft.set_peft_model_state_dict(model, tensors)
-        assert not result.unexpected_keys
-        return model
-
     cases, longest = {}, 0
     for name, loss_type in [*LOSSES.items(), ("lora-sigmoid", LOSSES["sigmoid"])]:
         step_losses.clear()
@@ -125,7 +107,7 @@ def trl_case(tmp_path_factory) -> dict:
                          optim="adamw_torch", save_strategy="no", logging_steps=1, seed=7, beta=BETA,
                          loss_type=loss_type)
         lora = name.startswith("lora")
-        trainer = Recording(model=peft_model() if lora else LlamaForCausalLM.from_pretrained(hf_dir),
+        trainer = Recording(model=peft_twin(hf_dir, config, LORA) if lora else LlamaForCausalLM.from_pretrained(hf_dir),
                             ref_model=None if lora else LlamaForCausalLM.from_pretrained(hf_dir), args=args,
                             train_dataset=Dataset.from_list(records), processing_class=tokenizer)
         data = trainer.train_dataset

@@ -70,7 +70,7 @@ class GRPOConfig:
     scale_rewards: str = "group"  # group, batch or none: what advantages are divided by
     mask_truncated_completions: bool = False  # completions that hit max_completion_length train no token
     num_iterations: int = 1  # optimizer steps per generation (old log-probabilities kept from generation time)
-    log_completions: bool = False  # write each generation's completions to <checkpoint.save or cwd>/completions/
+    log_completions: bool = False  # write each generation's completions to <output_dir>/completions/
 
     def loss(self) -> GRPOLossConfig:
         return GRPOLossConfig(self.loss_type, self.beta, self.epsilon, self.epsilon_high, self.delta,

@@ -100,7 +100,7 @@ def generation_config(request: GenerationRequest, tokenizer_dir: str) -> Trainin
     })
 
 
-def _stop_ids(config: TrainingConfig, tokenizer, tokenizer_dir: str) -> set[int]:
+def stop_ids(config: TrainingConfig, tokenizer, tokenizer_dir: str) -> set[int]:
     """EOS of the model config, of the tokenizer and of generation_config.json (LLaMA-3's end of turn)."""
     ids = set()
     sources = [config.model.eos_token_id, tokenizer.eos_token_id]
@@ -135,7 +135,7 @@ class InferenceModel:
 
     @property
     def stop_ids(self) -> set[int]:
-        return _stop_ids(self.config, self.tokenizer, self.tokenizer_dir)
+        return stop_ids(self.config, self.tokenizer, self.tokenizer_dir)
 
 
 def open_checkpoint(request: GenerationRequest, before_groups: Callable[[TrainingConfig, object], None] | None = None,

@@ -33,6 +33,7 @@ from llama_megatron.model.generation import Completions, Sampling, generate_rows
 from llama_megatron.model.grpo import group_advantages
 from llama_megatron.model.lora import adapters_off
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+from llama_megatron.training.run.generate import stop_ids
 from llama_megatron.training.run.setup import Session
 
 
@@ -60,8 +61,10 @@ class Rollout:
         self.rewards = [load_reward_function(spec) for spec in self.grpo.reward_funcs]
         self.weights = torch.tensor(self.grpo.reward_weights or [1.0] * len(self.rewards), dtype=torch.float32)
         self.tokenizer = load_hf_tokenizer(self.config.tokenizer)
+        # TRL's: the tokenizer's EOS and every one the model declares (Llama 3's end of turn)
+        self.stop_ids = set(self.grpo.stop_ids) if self.grpo.stop_ids else stop_ids(
+            self.config, self.tokenizer, self.config.tokenizer)
         eos = self.tokenizer.eos_token_id
-        self.stop_ids = set(self.grpo.stop_ids) if self.grpo.stop_ids else {eos}
         self.pad_id = eos if eos is not None else 0
         self.sampling = Sampling(self.grpo.temperature, self.grpo.top_k, self.grpo.top_p)
         self.metrics: dict = {}  # the last generation's, logged with the steps it serves
@@ -86,9 +89,8 @@ class Rollout:
     @torch.no_grad()
     def _decode(self, generation: int, groups: range) -> list[tuple[int, Completions]]:
         """Each group's record slot and completions, decoded on the engine's module in eval mode."""
-        session, grpo = self.session, self.grpo
-        engine = session.engine
-        module = engine.engine.module
+        session = self.session
+        module = session.engine.engine.module
         if session.pctx.pp_size > 1:
             from llama_megatron.model.staged_inference import StagedCausalLM
 
@@ -96,19 +98,25 @@ class Rollout:
                                    self.config.parallel.local_shapes(self.config.model))
         else:
             model = module
-        prompts_per_step = self.config.batch.global_batch_size // grpo.num_generations
-        device = engine.device
-        out = []
         module.eval()
         try:
-            for group in groups:
-                slot = prompt_slot(self.config.seed, generation * prompts_per_step + group, len(self.records))
-                generator = torch.Generator(device=device).manual_seed(group_seed(self.config.seed, generation, group))
-                out.append((slot, generate_rows(model, self.records[slot].ids, grpo.num_generations,
-                                                grpo.max_completion_length, self.stop_ids, self.sampling,
-                                                generator=generator)))
+            # decoding runs on whole sequences (SP's and CP's splits are of activations, not weights: off for it)
+            with session.pctx.whole_sequences():
+                out = self._decode_groups(model, generation, groups)
         finally:
             module.train()
+        return out
+
+    def _decode_groups(self, model, generation: int, groups: range) -> list[tuple[int, Completions]]:
+        grpo, device = self.grpo, self.session.engine.device
+        prompts_per_step = self.config.batch.global_batch_size // grpo.num_generations
+        out = []
+        for group in groups:
+            slot = prompt_slot(self.config.seed, generation * prompts_per_step + group, len(self.records))
+            generator = torch.Generator(device=device).manual_seed(group_seed(self.config.seed, generation, group))
+            out.append((slot, generate_rows(model, self.records[slot].ids, grpo.num_generations,
+                                            grpo.max_completion_length, self.stop_ids, self.sampling,
+                                            generator=generator)))
         return out
 
     def generate(self, generation: int) -> list[MicroBatch]:
@@ -152,8 +160,8 @@ class Rollout:
         return micro_batches
 
     def _texts(self, tokens: list[list[int]]) -> list[str]:
-        return self.tokenizer.batch_decode([[t for t in row if t not in self.stop_ids] for row in tokens],
-                                           skip_special_tokens=True)
+        """TRL's decoding: every completion token, the special ones (an EOS) skipped."""
+        return self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
 
     def _score(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
         """Every reward function's reward of every completion (TRL's call: prompts, completions as text, or as one
@@ -224,8 +232,9 @@ class Rollout:
             out[f"rewards/{reward.name}/mean"] = float(torch.nanmean(column))
             out[f"rewards/{reward.name}/std"] = float(_nan_std(column))
         groups = advantages.rewards.view(-1, self.grpo.num_generations)
+        # a group whose rewards are all equal teaches nothing (its advantages are 0)
         out["reward"] = float(torch.nanmean(advantages.rewards))
-        out["reward_std"] = float(torch.nanmean(advantages.std))  # the groups' deviations (TRL's reward_std)
+        out["reward_std"] = float(_nan_std(advantages.rewards))  # over the whole batch (TRL's reward_std)
         out["frac_reward_zero_std"] = float((advantages.std.view(groups.shape)[:, 0] < 1e-6).double().mean())
         out["advantages/std"] = float(advantages.advantages.std())
         out["completions/mean_length"] = float(lengths.mean())
@@ -236,10 +245,10 @@ class Rollout:
 
     def _write_completions(self, generation: int, slots: list[int], tokens: list[list[int]], rewards: torch.Tensor,
                            advantages: torch.Tensor) -> None:
-        """``completions/generation_<g>.jsonl`` under checkpoint.save (or the working directory): this generation's
-        completions with their rewards and advantages, every rank's, written by global rank 0."""
+        """``completions/generation_<g>.jsonl`` in the run's output_dir: this generation's completions with their
+        token ids, rewards and advantages, every rank's, written by global rank 0."""
         pctx = self.session.pctx
-        rows = [{"prompt": self.records[slot].prompt, "completion": text, "completion_ids": row,
+        rows = [{"record": slot, "prompt": self.records[slot].prompt, "completion": text, "completion_ids": row,
                  "rewards": {r.name: (None if v != v else float(v)) for r, v in zip(self.rewards, reward.tolist())},
                  "advantage": float(adv)}
                 for slot, text, row, reward, adv in zip(slots, self._texts(tokens), tokens, rewards, advantages)]
@@ -249,7 +258,7 @@ class Rollout:
             rows = [row for part in gathered for row in part]
         if pctx.rank != 0:
             return
-        directory = os.path.join(self.config.checkpoint.save or ".", "completions")
+        directory = os.path.join(self.config.output_dir, "completions")
         os.makedirs(directory, exist_ok=True)
         write_text_atomic(os.path.join(directory, f"generation_{generation + 1:06d}.jsonl"),
                           "".join(json.dumps(row) + "\n" for row in rows))

@@ -1,0 +1,257 @@
+"""GRPO runs (``data.type: "prompts"`` + the ``grpo`` section) under the real launcher, against TRL 1.16's
+``GRPOTrainer``.
+
+A random HF LLaMA (the e2e model) converted to TP1 and TP2 is trained on four arithmetic prompts (chat messages with
+an ``answer`` column) with two reward functions of a file (one reads the completion ids, one the text and the
+column; weights 1 and 0.5): two prompts x four completions per step, four steps, completions of at most twelve
+tokens ending at any of 301 stop ids (so some end and some are truncated). Our runs sample their completions on their
+own weights and log them; ``GRPOTrainer`` replays them through its ``rollout_func`` (prompts in the same order), and
+each step's loss (``compute_loss``), KL, entropy, clip fractions, rewards and advantages must be TRL's within 1e-4
+relative, for each ``loss_type`` (dapo, grpo, bnpo, dr_grpo, cispo, luspo), ``num_iterations`` 1 and 2,
+``scale_rewards`` group, batch and none, ``mask_truncated_completions``, GSPO's sequence-level ratio, and ``beta`` >
+0 with LoRA against TRL + PEFT (its reference: the adapters disabled).
+
+On-policy means on-policy: with ``num_iterations`` 1 no token is clipped; with 2 the first pass's ratio is 1 (its
+clip fractions are 0 where the second's are not). The sampler's log-probabilities (incremental, KV cache) against
+the training pass's: their mean gap is logged, and held under 1e-5 in fp32.
+
+Layouts: TP2 with SP, PP2, DP2 under ZeRO-2 and TP2 x PP2 sample the one-process run's completions and train its
+losses; LoRA with beta at TP2. A run resumed from its step-2 checkpoint equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from launch_utils import ROOT, launch_many, losses, train_args
+from model_utils import peft_twin, recording_losses
+
+from llama_megatron.training.config import TrainingConfig
+
+CONFIG = os.path.join(ROOT, "tests", "configs", "e2e_grpo.json")
+TOKENIZER = os.path.join(ROOT, "data", "tokenizer")
+STEPS, GENERATIONS = 4, 4
+REL = 1e-4
+# a step's loss on fresh completions is -sum(advantages x ratio 1) over a count: for the group-normalised types that
+# cancels to float32 rounding (1e-8 here), which a relative bound cannot hold; 1e-6 is a few ulps of its unit terms
+LOSS_ABS = 1e-6
+STOP_IDS = [2, *range(1000, 1300)]  # the tokenizer's EOS and 300 more: about 7% of the vocabulary ends a completion
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+           for a, b in ((2, 3), (4, 4), (7, 1), (6, 9))]
+REWARDS = '''
+def id_parity(completion_ids, **kwargs):
+    return [sum(ids) % 5 / 4 for ids in completion_ids]
+
+
+def says_answer(completions, answer, **kwargs):
+    return [float(a in c[0]["content"]) + 0.1 * len(c[0]["content"].split()) for c, a in zip(completions, answer)]
+'''
+CASES = {  # name -> our grpo settings (TRL's GRPOConfig takes the same names)
+    "dapo": {},
+    "grpo-iter2-batch": {"loss_type": "grpo", "num_iterations": 2, "scale_rewards": "batch"},
+    "bnpo-none": {"loss_type": "bnpo", "scale_rewards": "none"},
+    "dr_grpo-masked": {"loss_type": "dr_grpo", "mask_truncated_completions": True},
+    "cispo-iter2": {"loss_type": "cispo", "num_iterations": 2, "epsilon_high": 1.05},
+    "luspo-iter2": {"loss_type": "luspo", "num_iterations": 2},
+    "gspo-iter2": {"loss_type": "dapo", "importance_sampling_level": "sequence", "num_iterations": 2},
+    "lora-beta-iter2": {"beta": 0.05, "num_iterations": 2},
+}
+ZERO1 = "deepspeed_config=ds_configs/zero1_fp32.json"
+LAYOUTS = {  # name -> (case, checkpoint TP, processes, overrides)
+    "dapo-tp2-sp": ("dapo", 2, 2, ["parallel.tensor=2", "parallel.sequence_parallel=true", ZERO1]),
+    "grpo-iter2-batch-pp2": ("grpo-iter2-batch", 1, 2, ["parallel.pipeline=2", "batch.micro_batch_size=4", ZERO1]),
+    "grpo-iter2-batch-dp2-zero2": ("grpo-iter2-batch", 1, 2, ["batch.micro_batch_size=2",
+                                                              "deepspeed_config=ds_configs/zero2_fp32.json"]),
+    "lora-beta-iter2-tp2": ("lora-beta-iter2", 2, 2, ["parallel.tensor=2", ZERO1]),
+    "dapo-tp2-pp2": ("dapo", 2, 4, ["parallel.tensor=2", "parallel.pipeline=2", "batch.micro_batch_size=4", ZERO1]),
+}
+
+
+def _settings(case: str) -> dict:
+    return {"stop_ids": STOP_IDS, **CASES[case]}
+
+
+def _overrides(work, case: str, tp: int) -> list[str]:
+    rewards = os.path.join(work, "rewards.py")
+    overrides = [f"data.path={work / 'prompts.jsonl'}", f"checkpoint.load={work / f'tp{tp}'}",
+                 f"grpo.reward_funcs={json.dumps([rewards + ':id_parity', rewards + ':says_answer'])}",
+                 "grpo.reward_weights=[1.0,0.5]"]
+    overrides += [f"grpo.{key}={json.dumps(value)}" for key, value in _settings(case).items()]
+    if case.startswith("lora"):
+        overrides.append(f"lora={json.dumps(LORA)}")
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The HF model converted to TP1 and TP2, the prompts and rewards; every run of this file in one launch per
+    process count."""
+    pytest.importorskip("trl")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llama_megatron.cli import main as cli_main
+
+    work = tmp_path_factory.mktemp("grpo")
+    config = TrainingConfig.from_file(CONFIG, [f"data.path={os.path.join(ROOT, 'data', 'chat', 'sample_prompts.jsonl')}"])
+    torch.manual_seed(13)
+    hf_dir = work / "hf"
+    LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict())).save_pretrained(hf_dir)
+    for name in os.listdir(TOKENIZER):
+        shutil.copy(os.path.join(TOKENIZER, name), hf_dir / name)
+    for tp in (1, 2):
+        assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(work / f"tp{tp}"),
+                         "--tp", str(tp), "--make-vocab-size-divisible-by",
+                         str(config.parallel.make_vocab_size_divisible_by)]) == 0
+    (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS), encoding="utf-8")
+    (work / "rewards.py").write_text(REWARDS, encoding="utf-8")
+    by_procs: dict[int, list] = {1: []}
+    for case in CASES:
+        tp1 = [*_overrides(work, case, 1), f"output_dir={work / case}"]
+        if case == "dapo":  # saved at step 2, then resumed from there
+            tp1 += [f"checkpoint.save={work / 'ckpt'}", "checkpoint.interval=2"]
+        by_procs[1].append(train_args(CONFIG, tp1))
+    by_procs[1].append(train_args(CONFIG, [*_overrides(work, "dapo", 1), f"output_dir={work / 'resumed'}",
+                                           f"checkpoint.load={work / 'ckpt'}", "checkpoint.finetune=false",
+                                           "checkpoint.tag=global_step2"]))
+    for name, (case, tp, procs, overrides) in LAYOUTS.items():
+        by_procs.setdefault(procs, []).append(train_args(CONFIG, [*_overrides(work, case, tp), *overrides,
+                                                                  f"output_dir={work / name}"]))
+    for procs, runs in sorted(by_procs.items()):
+        launch_many(procs, runs, str(work / f"runs-{procs}.json"))
+    return {"work": work, "hf_dir": hf_dir, "config": config}
+
+
+def _generations(run_dir) -> list[list[dict]]:
+    return [[json.loads(line) for line in open(path, encoding="utf-8")]
+            for path in sorted(glob.glob(os.path.join(run_dir, "completions", "generation_*.jsonl")))]
+
+
+def _metrics(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8"))
+            if "loss" in r}
+
+
+def _trl_replay(launched, case: str) -> dict:
+    """GRPOTrainer from the same weights (TRL + PEFT for LoRA) on our run's completions, replayed: each step's
+    compute_loss, logged metrics and the advantages of each generation."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    work, config = launched["work"], launched["config"]
+    generations = _generations(work / case)
+    settings = _settings(case)
+    rows = [row for generation in generations for row in generation]
+    per_group = config.grpo.num_generations
+    dataset = Dataset.from_list([PROMPTS[row["record"]] for row in rows[::per_group]])
+    replayed = iter(generations)
+
+    def rollout(prompts: list, trainer) -> dict:
+        generation = next(replayed)
+        assert prompts == [row["prompt"] for row in generation]
+        prompt_ids = trainer._tokenize_prompts(prompts)[0]
+        return {"prompt_ids": prompt_ids, "completion_ids": [row["completion_ids"] for row in generation],
+                "logprobs": None}
+
+    step_losses: list[float] = []
+    advantages: list[list[float]] = []
+
+    class Replaying(recording_losses(GRPOTrainer, step_losses)):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            advantages.append(out["advantages"].tolist())
+            return out
+
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    lora = case.startswith("lora")
+    model = peft_twin(launched["hf_dir"], config, LORA) if lora else LlamaForCausalLM.from_pretrained(
+        launched["hf_dir"], dtype=torch.float32)
+    (model.base_model.model if lora else model).generation_config.eos_token_id = STOP_IDS
+    batch = config.batch.global_batch_size
+    opt = config.optimizer
+    args = GRPOConfig(
+        output_dir=str(work / "trainer"), report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=STEPS,
+        learning_rate=opt.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=opt.clip_grad, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
+        save_strategy="no", logging_steps=1, seed=7, shuffle_dataset=False, num_generations=per_group,
+        max_completion_length=config.grpo.max_completion_length, temperature=config.grpo.temperature,
+        reward_weights=[1.0, 0.5], **{k: v for k, v in settings.items() if k != "stop_ids"})
+    reward_module = {}
+    exec(compile(REWARDS, "rewards", "exec"), reward_module)
+    assert grpo_trainer  # the trainer module is imported before the trainer is made (its rollout hook)
+    trainer = Replaying(model=model, args=args, train_dataset=dataset,
+                        processing_class=AutoTokenizer.from_pretrained(TOKENIZER),
+                        reward_funcs=[reward_module["id_parity"], reward_module["says_answer"]],
+                        rollout_func=rollout)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "entropy" in entry]
+    assert len(step_losses) == STEPS and len(logged) == STEPS
+    return {"losses": dict(enumerate(step_losses, start=1)), "metrics": dict(enumerate(logged, start=1)),
+            "advantages": advantages, "generations": generations}
+
+
+def _assert_losses(got: dict[int, float], want: dict[int, float], steps) -> None:
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=REL, abs=LOSS_ABS), f"step {step}"
+
+
+TRL_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_steps_equal_trl_grpo_trainer(case, launched) -> None:
+    want = _trl_replay(launched, case)
+    run_dir = launched["work"] / case
+    got, metrics = losses(str(run_dir)), _metrics(run_dir)
+    print(f"{case}: largest relative difference from GRPOTrainer's loss "
+          f"{max(abs(got[s] - want['losses'][s]) / max(abs(want['losses'][s]), 1e-12) for s in want['losses']):.2g}")
+    _assert_losses(got, want["losses"], range(1, STEPS + 1))
+    iterations = CASES[case].get("num_iterations", 1)
+    for step, trl in want["metrics"].items():
+        ours = metrics[step]
+        names = ("entropy", "cispo_clip_ratio") if case.startswith("cispo") else TRL_METRICS
+        for name in names + (("kl",) if "beta" in CASES[case] else ()):
+            mine = ours["clip_ratio/high_mean"] if name == "cispo_clip_ratio" else ours[name]
+            assert mine == pytest.approx(trl[name], rel=REL, abs=1e-6), f"step {step} {name}"
+        if (step - 1) % iterations == 0:  # a generation's first step: TRL logs its rollout then
+            for name in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                         "completions/clipped_ratio", "rewards/id_parity/mean", "rewards/says_answer/mean"):
+                assert ours[name] == pytest.approx(trl[name], rel=REL, abs=1e-6), f"step {step} {name}"
+            # on-policy: the first pass over fresh completions has ratio 1 (TRL's old log-probabilities are its own)
+            assert ours["clip_ratio/region_mean"] == 0.0
+        assert ours["sampler_logprob_diff"] < 1e-5  # fp32 incremental decoding against the training pass
+    for generation, trl_advantages in zip(want["generations"], want["advantages"], strict=True):
+        assert [row["advantage"] for row in generation] == pytest.approx(trl_advantages, rel=REL, abs=1e-6)
+    assert len({round(a, 6) for g in want["advantages"] for a in g}) > 2, "the advantages should vary"
+    if iterations > 1 and not case.startswith(("cispo", "lora")):  # the second pass moves the ratio off 1
+        assert any(metrics[s]["clip_ratio/region_mean"] > 0 for s in range(2, STEPS + 1, iterations)), case
+    if case == "dr_grpo-masked":
+        truncated = [m["completions/clipped_ratio"] for m in metrics.values()]
+        assert all(0 < share < 1 for share in truncated), truncated
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layouts_sample_and_train_like_one_process(name, launched) -> None:
+    case = LAYOUTS[name][0]
+    work = launched["work"]
+    assert _generations(work / name) == _generations(work / case)
+    _assert_losses(losses(str(work / name)), losses(str(work / case)), range(1, STEPS + 1))
+    mine, one = _metrics(work / name), _metrics(work / case)
+    for step in range(1, STEPS + 1):
+        for metric in ("entropy", "clip_ratio/region_mean", "kl", "reward"):
+            assert mine[step][metric] == pytest.approx(one[step][metric], rel=REL, abs=1e-6), (step, metric)
+        assert mine[step]["sampler_logprob_diff"] < 1e-5  # the rollout/training gap under this layout, fp32
+
+
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(launched) -> None:
+    work = launched["work"]
+    assert _generations(work / "resumed") == _generations(work / "dapo")[2:]
+    _assert_losses(losses(str(work / "resumed")), losses(str(work / "dapo")), [3, 4])

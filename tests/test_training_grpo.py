@@ -16,7 +16,7 @@ clip fractions are 0 where the second's are not). The sampler's log-probabilitie
 the training pass's: their mean gap is logged, and held under 1e-5 in fp32.
 
 Layouts: TP2 with SP, PP2, DP2 under ZeRO-2 and TP2 x PP2 sample the one-process run's completions and train its
-losses; LoRA with beta at TP2. A run resumed from its step-2 checkpoint equals the uninterrupted one.
+losses; LoRA with beta at TP2. Runs resumed from a generation's end and from within one equal the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ CASES = {  # name -> our grpo settings (TRL's GRPOConfig takes the same names)
     "gspo-iter2": {"loss_type": "dapo", "importance_sampling_level": "sequence", "num_iterations": 2},
     "lora-beta-iter2": {"beta": 0.05, "num_iterations": 2},
 }
+RESUMED = {"dapo": "global_step2", "grpo-iter2-batch": "global_step1"}  # case -> the tag a second run resumes from
 ZERO1 = "deepspeed_config=ds_configs/zero1_fp32.json"
 LAYOUTS = {  # name -> (case, checkpoint TP, processes, overrides)
     "dapo-tp2-sp": ("dapo", 2, 2, ["parallel.tensor=2", "parallel.sequence_parallel=true", ZERO1]),
@@ -113,12 +114,13 @@ def launched(tmp_path_factory) -> dict:
     by_procs: dict[int, list] = {1: []}
     for case in CASES:
         tp1 = [*_overrides(work, case, 1), f"output_dir={work / case}"]
-        if case == "dapo":  # saved at step 2, then resumed from there
-            tp1 += [f"checkpoint.save={work / 'ckpt'}", "checkpoint.interval=2"]
+        if case in RESUMED:  # saved every step, then resumed from one
+            tp1 += [f"checkpoint.save={work / 'ckpt' / case}", "checkpoint.interval=1"]
         by_procs[1].append(train_args(CONFIG, tp1))
-    by_procs[1].append(train_args(CONFIG, [*_overrides(work, "dapo", 1), f"output_dir={work / 'resumed'}",
-                                           f"checkpoint.load={work / 'ckpt'}", "checkpoint.finetune=false",
-                                           "checkpoint.tag=global_step2"]))
+    for case, tag in RESUMED.items():
+        by_procs[1].append(train_args(CONFIG, [*_overrides(work, case, 1), f"output_dir={work / f'resumed-{case}'}",
+                                               f"checkpoint.load={work / 'ckpt' / case}", "checkpoint.finetune=false",
+                                               f"checkpoint.tag={tag}"]))
     for name, (case, tp, procs, overrides) in LAYOUTS.items():
         by_procs.setdefault(procs, []).append(train_args(CONFIG, [*_overrides(work, case, tp), *overrides,
                                                                   f"output_dir={work / name}"]))
@@ -251,7 +253,15 @@ def test_layouts_sample_and_train_like_one_process(name, launched) -> None:
         assert mine[step]["sampler_logprob_diff"] < 1e-5  # the rollout/training gap under this layout, fp32
 
 
-def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(launched) -> None:
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(case, launched) -> None:
+    """From a generation's end (dapo, step 2: the next generation is sampled as the uninterrupted run samples it) and
+    from within one (two passes per generation, step 1: the checkpoint's rollout, its old log-probabilities made by
+    the weights of step 0, is trained on again)."""
     work = launched["work"]
-    assert _generations(work / "resumed") == _generations(work / "dapo")[2:]
-    _assert_losses(losses(str(work / "resumed")), losses(str(work / "dapo")), [3, 4])
+    step = int(RESUMED[case].removeprefix("global_step"))
+    first_generation = -(-step // CASES[case].get("num_iterations", 1))
+    assert _generations(work / f"resumed-{case}") == _generations(work / case)[first_generation:]
+    _assert_losses(losses(str(work / f"resumed-{case}")), losses(str(work / case)), range(step + 1, STEPS + 1))
+    resumed = _metrics(work / f"resumed-{case}")
+    assert resumed[step + 1]["reward"] == _metrics(work / case)[step + 1]["reward"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from llama_megatron.checkpoint.directory import TMP_PREFIX, CheckpointMeta, step_tag
@@ -24,11 +25,14 @@ from llama_megatron.training.faults.watchdog import StallWatchdog
 class Checkpointer:
     """Saves of one training run (module docstring). ``lora_section`` and ``run_start`` are what the setup path
     learnt of the run (its adapters' base, where its first step started), recorded in every save; ``log`` has
-    ``info``; ``watchdog`` is beaten while files are written."""
+    ``info``; ``watchdog`` is beaten while files are written; ``rank_state`` gives what else each rank saves (the
+    generation in progress of an online RL run)."""
 
     def __init__(self, engine, config: TrainingConfig, pctx, ds_config: dict[str, Any], lora_section: dict | None,
-                 run_start: str | None, log, watchdog: StallWatchdog) -> None:
+                 run_start: str | None, log, watchdog: StallWatchdog,
+                 rank_state: Callable[[], dict] | None = None) -> None:
         self.engine, self.config, self.pctx, self.ds_config = engine, config, pctx, ds_config
+        self.rank_state = rank_state
         self.lora_section, self.run_start, self.log, self.watchdog = lora_section, run_start, log, watchdog
         self.background = BackgroundSaves() if config.checkpoint.async_save else None
         if self.background is not None:  # a save's host copy runs beside the next step until its optimizer step
@@ -63,7 +67,8 @@ class Checkpointer:
                 self.log.info(f"not saving a checkpoint at step {step}: the weights are not finite")
                 return None
             saved = save_checkpoint(self.engine, save_dir, self.meta(step, consumed), self.config.checkpoint.keep_last,
-                                    self.pctx, self.background, progress)
+                                    self.pctx, self.background, progress,
+                                    self.rank_state() if self.rank_state is not None else None)
         if isinstance(saved, PendingSave):
             self.log.info(f"saving checkpoint {saved.where} in the background")
             self.pending, saved = saved, saved.tag

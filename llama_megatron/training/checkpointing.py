@@ -67,6 +67,13 @@ def _rng_state() -> dict:
     return state
 
 
+def read_rank_state(load_dir: str, tag: str, rank: int, key: str):
+    """What a run saved under ``key`` in this rank's state file of ``tag`` (``save_checkpoint``'s ``rank_state``:
+    online RL's generation in progress); None where it saved nothing there."""
+    path = os.path.join(load_dir, tag, RNG_FILE.format(rank))
+    return load_state_file(path).get(key) if os.path.isfile(path) else None
+
+
 def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
     """This rank's RNG state as saved with ``tag`` (same layout only); False for checkpoints without one."""
     path = os.path.join(load_dir, tag, RNG_FILE.format(rank))
@@ -81,14 +88,15 @@ def restore_rng_state(load_dir: str, tag: str, rank: int) -> bool:
 
 def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int, pctx,
                     background: BackgroundSaves | None = None,
-                    progress: Callable[[], None] | None = None) -> str | PendingSave:
+                    progress: Callable[[], None] | None = None, rank_state: dict | None = None) -> str | PendingSave:
     """Write ``meta``'s tag: DeepSpeed's files and each rank's RNG state into ``.tmp-<tag>``, every file hashed
     (SHA-256) as its rank writes it around the page cache, and fsynced; the manifest and metadata, then the rename,
     ``latest`` and retention (rank 0), each directory fsynced. A failure on any rank (a full disk, an I/O error) is seen by all:
     the temporary directory is removed and :class:`SaveFailed` is raised with one line; ``latest`` and the tags
     already there are untouched. With ``background`` (``checkpoint.async_save``) the files are copied to host
     memory and written by a thread: the :class:`PendingSave` returned finishes the same way once every rank's
-    writer is done. ``progress`` is called as files are hashed (the watchdog's beat)."""
+    writer is done. ``progress`` is called as files are hashed (the watchdog's beat). ``rank_state``: more of this
+    rank's state (tensors, numbers, strings), saved beside its RNG state (:func:`read_rank_state`)."""
     rank = pctx.rank
     tag = step_tag(meta.step)
     tmp_dir, final_dir = os.path.join(save_dir, TMP_PREFIX + tag), os.path.join(save_dir, tag)
@@ -114,7 +122,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
             error = _attempt(write_shards)
         if error:
             barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
-        state = _rng_state()
+        state = {**_rng_state(), **(rank_state or {})}
         background.writer.submit(lambda: save_direct(state, os.path.join(tmp_dir, rng_file)), tmp_dir, rng_file)
         _agree(error, where, tmp_dir, pctx)
         return pending
@@ -125,7 +133,7 @@ def save_checkpoint(engine, save_dir: str, meta: CheckpointMeta, keep_last: int,
     if error:
         barrier()  # the ranks that succeeded wait in DeepSpeed's closing barrier
     error = error or _attempt(lambda: direct.digests.update(
-        {rng_file: save_direct(_rng_state(), os.path.join(tmp_dir, rng_file))}))
+        {rng_file: save_direct({**_rng_state(), **(rank_state or {})}, os.path.join(tmp_dir, rng_file))}))
     _agree(error, where, tmp_dir, pctx)
     # rank 0 checks its listing against what the ranks wrote and hashes what no rank did (finish)
     pending.finish(all_gather_objects(direct.digests))

@@ -29,12 +29,16 @@ import torch.distributed as dist
 from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.data.batch import MicroBatch
 from llama_megatron.data.rewards import load_reward_function, score
+from llama_megatron.errors import CheckpointError
 from llama_megatron.model.generation import Completions, Sampling, generate_rows
 from llama_megatron.model.grpo import group_advantages
 from llama_megatron.model.lora import adapters_off
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
+from llama_megatron.training.checkpointing import read_rank_state
 from llama_megatron.training.run.generate import stop_ids
 from llama_megatron.training.run.setup import Session
+
+ROLLOUT_STATE = "grpo_rollout"  # the key of the generation in progress in a rank's saved state
 
 
 def prompt_slot(seed: int, index: int, prompts: int) -> int:
@@ -68,16 +72,51 @@ class Rollout:
         self.pad_id = eos if eos is not None else 0
         self.sampling = Sampling(self.grpo.temperature, self.grpo.top_k, self.grpo.top_p)
         self.metrics: dict = {}  # the last generation's, logged with the steps it serves
+        self._current: tuple[int, list[MicroBatch]] | None = None  # the generation in progress and its batches
+        self._steps_done = 0  # steps trained (the last batches yielded have been)
 
     def step_batches(self, done_steps: int, steps: int) -> Iterator[list[MicroBatch]]:
         """This rank's micro batches of steps ``done_steps + 1 .. steps``: a new generation every ``num_iterations``
-        steps (a run resumed within a generation decodes it again: the same completions)."""
-        batches, generation = None, None
+        steps; a run resumed within a generation continues on the one its checkpoint saved (its completions and
+        their old log-probabilities were made by weights the run has since moved)."""
+        self._current = self._restored(done_steps)
         for step in range(done_steps, steps):
-            if generation != step // self.grpo.num_iterations:
-                generation = step // self.grpo.num_iterations
-                batches = self.generate(generation)
-            yield batches
+            generation = step // self.grpo.num_iterations
+            if self._current is None or self._current[0] != generation:
+                self._current = (generation, self.generate(generation))
+            self._steps_done = step + 1  # once the step it is yielded for has run (a save then asks rank_state)
+            yield self._current[1]
+
+    def rank_state(self) -> dict:
+        """What a save after a step within a generation keeps of it on this rank (nothing at a generation's end):
+        its micro batches and metrics, read back by :meth:`step_batches` on resume."""
+        if self._current is None:
+            return {}
+        generation, micro_batches = self._current
+        if self._steps_done % self.grpo.num_iterations == 0:
+            return {}
+        return {ROLLOUT_STATE: {
+            "generation": generation, "metrics": json.dumps(self.metrics),
+            "input_ids": [mb.input_ids for mb in micro_batches], "labels": [mb.labels for mb in micro_batches],
+            "values": {name: [mb.label_values[name] for mb in micro_batches] for name in micro_batches[0].label_values}}}
+
+    def _restored(self, done_steps: int) -> tuple[int, list[MicroBatch]] | None:
+        """The generation in progress a resumed run's checkpoint saved (None at a generation's end)."""
+        pre = self.session.pre
+        if done_steps % self.grpo.num_iterations == 0 or pre.checkpoint is None or self.config.checkpoint.finetune:
+            return None
+        saved = read_rank_state(pre.load_dir, pre.checkpoint.tag, self.session.pctx.rank, ROLLOUT_STATE)
+        if saved is None or saved["generation"] != done_steps // self.grpo.num_iterations:
+            raise CheckpointError(f"{pre.load_dir}/{pre.checkpoint.tag} was saved within a generation (step "
+                                  f"{done_steps}, grpo.num_iterations {self.grpo.num_iterations}) and holds no "
+                                  f"rollout of rank {self.session.pctx.rank}: resume from a generation's last step")
+        self.metrics = json.loads(saved["metrics"])
+        seq = self.config.seq_length
+        micro_batches = [MicroBatch(ids, torch.arange(seq).expand(ids.shape[0], seq), labels,
+                                    label_values={name: values[k] for name, values in saved["values"].items()})
+                         for k, (ids, labels) in enumerate(zip(saved["input_ids"], saved["labels"]))]
+        self.log.info(f"continuing generation {saved['generation'] + 1} from the checkpoint's rollout")
+        return saved["generation"], micro_batches
 
     def _groups(self) -> tuple[int, int, range]:
         """(completions per DP rank, this rank's first completion, the groups its completions lie in)."""

@@ -102,3 +102,25 @@ def test_a_reward_that_misbehaves_is_one_line_naming_it(name, message, user_file
     with pytest.raises(DataError, match="column 'answer' has 2 values for 3 completions"):
         score([load_reward_function(f"{user_file}:contains_answer")], ["p"] * 3, ["a", "b", "c"],
               [[1], [2], [3]], {"answer": ["a", "b"]})
+
+
+def test_the_shipped_rewards_agree_with_trl_where_trl_reads_the_answer() -> None:
+    """math_answer against TRL's accuracy_reward on LaTeX answers (both math-verify), plain numbers beside them
+    (which TRL's LaTeX-only extraction does not read); think_format against TRL's think_format_reward."""
+    pytest.importorskip("math_verify")
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    from llama_megatron.data.reward_functions import math_answer, think_format
+
+    latex = [r"So it is \boxed{\frac{1}{2}}.", r"The answer is $0.5$", r"\boxed{3}", "none"]
+    gold = [r"\frac{1}{2}", "0.5", "4", "7"]
+    messages = [[{"role": "assistant", "content": text}] for text in latex]
+    assert math_answer(messages, gold) == accuracy_reward(messages, gold) == [1.0, 1.0, 0.0, 0.0]
+    # an answer without an anchor (no box, no "the answer is"): TRL's reads none, ours the last expression
+    unanchored = [[{"role": "assistant", "content": r"I get $\frac{2}{4}$"}]]
+    assert (math_answer(unanchored, [r"\frac{1}{2}"]), accuracy_reward(unanchored, [r"\frac{1}{2}"])) == ([1.0], [0.0])
+    assert math_answer(["12", "so 7 + 5 = 12", "13", "twelve"], ["12"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert math_answer(["5"], ["(unparseable) !!"]) == [None]  # a gold answer it cannot read scores nothing
+    texts = ["<think>\nwhy\n</think>\n42", "<think>a</think><think>b</think>c", "42", "<think>open", " <think>x</think>"]
+    assert think_format([[{"content": t}] for t in texts]) == think_format_reward([[{"content": t}] for t in texts])
+    assert think_format(texts) == [1.0, 0.0, 0.0, 0.0, 0.0]

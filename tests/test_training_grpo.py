@@ -265,3 +265,83 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(case, launche
     _assert_losses(losses(str(work / f"resumed-{case}")), losses(str(work / case)), range(step + 1, STEPS + 1))
     resumed = _metrics(work / f"resumed-{case}")
     assert resumed[step + 1]["reward"] == _metrics(work / case)[step + 1]["reward"]
+
+
+RAISES_LATER = '''
+CALLS = []
+
+
+def flaky(completions, **kwargs):
+    CALLS.append(1)
+    if len(CALLS) == 2:
+        raise RuntimeError("the grader's cache is gone")
+    return [float(len(c[0]["content"])) for c in completions]
+'''
+
+
+@pytest.mark.launched
+def test_a_reward_raising_mid_run_stops_it_with_the_last_checkpoint_intact(launched, tmp_path) -> None:
+    """The reward function raises at the second generation: one line naming it, exit 2; the checkpoint of step 1 is
+    `latest`, whole (its manifest verifies), and nothing of step 2 was written."""
+    from launch_utils import launch
+
+    from llama_megatron.checkpoint.manifest import verify_tag
+
+    work = launched["work"]
+    (tmp_path / "flaky.py").write_text(RAISES_LATER, encoding="utf-8")
+    save = tmp_path / "ckpt"
+    result = launch(1, CONFIG, [*_overrides(work, "dapo", 1), f"grpo.reward_funcs=[\"{tmp_path / 'flaky.py'}:flaky\"]",
+                                "grpo.reward_weights=null", f"checkpoint.save={save}", "checkpoint.interval=1",
+                                f"output_dir={tmp_path / 'run'}"], check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "reward function 'flaky' raised RuntimeError: the grader's cache is gone" in errors[0]
+    assert (save / "latest").read_text().strip() == "global_step1"
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("global_step")) == ["global_step1"]
+    assert verify_tag(str(save / "global_step1"))
+    assert max(losses(str(tmp_path / "run"))) == 1
+
+
+@pytest.mark.launched
+def test_a_reward_that_does_not_import_stops_train_before_launch(launched, tmp_path) -> None:
+    from launch_utils import launch
+
+    work = launched["work"]
+    result = launch(1, CONFIG, [*_overrides(work, "dapo", 1), "grpo.reward_funcs=[\"no_such_module_here:score\"]",
+                                "grpo.reward_weights=null", f"output_dir={tmp_path / 'run'}"], check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "no_such_module_here" in errors[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["grpo.num_generations=3"], "batch.global_batch_size 8 \\(completions per step\\) is not whole groups of "
+                                 "grpo.num_generations 3"),
+    (["grpo.beta=0.04"], "grpo.beta > 0 needs a reference policy"),
+    (["grpo.loss_type=ppo"], "grpo.loss_type 'ppo' is not one of"),
+    (["grpo.reward_weights=[1.0]"], "grpo.reward_weights has 1 weights for 2 reward functions"),
+    (["grpo.max_completion_length=48"], "grpo.max_completion_length 48 leaves no room for a prompt"),
+    (["parallel.context=2"], "grpo under context parallelism is not built"),
+    (["grpo.num_iterations=0"], "grpo.num_iterations must be a positive integer"),
+    (["data.type=sft", "data.path=data/chat/chat_messages.jsonl"], "the grpo section sets the loss of the grpo objective"),
+])
+def test_the_config_refuses_what_cannot_run(overrides, message) -> None:
+    from llama_megatron.errors import ConfigError
+
+    base = [f"data.path={os.path.join(ROOT, 'data', 'chat', 'sample_prompts.jsonl')}",
+            'grpo.reward_funcs=["a:b","c:d"]']
+    with pytest.raises(ConfigError, match=message):
+        TrainingConfig.from_file(CONFIG, [*base, *overrides])
+
+
+def test_a_prompt_longer_than_the_context_leaves_is_refused_before_any_process(tmp_path) -> None:
+    from llama_megatron.errors import ConfigError
+    from llama_megatron.training.run.setup import preflight
+
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "word " * 60}) + "\n", encoding="utf-8")
+    config = TrainingConfig.from_file(CONFIG, [f"data.path={tmp_path / 'prompts.jsonl'}",
+                                               "grpo.reward_funcs=[\"llama_megatron.data.reward_functions:think_format\"]"])
+    with pytest.raises(ConfigError, match="prompt 1 is .* tokens, and seq_length 48 leaves 37 beside "
+                                          "grpo.max_completion_length 12"):
+        preflight(config, world_size=1)

@@ -50,7 +50,8 @@ FILE_SECONDS = {  # seconds in a whole run (2026-12-07, an Intel Xeon, 2 workers
     "test_readme_tour.py": 500, "test_model_families.py": 250, "test_training_e2e.py": 240,
     "test_training_planner.py": 230, "test_benchmark_scripts.py": 230, "test_training_fp8.py": 170,
     "test_training_pipeline_schedules.py": 170, "test_parallel_multinode.py": 170, "test_model_kernels.py": 140,
-    "test_training_preference.py": 140, "test_training_profile.py": 120, "test_training_recipes.py": 110,
+    "test_training_preference.py": 140, "test_training_profile.py": 120, "test_training_recipes.py": 150,
+    "test_training_grpo.py": 60,
     "test_model_lora.py": 100, "test_rank_pool.py": 100, "test_training_lm_eval.py": 100,
     "test_training_estimate.py": 90, "test_training_lm_eval_layouts.py": 80, "test_training_launcher_signals.py": 70,
     "test_training_async_save.py": 70, "test_training_sft.py": 60, "test_model_moe.py": 50,
@@ -102,7 +103,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 LAUNCHING_FIXTURES = {
     "checkpoints", "eight_rank_runs", "eval_layouts", "faults", "four_rank", "launched", "layout_matrix", "layouts", "lora_runs", "profiled", "profiled_layouts", "in_training",
     "fp8_runs", "gpu_runs", "reference", "references", "restarted", "resumes", "runs", "single", "single_process",
-    "single_source", "stalled", "stopped", "tour", "trl_case", "twin_runs", "two_rank", "two_rank_resumed",
+    "sft_run", "single_source", "stalled", "stopped", "tour", "trl_case", "twin_runs", "two_rank", "two_rank_resumed",
     "two_rank_runs",
     "universal_resumed",
 }

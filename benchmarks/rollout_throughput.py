@@ -1,0 +1,129 @@
+"""Online RL's rollouts: tokens/s of our decoding inside a GRPO run at TP2 on 2 processes (the training weights where
+they live, KV cache, a group of completions as one batch) against transformers' ``generate`` in one process with the
+same cores on the same model and batch, and the share of a GRPO step spent generating.
+
+A random model of llama-50m's shape (the shipped tokenizer's 4,096-token vocabulary) is saved as HF and converted to
+TP2. Our side: a ``grpo`` run of ``--steps`` steps, ``--prompts`` prompts of ``--generations`` completions per step,
+every completion ``--new-tokens`` long (no stop id ends one), its rollout tokens/s and generation seconds read from
+its metrics (the first step, which builds the caches, left out). HF's side: ``generate`` of the same groups (the
+prompt repeated ``--generations`` times, ``min_new_tokens`` = ``max_new_tokens``, sampling at temperature 1) with the
+two cores the ranks had. One JSON line.
+
+    python benchmarks/rollout_throughput.py [--steps 3] [--prompts 2] [--generations 8] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(ROOT, "data", "tokenizer")
+PROMPTS = ["What is 2 + 3?", "Name a play by Shakespeare.", "Convert 10 pounds to kilograms.", "Who wrote Hamlet?"]
+REWARD = "def length(completion_ids, **kwargs):\n    return [float(len(ids)) for ids in completion_ids]\n"
+
+
+def _grpo_config(work: str, checkpoint: str, args) -> str:
+    with open(os.path.join(ROOT, "configs", "models", "llama-50m.json"), encoding="utf-8") as fh:
+        model = {**json.load(fh), "vocab_size": 4096, "max_position_embeddings": 512}
+    prompts = os.path.join(work, "prompts.jsonl")
+    with open(prompts, "w", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps({"prompt": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
+    with open(os.path.join(work, "reward.py"), "w", encoding="utf-8") as fh:
+        fh.write(REWARD)
+    batch = args.prompts * args.generations
+    config = {
+        "model": model, "parallel": {"tensor": 2}, "data": {"type": "prompts", "path": prompts},
+        "tokenizer": TOKENIZER, "seq_length": 32 + args.new_tokens,
+        "batch": {"micro_batch_size": args.generations, "global_batch_size": batch},
+        "train": {"steps": args.steps}, "optimizer": {"lr": 1e-5, "warmup_steps": 0}, "eval": {"interval": 0},
+        "grpo": {"num_generations": args.generations, "max_completion_length": args.new_tokens,
+                 "reward_funcs": [os.path.join(work, "reward.py") + ":length"], "stop_ids": [-1]},
+        "logging": {"interval": 1}, "checkpoint": {"load": checkpoint, "finetune": True},
+        "deepspeed_config": os.path.join(ROOT, "ds_configs", "zero1_fp32.json"), "output_dir": os.path.join(work, "run"),
+        "seed": 1}
+    path = os.path.join(work, "grpo.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(config, fh)
+    return path
+
+
+def _hf_tokens_per_s(hf_dir: str, args) -> float:
+    """HF generate of the same groups (every prompt, its rows as one batch): tokens per second after a warm-up."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)  # the two cores the two ranks had
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    groups = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+
+    def decode(ids) -> int:
+        out = model.generate(ids.repeat(args.generations, 1), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * args.generations
+
+    decode(groups[0])  # warm-up
+    rates = []
+    for step in range(args.steps - 1):
+        start, tokens = time.perf_counter(), 0
+        for k in range(args.prompts):
+            tokens += decode(groups[(step * args.prompts + k) % len(groups)])
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from model_utils import hf_model
+
+    from llama_megatron.cli import main as cli
+    from llama_megatron.config import ModelConfig
+    from llama_megatron.parallel.placement import free_port
+
+    with open(os.path.join(ROOT, "configs", "models", "llama-50m.json"), encoding="utf-8") as fh:
+        shape = {**json.load(fh), "vocab_size": 4096, "max_position_embeddings": 512}
+    with tempfile.TemporaryDirectory() as work:
+        hf_dir = os.path.join(work, "hf")
+        hf_model(ModelConfig.from_dict(shape), seed=0).save_pretrained(hf_dir)
+        for name in os.listdir(TOKENIZER):
+            shutil.copy(os.path.join(TOKENIZER, name), os.path.join(hf_dir, name))
+        checkpoint = os.path.join(work, "tp2")
+        assert cli(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", checkpoint, "--tp", "2"]) == 0
+        config = _grpo_config(work, checkpoint, args)
+        result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+                                 "--master_port", str(free_port()), "--log_level", "warning", "--module",
+                                 "llama_megatron.train", "--config", config],
+                                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"the GRPO run failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-3000:]}")
+        with open(os.path.join(work, "run", "metrics.jsonl"), encoding="utf-8") as fh:
+            steps = [r for r in map(json.loads, fh) if "rollout_tokens_per_s" in r][1:]
+        tokens_per_step = args.prompts * args.generations * (32 + args.new_tokens)
+        ours = statistics.median(r["rollout_tokens_per_s"] for r in steps)
+        share = statistics.median(r["generation_s"] / (tokens_per_step / r["tokens_per_s"]) for r in steps)
+        hf = _hf_tokens_per_s(hf_dir, args)
+    print(json.dumps({"benchmark": "rollout_throughput", "model": "llama-50m shape, vocab 4096, fp32",
+                      "completions_per_step": args.prompts * args.generations, "new_tokens": args.new_tokens,
+                      "ours_tp2_rollout_tokens_per_s": round(ours, 1), "hf_generate_one_process_tokens_per_s":
+                      round(hf, 1), "ratio_ours_vs_hf": round(ours / hf, 3),
+                      "generation_share_of_step": round(share, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,8 @@ TP2. Our side: a ``grpo`` run of ``--steps`` steps, ``--prompts`` prompts of ``-
 every completion ``--new-tokens`` long (no stop id ends one), its rollout tokens/s and generation seconds read from
 its metrics (the first step, which builds the caches, left out). HF's side: ``generate`` of the same groups (the
 prompt repeated ``--generations`` times, ``min_new_tokens`` = ``max_new_tokens``, sampling at temperature 1) with the
-two cores the ranks had. One JSON line.
+two cores the ranks had; and our decoding in one process at TP1 (the decoding without TP2's collectives, which on a CPU
+under gloo cost about a millisecond per layer and token). One JSON line.
 
     python benchmarks/rollout_throughput.py [--steps 3] [--prompts 2] [--generations 8] [--new-tokens 64]
 """
@@ -31,8 +32,7 @@ REWARD = "def length(completion_ids, **kwargs):\n    return [float(len(ids)) for
 
 
 def _grpo_config(work: str, checkpoint: str, args) -> str:
-    with open(os.path.join(ROOT, "configs", "models", "llama-50m.json"), encoding="utf-8") as fh:
-        model = {**json.load(fh), "vocab_size": 4096, "max_position_embeddings": 512}
+    model = _shape()
     prompts = os.path.join(work, "prompts.jsonl")
     with open(prompts, "w", encoding="utf-8") as fh:
         fh.write("".join(json.dumps({"prompt": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
@@ -55,6 +55,19 @@ def _grpo_config(work: str, checkpoint: str, args) -> str:
     return path
 
 
+def _median_rate(decode, groups: list, args) -> float:
+    """Tokens per second of ``decode`` (a group's prompt -> tokens decoded) over the steps after the first (a
+    warm-up), each step's prompts the next ``--prompts`` groups: the median."""
+    decode(groups[0])
+    rates = []
+    for step in range(args.steps - 1):
+        start, tokens = time.perf_counter(), 0
+        for k in range(args.prompts):
+            tokens += decode(groups[(step * args.prompts + k) % len(groups)])
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
 def _hf_tokens_per_s(hf_dir: str, args) -> float:
     """HF generate of the same groups (every prompt, its rows as one batch): tokens per second after a warm-up."""
     import torch
@@ -71,14 +84,44 @@ def _hf_tokens_per_s(hf_dir: str, args) -> float:
                              max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
         return (out.shape[1] - ids.shape[1]) * args.generations
 
-    decode(groups[0])  # warm-up
-    rates = []
-    for step in range(args.steps - 1):
-        start, tokens = time.perf_counter(), 0
-        for k in range(args.prompts):
-            tokens += decode(groups[(step * args.prompts + k) % len(groups)])
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
+    return _median_rate(decode, groups, args)
+
+
+def _shape() -> dict:
+    with open(os.path.join(ROOT, "configs", "models", "llama-50m.json"), encoding="utf-8") as fh:
+        return {**json.load(fh), "vocab_size": 4096, "max_position_embeddings": 512}
+
+
+def _ours_tp1_tokens_per_s(hf_dir: str, args) -> float:
+    """Our decoding (``generate_rows``: a group as one batch, KV cache) in this process at TP1 on the same model and
+    groups: the decoding itself, without TP2's collectives (on CPU under gloo, a fixed cost per layer and token)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llama_megatron.config import ModelConfig
+    from llama_megatron.model.build import build_model
+    from llama_megatron.model.generation import Sampling, generate_rows
+    from llama_megatron.model.tp_slicing import hf_to_rank_state_dict
+    from llama_megatron.parallel.context import ParallelContext
+    from llama_megatron.parallel.degrees import ParallelConfig
+
+    torch.set_num_threads(2)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    config = ModelConfig.from_dict(_shape())
+    parallel = ParallelConfig()
+    model = build_model(config, parallel, ParallelContext.single(), initialize=False)
+    state = hf_to_rank_state_dict(hf.state_dict(), config, 0, 1, parallel.padded_vocab_size(config.vocab_size))
+    model.load_state_dict({k: state[k] for k in model.state_dict()})
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    groups = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
+    sampling = Sampling(temperature=1.0, seed=1)
+
+    def decode(ids: list[int]) -> int:
+        return sum(map(len, generate_rows(model, ids, args.generations, args.new_tokens, set(), sampling).tokens))
+
+    return _median_rate(decode, groups, args)
 
 
 def main() -> None:
@@ -95,8 +138,7 @@ def main() -> None:
     from llama_megatron.config import ModelConfig
     from llama_megatron.parallel.placement import free_port
 
-    with open(os.path.join(ROOT, "configs", "models", "llama-50m.json"), encoding="utf-8") as fh:
-        shape = {**json.load(fh), "vocab_size": 4096, "max_position_embeddings": 512}
+    shape = _shape()
     with tempfile.TemporaryDirectory() as work:
         hf_dir = os.path.join(work, "hf")
         hf_model(ModelConfig.from_dict(shape), seed=0).save_pretrained(hf_dir)
@@ -118,10 +160,12 @@ def main() -> None:
         ours = statistics.median(r["rollout_tokens_per_s"] for r in steps)
         share = statistics.median(r["generation_s"] / (tokens_per_step / r["tokens_per_s"]) for r in steps)
         hf = _hf_tokens_per_s(hf_dir, args)
+        tp1 = _ours_tp1_tokens_per_s(hf_dir, args)
     print(json.dumps({"benchmark": "rollout_throughput", "model": "llama-50m shape, vocab 4096, fp32",
                       "completions_per_step": args.prompts * args.generations, "new_tokens": args.new_tokens,
                       "ours_tp2_rollout_tokens_per_s": round(ours, 1), "hf_generate_one_process_tokens_per_s":
                       round(hf, 1), "ratio_ours_vs_hf": round(ours / hf, 3),
+                      "ours_tp1_one_process_tokens_per_s": round(tp1, 1), "ratio_ours_tp1_vs_hf": round(tp1 / hf, 3),
                       "generation_share_of_step": round(share, 3)}))
 
 

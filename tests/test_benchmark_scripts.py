@@ -118,6 +118,21 @@ def test_trainer_throughput_smoke() -> None:
 
 
 @pytest.mark.launched
+def test_rollout_throughput_smoke() -> None:
+    """A GRPO run at TP2 under the launcher decodes its groups, HF generate and our TP1 decoding the same groups:
+    every side's rate is read, and each completion is as long as asked (no stop id ends one)."""
+    result = run_python(
+        [os.path.join(ROOT, "benchmarks", "rollout_throughput.py"), "--steps", "2", "--prompts", "1",
+         "--generations", "2", "--new-tokens", "4"], timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (line,) = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    for side in ("ours_tp2_rollout_tokens_per_s", "hf_generate_one_process_tokens_per_s",
+                 "ours_tp1_one_process_tokens_per_s"):
+        assert line[side] > 0, line
+    assert 0 < line["generation_share_of_step"] < 1 and line["completions_per_step"] == 2
+
+
+@pytest.mark.launched
 def test_context_parallel_all_to_all_bytes_equal_the_analytic_volume() -> None:
     """parallel_overhead.py at CP2 x TP2 with SP and one KV head per TP rank (repeated for the all-to-all), 4
     processes: the bytes the Ulysses all-to-alls send per decoder layer equal the analytic volume exactly."""

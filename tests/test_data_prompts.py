@@ -14,7 +14,7 @@ import pytest
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from llama_megatron.data.sft.chat_template import ChatEncoder, load_hf_tokenizer
-from llama_megatron.data.sft.prompts import read_prompt_records
+from llama_megatron.data.sft.prompts import parse_prompt, read_prompt_records
 from llama_megatron.errors import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,3 +67,21 @@ def test_a_malformed_prompt_record_is_one_line_naming_its_place(line, message, t
     empty.write_text("\n", encoding="utf-8")
     with pytest.raises(DataError, match="holds no prompt record"):
         read_prompt_records(str(empty), ChatEncoder(TOKENIZER))
+
+
+def test_the_recipe_prompts_are_what_their_builder_writes(tmp_path) -> None:
+    """data/grpo/numbers.jsonl (the CPU GRPO recipe's) is scripts/make_grpo_data.py's output, record for record, and
+    every record reads as a prompt with its answer column."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shipped = os.path.join(root, "data", "grpo", "numbers.jsonl")
+    sys.path.insert(0, os.path.join(root, "scripts"))
+    try:
+        import make_grpo_data
+    finally:
+        sys.path.pop(0)
+    with open(shipped, encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh]
+    assert records == make_grpo_data.records() and len(records) == 40
+    assert all(parse_prompt(r)[1] == {"answer": r["answer"]} for r in records)

@@ -110,7 +110,7 @@ def test_the_shipped_rewards_agree_with_trl_where_trl_reads_the_answer() -> None
     pytest.importorskip("math_verify")
     from trl.rewards import accuracy_reward, think_format_reward
 
-    from llama_megatron.data.reward_functions import math_answer, think_format
+    from llama_megatron.data.reward_functions import first_number_answer, math_answer, think_format
 
     latex = [r"So it is \boxed{\frac{1}{2}}.", r"The answer is $0.5$", r"\boxed{3}", "none"]
     gold = [r"\frac{1}{2}", "0.5", "4", "7"]
@@ -121,6 +121,8 @@ def test_the_shipped_rewards_agree_with_trl_where_trl_reads_the_answer() -> None
     assert (math_answer(unanchored, [r"\frac{1}{2}"]), accuracy_reward(unanchored, [r"\frac{1}{2}"])) == ([1.0], [0.0])
     assert math_answer(["12", "so 7 + 5 = 12", "13", "twelve"], ["12"] * 4) == [1.0, 1.0, 0.0, 0.0]
     assert math_answer(["5"], ["(unparseable) !!"]) == [None]  # a gold answer it cannot read scores nothing
+    assert first_number_answer(["7 or 12", "12.0 at last", "none", [{"content": "-3, 4"}]], ["7", "12", "1", "-3"]) \
+        == [1.0, 1.0, 0.0, 1.0]
     texts = ["<think>\nwhy\n</think>\n42", "<think>a</think><think>b</think>c", "42", "<think>open", " <think>x</think>"]
     assert think_format([[{"content": t}] for t in texts]) == think_format_reward([[{"content": t}] for t in texts])
     assert think_format(texts) == [1.0, 0.0, 0.0, 0.0, 0.0]

@@ -53,15 +53,16 @@ def _fresh_copy(dest: str) -> None:
 
 
 def _shorten_recipes(clone: str) -> list[str]:
-    """Every CPU recipe's config in the copy trains STEPS steps, evaluates (lm-eval tasks on a few documents) and
-    saves at the last one; the names."""
+    """Every CPU recipe's config in the copy trains STEPS steps, evaluates where it does (lm-eval tasks on a few
+    documents) and saves at the last one; the names."""
     shortened = []
     for path in sorted(glob.glob(os.path.join(clone, "configs", "**", "*-cpu.json"), recursive=True)):
         with open(path, encoding="utf-8") as fh:
             config = json.load(fh)
         config["train"]["steps"] = STEPS
         config["optimizer"]["warmup_steps"] = 1
-        config["eval"].update(interval=STEPS, iters=1)
+        if config["eval"].get("interval"):  # a recipe that evaluates (GRPO's scores its rollouts instead)
+            config["eval"].update(interval=STEPS, iters=1)
         if config["eval"].get("tasks"):  # the quickstart's lm-eval task: its documents a few, not 100
             config["eval"]["tasks_limit"] = 8
         config["checkpoint"]["interval"] = STEPS

@@ -658,3 +658,22 @@ def test_command_errors(argv, message):
 
     with pytest.raises(ConfigError, match=message):
         _command(["--config", CONFIG, "--set", 'data={"synthetic": true}', *argv])
+
+
+def test_the_grpo_recipe_fits_and_counts_its_decoding(monkeypatch):
+    """The Qwen2.5-7B GRPO recipe (TP2 x DP4, 8 GPUs, 16 completions of up to 1,024 tokens per prompt) fits 80 GiB;
+    its rollout row is a group's KV cache (28 layers, 16 rows of seq_length positions, 2 of the 4 KV heads per TP
+    rank, bf16), the prompt pass's MLP and a step's fp32 logits, and the total counts the larger of it and the
+    training pass's activations and logits (they are never held at once)."""
+    monkeypatch.chdir(ROOT)
+    config = TrainingConfig.from_file(os.path.join(ROOT, "configs", "finetune", "qwen2.5-7b-grpo-8gpu.json"))
+    m, rows, seq = config.model, config.grpo.num_generations, config.seq_length
+    ds = build_deepspeed_config(config, config.deepspeed_config, 8, "cuda")
+    (stage,) = estimate(config, ds, 8).stages
+    cache = 2 * m.num_hidden_layers * rows * seq * (m.num_key_value_heads // 2) * m.head_dim * 2
+    prompt_pass = rows * seq * (3 * m.intermediate_size // 2 + 2 * m.hidden_size) * 2
+    assert stage.rollout == cache + prompt_pass + 3 * rows * config.local_shapes.padded_vocab_size * 4
+    states = stage.parameters + stage.gradients + stage.optimizer + stage.buffers
+    assert stage.gpu_total == states + max(stage.activations + stage.logits, stage.rollout) <= 80 * 2**30
+    sft = TrainingConfig.from_file(os.path.join(ROOT, "configs", "finetune", "qwen2.5-7b-sft-tp2-pp2.json"))
+    assert estimate(sft, build_deepspeed_config(sft, sft.deepspeed_config, 8, "cuda"), 8).stages[0].rollout == 0

@@ -11,7 +11,9 @@ arguments ``completions`` (text, or one assistant message for a conversational p
 final-answer rule) are parsed and compared as mathematical objects, so ``\\frac{1}{2}``, ``0.5`` and ``1/2`` agree; a
 gold answer it cannot parse is not scored (None), as TRL's ``accuracy_reward`` does. TRL's reads LaTeX only; ours
 takes plain numbers too, which is what small models write.
-``think_format`` is 1 for a completion that is its reasoning in one ``<think>...</think>`` block, then the answer.
+``first_number_answer`` is 1 where the completion's first number is the ``answer`` (a model that answers with
+several numbers: the CPU recipe's). ``think_format`` is 1 for a completion that is its reasoning in one
+``<think>...</think>`` block, then the answer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import re
 import threading
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _THINK = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
 
 
@@ -48,6 +51,15 @@ def math_answer(completions: list, answer: list, **kwargs) -> list[float | None]
             continue
         found = parse(_text(completion), extraction_config=extraction, extraction_mode="first_match", **timeouts)
         rewards.append(float(verify(gold, found, timeout_seconds=5 if main else None)))
+    return rewards
+
+
+def first_number_answer(completions: list, answer: list, **kwargs) -> list[float]:
+    """1.0 where the completion's first number equals the record's ``answer`` (as numbers: "7.0" is 7), else 0.0."""
+    rewards = []
+    for completion, gold in zip(completions, answer, strict=True):
+        found = _NUMBER.search(_text(completion))
+        rewards.append(float(found is not None and float(found.group()) == float(gold)))
     return rewards
 
 

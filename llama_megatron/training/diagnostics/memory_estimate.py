@@ -62,6 +62,7 @@ from llama_megatron.training.diagnostics.deepspeed_memory import (
 )
 from llama_megatron.training.diagnostics.pipeline_held import held_peak
 from llama_megatron.training.engine.deepspeed_config import precision, zero_stage
+from llama_megatron.training.objectives import objective_of
 
 
 @dataclass
@@ -102,6 +103,9 @@ class StageEstimate:
     gathered_parameters: int = 0
     bucket_elements: int = 0
     trained_elements: int = 0
+    # online RL: the rollout's decoding (KV cache, prompt pass, a step's logits), held beside the model states while
+    # no training pass holds activations (training/objectives.py)
+    rollout: int = 0
 
     @property
     def activations(self) -> int:
@@ -117,8 +121,8 @@ class StageEstimate:
 
     @property
     def gpu_total(self) -> int:
-        return (self.parameters + self.gradients + self.optimizer + self.buffers + self.activations + self.logits
-                + self.fp8_transient)
+        return (self.parameters + self.gradients + self.optimizer + self.buffers
+                + max(self.activations + self.logits + self.fp8_transient, self.rollout))
 
     @property
     def cpu_total(self) -> int:
@@ -322,7 +326,8 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
             if config.checkpoint.async_save else 0,
             fp8_transient=fp8_transient_bytes(config, b * config.rows_per_sample) if config.fp8 else 0,
             reduce_buckets=buffers.reduce_buckets, gathered_parameters=buffers.gathered_parameters,
-            bucket_elements=buffers.bucket_elements, trained_elements=sum(n for n, _, t, _ in params if t)))
+            bucket_elements=buffers.bucket_elements, trained_elements=sum(n for n, _, t, _ in params if t),
+            rollout=objective_of(config).rollout_bytes(config, sum(k.count("DecoderLayerPipe") for k in kinds), e)))
     return result
 
 

@@ -15,8 +15,9 @@ On-policy means on-policy: with ``num_iterations`` 1 no token is clipped; with 2
 clip fractions are 0 where the second's are not). The sampler's log-probabilities (incremental, KV cache) against
 the training pass's: their mean gap is logged, and held under 1e-5 in fp32.
 
-Layouts: TP2 with SP, PP2, DP2 under ZeRO-2 and TP2 x PP2 sample the one-process run's completions and train its
-losses; LoRA with beta at TP2. Runs resumed from a generation's end and from within one equal the uninterrupted ones.
+Layouts: TP2 with SP, PP2 (1F1B, and interleaved over virtual stages), DP2 under ZeRO-2 and ZeRO-3, TP2 x PP2
+sample the one-process run's completions and train its losses; LoRA with beta at TP2; a mixture of experts (Mixtral's
+routing) at EP2 against its one-process run. TensorBoard receives the step's metrics. Runs resumed from a generation's end and from within one equal the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -71,7 +72,16 @@ LAYOUTS = {  # name -> (case, checkpoint TP, processes, overrides)
                                                               "deepspeed_config=ds_configs/zero2_fp32.json"]),
     "lora-beta-iter2-tp2": ("lora-beta-iter2", 2, 2, ["parallel.tensor=2", ZERO1]),
     "dapo-tp2-pp2": ("dapo", 2, 4, ["parallel.tensor=2", "parallel.pipeline=2", "batch.micro_batch_size=4", ZERO1]),
+    "dapo-dp2-zero3": ("dapo", 1, 2, ["batch.micro_batch_size=4", "deepspeed_config=ds_configs/zero3_fp32.json"]),
+    "grpo-iter2-batch-pp2-interleaved": ("grpo-iter2-batch", 1, 2, [
+        "parallel.pipeline=2", "pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2",
+        "batch.micro_batch_size=4", ZERO1]),
+    "moe-ep2": ("moe", 1, 2, ["parallel.expert=2", "batch.micro_batch_size=4", ZERO1]),
 }
+# a mixture of experts (Mixtral's routing, 4 experts, top 2) from the seeded start: its one-process run is the
+# reference of its EP2 run
+MOE = ["model.model_type=mixtral", "model.num_local_experts=4", "model.num_experts_per_tok=2",
+       "checkpoint.load=null", "checkpoint.finetune=false"]
 
 
 def _settings(case: str) -> dict:
@@ -121,9 +131,11 @@ def launched(tmp_path_factory) -> dict:
         by_procs[1].append(train_args(CONFIG, [*_overrides(work, case, 1), f"output_dir={work / f'resumed-{case}'}",
                                                f"checkpoint.load={work / 'ckpt' / case}", "checkpoint.finetune=false",
                                                f"checkpoint.tag={tag}"]))
+    by_procs[1].append(train_args(CONFIG, [*_overrides(work, "dapo", 1), *MOE, f"output_dir={work / 'moe'}",
+                                           f"logging.tensorboard_dir={work / 'moe' / 'tb'}"]))
     for name, (case, tp, procs, overrides) in LAYOUTS.items():
-        by_procs.setdefault(procs, []).append(train_args(CONFIG, [*_overrides(work, case, tp), *overrides,
-                                                                  f"output_dir={work / name}"]))
+        base = [*_overrides(work, "dapo", tp), *MOE] if case == "moe" else _overrides(work, case, tp)
+        by_procs.setdefault(procs, []).append(train_args(CONFIG, [*base, *overrides, f"output_dir={work / name}"]))
     for procs, runs in sorted(by_procs.items()):
         launch_many(procs, runs, str(work / f"runs-{procs}.json"))
     return {"work": work, "hf_dir": hf_dir, "config": config}
@@ -251,6 +263,21 @@ def test_layouts_sample_and_train_like_one_process(name, launched) -> None:
         for metric in ("entropy", "clip_ratio/region_mean", "kl", "reward"):
             assert mine[step][metric] == pytest.approx(one[step][metric], rel=REL, abs=1e-6), (step, metric)
         assert mine[step]["sampler_logprob_diff"] < 1e-5  # the rollout/training gap under this layout, fp32
+
+
+def test_tensorboard_receives_the_rollout_and_loss_metrics(launched) -> None:
+    """The rewards, advantages, lengths, KL, clip fractions and the sampler gap reach TensorBoard under train/ with
+    metrics.jsonl's values at every step (the MoE run: its expert load too)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = launched["work"] / "moe"
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    logged = _metrics(run)
+    for metric in ("reward", "rewards/id_parity/mean", "advantages/std", "completions/mean_length",
+                   "clip_ratio/region_mean", "entropy", "sampler_logprob_diff", "generation_s"):
+        scalars = {event.step: event.value for event in events.Scalars(f"train/{metric}")}
+        assert scalars == pytest.approx({s: r[metric] for s, r in logged.items()}, rel=1e-6, abs=1e-7), metric
 
 
 @pytest.mark.parametrize("case", RESUMED)

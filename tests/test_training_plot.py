@@ -92,3 +92,18 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(tmp_path) -> None:
         plot_runs([bad], str(tmp_path / "y.png"))
     assert cli(["plot", bad, "--output", str(tmp_path / "z.png")]) == 2
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".png") or n.startswith(".tmp")]
+
+
+def test_a_grpo_run_adds_its_reward_and_length_panels(tmp_path) -> None:
+    """A GRPO run's mean reward and completion length are two more panels; a run without them adds none."""
+    import matplotlib.image
+
+    plain = str(tmp_path / "plain.png")
+    plot_runs([_run_dir(tmp_path / "sft", INFO)], plain, "step")
+    run = _run_dir(tmp_path / "grpo", INFO)
+    with open(os.path.join(run, "metrics.jsonl"), "a") as fh:
+        for step, reward in ((7, 0.1), (8, 0.6)):
+            fh.write(json.dumps({"step": step, "loss": 0.0, "reward": reward, "completions/mean_length": 12.0}) + "\n")
+    out = str(tmp_path / "grpo.png")
+    plot_runs([run], out, "step")
+    assert matplotlib.image.imread(out).shape[0] == matplotlib.image.imread(plain).shape[0] * 6 // 4

@@ -62,13 +62,14 @@ class Completions:
 def generate_rows(model: LlamaCausalLM, prompt: list[int], rows: int, max_new_tokens: int, stop_ids: set[int],
                   sampling: Sampling | None = None, use_cache: bool = True,
                   stop_when: Callable[[list[int]], bool] | None = None,
-                  generator: torch.Generator | None = None) -> Completions:
+                  generator: torch.Generator | None = None, lockstep=None) -> Completions:
     """``rows`` completions of ``prompt`` decoded as one batch (the prompt's K/V computed once per row, as
     transformers' ``generate`` does for ``num_return_sequences``): every step samples each row's next token, so
     the random draws are HF's for the same probabilities and seed; a row that reached a stop id (or after which
     ``stop_when`` holds) keeps its tokens while the others go on, and decoding ends when every row has. Sampling
     draws from ``generator`` (default: a new one seeded ``sampling.seed``). Every TP rank returns the same
-    tokens."""
+    tokens. ``lockstep``: a process group whose ranks decode other prompts but share collectives inside the forward
+    (ZeRO-3's gathers, the experts' all-to-all): each decodes until every one of them is done."""
     sampling = sampling or Sampling()
     config, pctx = model.config, model.pctx
     device = next(model.parameters()).device
@@ -98,11 +99,20 @@ def generate_rows(model: LlamaCausalLM, prompt: list[int], rows: int, max_new_to
                 new[row].append(value)
                 logprobs[row].append(logprob)
                 running[row] = value not in stop_ids and not (stop_when is not None and stop_when(new[row]))
-        if not any(running):
+        if not _any_running(running, lockstep, device):
             break
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         step_input, start = (token[:, None], tokens.shape[1] - 1) if cache else (tokens, 0)
     return Completions(new, logprobs, running)
+
+
+def _any_running(running: list[bool], lockstep, device: torch.device) -> bool:
+    """Whether a row is still decoding here, or (``lockstep``) on any rank of that group."""
+    if lockstep is None:
+        return any(running)
+    flag = torch.tensor([float(any(running))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=lockstep)
+    return bool(flag.item())
 
 
 def generate(model: LlamaCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: set[int],

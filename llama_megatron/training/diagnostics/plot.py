@@ -1,5 +1,5 @@
 """PNG of one or more runs: training loss, validation loss, learning rate and tokens/s (and a preference run's reward
-margin and accuracy), against step and tokens.
+margin and accuracy, a GRPO run's mean reward and completion length), against step and tokens.
 
 A run directory holds ``metrics.jsonl`` (one record per logged step) and, when written by this version,
 ``run.json`` (its layout and batch shape, :mod:`llama_megatron.training.run.setup`). The legend names each run and
@@ -16,9 +16,11 @@ from llama_megatron.errors import ConfigError
 
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_s", "tokens/s"))
-# drawn when some run logged them: preference runs (TRL's reward margin and accuracy), FP8 runs with
-# logging.fp8_stats (a line per linear kind and cast: its largest amax and smallest scale over the layers)
+# drawn when some run logged them: preference runs (TRL's reward margin and accuracy), GRPO runs (the mean reward
+# and completion length), FP8 runs with logging.fp8_stats (a line per linear kind and cast: its largest amax and
+# smallest scale over the layers)
 OPTIONAL_PANELS = (("rewards/margins", "reward margin"), ("rewards/accuracies", "reward accuracy"),
+                   ("reward", "mean reward (GRPO)"), ("completions/mean_length", "completion length (GRPO)"),
                    ("fp8:amax", "FP8 amax (largest over layers)"), ("fp8:scale", "FP8 scale (smallest over layers)"),
                    ("tasks:", "lm-eval tasks (eval.tasks)"))
 

@@ -35,6 +35,7 @@ from llama_megatron.model.grpo import group_advantages
 from llama_megatron.model.lora import adapters_off
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 from llama_megatron.training.checkpointing import read_rank_state
+from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.run.generate import stop_ids
 from llama_megatron.training.run.setup import Session
 
@@ -71,6 +72,7 @@ class Rollout:
         eos = self.tokenizer.eos_token_id
         self.pad_id = eos if eos is not None else 0
         self.sampling = Sampling(self.grpo.temperature, self.grpo.top_k, self.grpo.top_p)
+        self._zero3 = zero_stage(session.pre.ds_config) == 3
         self.metrics: dict = {}  # the last generation's, logged with the steps it serves
         self._current: tuple[int, list[MicroBatch]] | None = None  # the generation in progress and its batches
         self._steps_done = 0  # steps trained (the last batches yielded have been)
@@ -147,15 +149,26 @@ class Rollout:
         return out
 
     def _decode_groups(self, model, generation: int, groups: range) -> list[tuple[int, Completions]]:
-        grpo, device = self.grpo, self.session.engine.device
+        grpo, device, pctx = self.grpo, self.session.engine.device, self.session.pctx
         prompts_per_step = self.config.batch.global_batch_size // grpo.num_generations
+        # data-parallel ranks decode other groups; where they share collectives inside the forward (ZeRO-3 gathers
+        # the parameters over them, EP exchanges tokens among them) every rank runs as many forwards as the busiest:
+        # as many groups (a rank with fewer decodes its last again, unkept) and each until all are done
+        lockstep = pctx.dp_group if pctx.dp_size > 1 and (self._zero3 or pctx.ep_size > 1) else None
+        count = len(groups)
+        if lockstep is not None:
+            most = torch.tensor([float(count)], device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=lockstep)
+            count = int(most.item())
         out = []
-        for group in groups:
+        for k in range(count):
+            group = groups[min(k, len(groups) - 1)]
             slot = prompt_slot(self.config.seed, generation * prompts_per_step + group, len(self.records))
             generator = torch.Generator(device=device).manual_seed(group_seed(self.config.seed, generation, group))
-            out.append((slot, generate_rows(model, self.records[slot].ids, grpo.num_generations,
-                                            grpo.max_completion_length, self.stop_ids, self.sampling,
-                                            generator=generator)))
+            decoded = generate_rows(model, self.records[slot].ids, grpo.num_generations, grpo.max_completion_length,
+                                    self.stop_ids, self.sampling, generator=generator, lockstep=lockstep)
+            if k < len(groups):
+                out.append((slot, decoded))
         return out
 
     def generate(self, generation: int) -> list[MicroBatch]:

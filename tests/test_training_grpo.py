@@ -17,7 +17,8 @@ the training pass's: their mean gap is logged, and held under 1e-5 in fp32.
 
 Layouts: TP2 with SP, PP2 (1F1B, and interleaved over virtual stages), DP2 under ZeRO-2 and ZeRO-3, TP2 x PP2
 sample the one-process run's completions and train its losses; LoRA with beta at TP2; a mixture of experts (Mixtral's
-routing) at EP2 against its one-process run. TensorBoard receives the step's metrics. Runs resumed from a generation's end and from within one equal the uninterrupted ones.
+routing) at EP2 against its one-process run; CP2 (each rank training its shard of every row) for the per-row
+losses (grpo's token means, GSPO's sequence ratio). TensorBoard receives the step's metrics. Runs resumed from a generation's end and from within one equal the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ LAYOUTS = {  # name -> (case, checkpoint TP, processes, overrides)
         "parallel.pipeline=2", "pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2",
         "batch.micro_batch_size=4", ZERO1]),
     "moe-ep2": ("moe", 1, 2, ["parallel.expert=2", "batch.micro_batch_size=4", ZERO1]),
+    # a CP rank trains its shard of each row; the per-row sums (each completion's token mean, GSPO's ratio) are whole
+    "grpo-iter2-batch-cp2": ("grpo-iter2-batch", 1, 2, ["parallel.context=2", "batch.micro_batch_size=4",
+                                                        "deepspeed_config=ds_configs/zero2_fp32.json"]),
+    "gspo-iter2-cp2": ("gspo-iter2", 1, 2, ["parallel.context=2", ZERO1]),
 }
 # a mixture of experts (Mixtral's routing, 4 experts, top 2) from the seeded start: its one-process run is the
 # reference of its EP2 run
@@ -349,7 +354,6 @@ def test_a_reward_that_does_not_import_stops_train_before_launch(launched, tmp_p
     (["grpo.loss_type=ppo"], "grpo.loss_type 'ppo' is not one of"),
     (["grpo.reward_weights=[1.0]"], "grpo.reward_weights has 1 weights for 2 reward functions"),
     (["grpo.max_completion_length=48"], "grpo.max_completion_length 48 leaves no room for a prompt"),
-    (["parallel.context=2"], "grpo under context parallelism is not built"),
     (["grpo.num_iterations=0"], "grpo.num_iterations must be a positive integer"),
     (["data.type=sft", "data.path=data/chat/chat_messages.jsonl"], "the grpo section sets the loss of the grpo objective"),
 ])

@@ -22,9 +22,11 @@ and ``vespo`` losses, the off-policy mask, vLLM's importance-sampling correction
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed.nn.functional as dist_nn
 
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_entropy
@@ -145,15 +147,23 @@ class TokenLosses:
     high_clipped: torch.Tensor  # over 1 + epsilon_high (cispo: over epsilon_high) where the advantage is positive
 
 
+def _whole_rows(sums: torch.Tensor) -> torch.Tensor:
+    return sums
+
+
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 config: GRPOLossConfig, ref_logps: torch.Tensor | None = None) -> TokenLosses:
+                 config: GRPOLossConfig, ref_logps: torch.Tensor | None = None,
+                 rows: Callable[[torch.Tensor], torch.Tensor] = _whole_rows) -> TokenLosses:
     """The loss of each completion token from the policy's log-probabilities ``logps`` [B, T] (with their graph),
     those at generation time ``old_logps`` (equal to ``logps`` on the first pass over fresh completions), the
-    completions' ``advantages`` [B] and the trained tokens' ``mask`` [B, T]; ``ref_logps`` where ``beta`` > 0."""
+    completions' ``advantages`` [B] and the trained tokens' ``mask`` [B, T]; ``ref_logps`` where ``beta`` > 0.
+    ``rows`` turns per-row sums over this shard of the tokens into the whole rows' (context parallelism: their sum
+    over the CP ranks, gradients included)."""
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logps - old_logps
     if config.importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        sums = rows(torch.stack([(log_ratio * mask).sum(-1), mask.sum(-1).to(log_ratio.dtype)]))
+        log_ratio = (sums[0] / sums[1].clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     kl = None
     if config.beta != 0.0:
@@ -191,22 +201,23 @@ class GRPOStepCounts:
 
 
 def micro_batch_loss(per_token: torch.Tensor, mask: torch.Tensor, config: GRPOLossConfig,
-                     counts: GRPOStepCounts) -> torch.Tensor:
+                     counts: GRPOStepCounts, rows: Callable[[torch.Tensor], torch.Tensor] = _whole_rows) -> torch.Tensor:
     """What this micro batch adds to its step's loss: ``per_token`` (:attr:`TokenLosses.loss`) over the trained
     tokens ``mask``, divided as the ``loss_type`` says (module docstring), so that the step's micro batches sum to
-    the loss TRL's step differentiates."""
+    the loss TRL's step differentiates. Every type is a function of each row's loss sum and token count, which
+    ``rows`` makes whole rows' (:func:`token_losses`)."""
     mask = mask.to(per_token.dtype)
-    masked = per_token * mask
+    row_loss, row_tokens = rows(torch.stack([(per_token * mask).sum(-1), mask.sum(-1)]))
     if config.loss_type in ("dapo", "cispo"):
-        return masked.sum() / max(counts.tokens, 1.0)
+        return row_loss.sum() / max(counts.tokens, 1.0)
     if config.loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / counts.completions
+        return (row_loss / row_tokens.clamp(min=1.0)).sum() / counts.completions
     if config.loss_type == "luspo":
-        return masked.sum(-1).sum() / counts.completions
+        return row_loss.sum() / counts.completions
     if config.loss_type == "dr_grpo":
-        return masked.sum() / (counts.completions * config.max_completion_length)
+        return row_loss.sum() / (counts.completions * config.max_completion_length)
     if config.loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0) / counts.micro_batches
+        return row_loss.sum() / row_tokens.sum().clamp(min=1.0) / counts.micro_batches
     raise ValueError(f"unknown loss_type {config.loss_type!r}")
 
 
@@ -254,6 +265,14 @@ class GRPOLoss:
         self.temperature, self.on_policy, self.ignore_index = temperature, on_policy, ignore_index
         self.captured: list[torch.Tensor] | None = None
 
+    def _rows(self, sums: torch.Tensor) -> torch.Tensor:
+        """Per-row sums of this CP rank's shard of the tokens -> the whole rows' (an all-reduce whose backward
+        all-reduces the gradients: each CP rank computes the whole loss, and DeepSpeed's average over them is the
+        gradient of one)."""
+        if self.pctx.cp_size == 1:
+            return sums
+        return dist_nn.all_reduce(sums, group=self.pctx.cp_group)
+
     def __call__(self, logits: torch.Tensor, targets: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         labels, advantages, old_logps, ref_logps, sampler_logps, counts = targets
         scaled = logits / self.temperature
@@ -264,8 +283,9 @@ class GRPOLoss:
         old = logps.detach() if self.on_policy else old_logps
         # every position of a row holds its completion's advantage: one per completion, [b, 1], as TRL's
         terms = token_losses(logps, old, advantages[:, :1], mask, self.config,
-                             ref_logps if self.config.beta != 0.0 else None)
-        loss = micro_batch_loss(terms.loss, mask, self.config, GRPOStepCounts(counts[0], counts[1], counts[2]))
+                             ref_logps if self.config.beta != 0.0 else None, self._rows)
+        loss = micro_batch_loss(terms.loss, mask, self.config, GRPOStepCounts(counts[0], counts[1], counts[2]),
+                                self._rows)
         zero = torch.zeros_like(logps)
         sums = [masked_sums(terms.kl if terms.kl is not None else zero, mask),
                 masked_sums(vocab_parallel_entropy(scaled.detach(), self.pctx, self.vocab_size), mask),

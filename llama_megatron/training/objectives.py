@@ -216,9 +216,6 @@ def _check_grpo(config) -> None:
     if grpo.beta != 0.0 and config.lora is None:
         raise ConfigError("grpo.beta > 0 needs a reference policy, and only a LoRA run holds one without a second "
                           "copy of the weights (its base, adapters off): set lora, or grpo.beta 0")
-    if config.parallel.context > 1:
-        raise ConfigError("grpo under context parallelism is not built: its sequences are short enough for "
-                          "parallel.context 1")
     if grpo.max_completion_length >= config.seq_length:
         raise ConfigError(f"grpo.max_completion_length {grpo.max_completion_length} leaves no room for a prompt "
                           f"in seq_length {config.seq_length}")

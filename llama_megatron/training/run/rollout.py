@@ -247,8 +247,10 @@ class Rollout:
         values = {"advantages": advantages.float()[:, None].expand(count, seq).contiguous(),
                   "old_logps": torch.zeros(count, seq), "ref_logps": torch.zeros(count, seq),
                   "sampler_logps": sampler}
+        pctx = self.session.pctx
         return [MicroBatch(ids[k:k + micro, :-1].contiguous(), positions[k:k + micro], labels[k:k + micro],
-                           label_values={name: v[k:k + micro] for name, v in values.items()})
+                           label_values={name: v[k:k + micro] for name, v in values.items()}
+                           ).context_shard(pctx.cp_rank, pctx.cp_size)  # a CP rank trains its shard of each row
                 for k in range(0, count, micro)]
 
     def _log_probs(self, micro_batches: list[MicroBatch]) -> None:

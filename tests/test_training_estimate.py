@@ -675,5 +675,9 @@ def test_the_grpo_recipe_fits_and_counts_its_decoding(monkeypatch):
     assert stage.rollout == cache + prompt_pass + 3 * rows * config.local_shapes.padded_vocab_size * 4
     states = stage.parameters + stage.gradients + stage.optimizer + stage.buffers
     assert stage.gpu_total == states + max(stage.activations + stage.logits, stage.rollout) <= 80 * 2**30
+    assert stage.reference == 0  # beta 0: no reference
+    config.grpo.beta = 0.04  # the starting weights held as the reference, each rank its share of the policy's
+    (held,) = estimate(config, ds, 8).stages
+    assert held.reference == held.parameters and held.gpu_total == stage.gpu_total + held.parameters
     sft = TrainingConfig.from_file(os.path.join(ROOT, "configs", "finetune", "qwen2.5-7b-sft-tp2-pp2.json"))
     assert estimate(sft, build_deepspeed_config(sft, sft.deepspeed_config, 8, "cuda"), 8).stages[0].rollout == 0

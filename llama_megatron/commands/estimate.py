@@ -19,10 +19,10 @@ from llama_megatron.training.engine.deepspeed_config import build_deepspeed_conf
 
 ROWS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
         ("ZeRO buffers", "buffers"), ("activations", "activations"), ("logits + loss", "logits"),
-        ("fp8 operands", "fp8_transient"), ("rollout (decoding)", "rollout")]
+        ("fp8 operands", "fp8_transient"), ("rollout (decoding)", "rollout"), ("reference weights", "reference")]
 # shown where a stage has some: ZeRO-1/2/3's buffers; online RL's decoding, held in place of the activations (the
-# total counts the larger of the two)
-OPTIONAL_ROWS = ("buffers", "rollout")
+# total counts the larger of the two), and its reference's weights
+OPTIONAL_ROWS = ("buffers", "rollout", "reference")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -123,6 +123,8 @@ class Objective:
     # what `estimate` adds on a rank holding ``decoder_layers`` layers, in element bytes ``e``: bytes held outside the
     # training passes (a rollout's decoding: beside the model states, in place of the activations)
     rollout_bytes: Callable[[Any, int, int], int] = lambda config, decoder_layers, e: 0
+    # it holds a copy of the starting weights as its reference (each rank its share; `estimate` counts it)
+    holds_reference_weights: Callable[[Any], bool] = lambda config: False
 
 
 def loss_divisor(engine, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
@@ -213,9 +215,6 @@ def _check_grpo(config) -> None:
     if batch % grpo.num_generations:
         raise ConfigError(f"batch.global_batch_size {batch} (completions per step) is not whole groups of "
                           f"grpo.num_generations {grpo.num_generations}")
-    if grpo.beta != 0.0 and config.lora is None:
-        raise ConfigError("grpo.beta > 0 needs a reference policy, and only a LoRA run holds one without a second "
-                          "copy of the weights (its base, adapters off): set lora, or grpo.beta 0")
     if grpo.max_completion_length >= config.seq_length:
         raise ConfigError(f"grpo.max_completion_length {grpo.max_completion_length} leaves no room for a prompt "
                           f"in seq_length {config.seq_length}")
@@ -276,7 +275,9 @@ GRPO = Objective(
                                        on_policy=config.grpo.num_iterations == 1, ignore_index=IGNORE_INDEX),
     targets=_grpo_targets, precomputed_reference=lambda config: False, perplexity=False, metrics=grpo_metrics,
     log_line=_grpo_line, whole_logits=True, check_prepared=_check_grpo_prepared, rollout=True,
-    rollout_bytes=_grpo_rollout_bytes)
+    rollout_bytes=_grpo_rollout_bytes,
+    # full fine-tuning with beta > 0: the starting weights (a LoRA run's reference is its base, adapters off)
+    holds_reference_weights=lambda config: config.grpo.beta != 0.0 and config.lora is None)
 
 OBJECTIVES = (TOKEN_LOSS, PREFERENCE, GRPO)
 

@@ -106,6 +106,9 @@ class StageEstimate:
     # online RL: the rollout's decoding (KV cache, prompt pass, a step's logits), held beside the model states while
     # no training pass holds activations (training/objectives.py)
     rollout: int = 0
+    # the reference policy's weights an objective holds beside the policy's (GRPO with beta > 0, full fine-tuning):
+    # this rank's share, as it holds the policy's
+    reference: int = 0
 
     @property
     def activations(self) -> int:
@@ -121,7 +124,7 @@ class StageEstimate:
 
     @property
     def gpu_total(self) -> int:
-        return (self.parameters + self.gradients + self.optimizer + self.buffers
+        return (self.parameters + self.gradients + self.optimizer + self.buffers + self.reference
                 + max(self.activations + self.logits + self.fp8_transient, self.rollout))
 
     @property
@@ -327,7 +330,8 @@ def estimate(config: TrainingConfig, ds: dict, world_size: int, micro_batch_size
             fp8_transient=fp8_transient_bytes(config, b * config.rows_per_sample) if config.fp8 else 0,
             reduce_buckets=buffers.reduce_buckets, gathered_parameters=buffers.gathered_parameters,
             bucket_elements=buffers.bucket_elements, trained_elements=sum(n for n, _, t, _ in params if t),
-            rollout=objective_of(config).rollout_bytes(config, sum(k.count("DecoderLayerPipe") for k in kinds), e)))
+            rollout=objective_of(config).rollout_bytes(config, sum(k.count("DecoderLayerPipe") for k in kinds), e),
+            reference=states["parameters"] if objective_of(config).holds_reference_weights(config) else 0))
     return result
 
 

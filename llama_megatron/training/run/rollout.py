@@ -12,11 +12,13 @@ at TP2 x PP2 or DP2 samples what the one-process run samples, and a resumed run 
 
 With ``num_iterations`` > 1 the log-probabilities of generation time (the old policy's) come from a training-layout
 forward over the micro batches right after generation, as TRL computes them; with ``beta`` > 0 the reference's
-come from the same forward with the LoRA adapters off.
+come from the same forward with the LoRA adapters off, or (full fine-tuning) with the starting weights swapped in
+(held_reference.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -36,7 +38,10 @@ from llama_megatron.model.lora import adapters_off
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
 from llama_megatron.training.checkpointing import read_rank_state
 from llama_megatron.training.engine.deepspeed_config import zero_stage
+from llama_megatron.training.objectives import objective_of
+from llama_megatron.training.run import held_reference
 from llama_megatron.training.run.generate import stop_ids
+from llama_megatron.training.run.held_reference import HeldReference
 from llama_megatron.training.run.setup import Session
 
 ROLLOUT_STATE = "grpo_rollout"  # the key of the generation in progress in a rank's saved state
@@ -72,10 +77,27 @@ class Rollout:
         eos = self.tokenizer.eos_token_id
         self.pad_id = eos if eos is not None else 0
         self.sampling = Sampling(self.grpo.temperature, self.grpo.top_k, self.grpo.top_p)
-        self._zero3 = zero_stage(session.pre.ds_config) == 3
+        zero = zero_stage(session.pre.ds_config)
+        self._zero3 = zero == 3
+        self.reference = self._held_reference(zero) if objective_of(self.config).holds_reference_weights(
+            self.config) else None
         self.metrics: dict = {}  # the last generation's, logged with the steps it serves
         self._current: tuple[int, list[MicroBatch]] | None = None  # the generation in progress and its batches
         self._steps_done = 0  # steps trained (the last batches yielded have been)
+
+    def _held_reference(self, zero: int) -> HeldReference:
+        """The starting weights, held beside the policy's (full fine-tuning with beta > 0): read back by a resumed
+        run, else taken now and, where the run saves, written once into its save directory."""
+        session, checkpoint = self.session, self.config.checkpoint
+        module = session.engine.model
+        if session.pre.checkpoint is not None and not checkpoint.finetune and session.step > 0:
+            reference = held_reference.load(module, session.pre.load_dir, session.pctx, zero)
+            self.log.info(f"reference weights read from {session.pre.load_dir}/{held_reference.DIRECTORY}")
+            return reference
+        reference = HeldReference(module)
+        if checkpoint.save:
+            held_reference.store(reference, checkpoint.save, session.pctx, zero)
+        return reference
 
     def step_batches(self, done_steps: int, steps: int) -> Iterator[list[MicroBatch]]:
         """This rank's micro batches of steps ``done_steps + 1 .. steps``: a new generation every ``num_iterations``
@@ -266,10 +288,9 @@ class Rollout:
         for name, reference in passes:
             objective.captured = []
             try:
-                if reference:
-                    with adapters_off(engine.model):
-                        engine.eval_loss(micro_batches)
-                else:
+                # the reference: the starting weights swapped in, or a LoRA run's base (adapters off)
+                with (contextlib.nullcontext() if not reference else self.reference.swapped_in()
+                      if self.reference is not None else adapters_off(engine.model)):
                     engine.eval_loss(micro_batches)
                 captured = objective.captured
             finally:

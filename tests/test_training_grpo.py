@@ -257,8 +257,10 @@ def test_steps_equal_trl_grpo_trainer(case, launched) -> None:
             for name in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                          "completions/clipped_ratio", "rewards/id_parity/mean", "rewards/says_answer/mean"):
                 assert ours[name] == pytest.approx(trl[name], rel=REL, abs=1e-6), f"step {step} {name}"
-            # on-policy: the first pass over fresh completions has ratio 1 (TRL's old log-probabilities are its own)
+            # on-policy: the first pass over fresh completions has ratio 1 (TRL's old log-probabilities are its own;
+            # ours a training-layout pass right after generation where num_iterations > 1: 1 within float32 rounding)
             assert ours["clip_ratio/region_mean"] == 0.0
+            assert ours["ratio_gap"] == 0.0 if iterations == 1 else ours["ratio_gap"] < 1e-6
         assert ours["sampler_logprob_diff"] < 1e-5  # fp32 incremental decoding against the training pass
     for generation, trl_advantages in zip(want["generations"], want["advantages"], strict=True):
         assert [row["advantage"] for row in generation] == pytest.approx(trl_advantages, rel=REL, abs=1e-6)
@@ -281,6 +283,9 @@ def test_layouts_sample_and_train_like_one_process(name, launched) -> None:
         for metric in ("entropy", "clip_ratio/region_mean", "kl", "reward"):
             assert mine[step][metric] == pytest.approx(one[step][metric], rel=REL, abs=1e-6), (step, metric)
         assert mine[step]["sampler_logprob_diff"] < 1e-5  # the rollout/training gap under this layout, fp32
+        if (step - 1) % CASES.get(case, {}).get("num_iterations", 1) == 0:  # a generation's first pass: on-policy
+            assert mine[step]["ratio_gap"] < 1e-6, (step, mine[step]["ratio_gap"])
+        assert 0 < mine[step]["generation_s"] and 0 < mine[step]["train_s"]
 
 
 def test_tensorboard_receives_the_rollout_and_loss_metrics(launched) -> None:

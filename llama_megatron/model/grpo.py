@@ -235,9 +235,10 @@ def masked_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # what GRPOLoss's metric sums hold, a [sum, count] pair each (TRL's masked means: over the completion tokens, or the
 # completions for a value per completion); the mismatch is |the sampler's log-probability - the old policy's of a
-# training pass| (TRL's sampling_logp_difference: the rollout/training gap at the same weights)
+# training pass| (TRL's sampling_logp_difference: the rollout/training gap at the same weights); ratio_gap is
+# |importance ratio - 1|: 0 on a generation's first pass (on-policy), off it once the policy has moved
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-           "sampler_logprob_diff")
+           "sampler_logprob_diff", "ratio_gap")
 VALUES = ("advantages", "old_logps", "ref_logps", "sampler_logps")  # the label values a GRPO micro batch carries
 
 
@@ -291,7 +292,8 @@ class GRPOLoss:
                 masked_sums(vocab_parallel_entropy(scaled.detach(), self.pctx, self.vocab_size), mask),
                 masked_sums(terms.low_clipped, mask), masked_sums(terms.high_clipped, mask),
                 masked_sums(terms.low_clipped | terms.high_clipped, mask),
-                masked_sums((old.detach() - sampler_logps).abs(), mask)]
+                masked_sums((old.detach() - sampler_logps).abs(), mask),
+                masked_sums((terms.ratio.detach() - 1).abs(), mask)]
         return loss, torch.cat([s.to(torch.float32) for s in sums])
 
 

@@ -250,7 +250,10 @@ def _grpo_line(metrics: dict) -> str:
     line = f" | reward {metrics['reward']:.4f} (std {metrics['reward_std']:.4f})" if "reward" in metrics else ""
     if metrics.get("kl"):  # beta > 0
         line += f" | kl {metrics['kl']:.5f}"
-    return line + f" | clipped {metrics['clip_ratio/region_mean']:.3f} | entropy {metrics['entropy']:.3f}"
+    line += f" | clipped {metrics['clip_ratio/region_mean']:.3f} | entropy {metrics['entropy']:.3f}"
+    if "generation_s" in metrics:
+        line += f" | generation {metrics['generation_s']:.2f} s, training {metrics.get('train_s', 0.0):.2f} s"
+    return line
 
 
 TOKEN_LOSS = Objective(

@@ -125,6 +125,7 @@ class _TrainingRun:
             self.log.info(f"MFU against {self.meter.peak:,.4g} TFLOP/s per device: {self.meter.peak_source}")
         self.skipped = self.engine.skipped_steps
         self.last_metrics: dict = {}
+        self.train_seconds = 0.0  # the last step's forward, backward and optimizer step (GRPO logs it)
 
     def prepare(self) -> None:
         if objective_of(self.config).precomputed_reference(self.config):
@@ -136,7 +137,9 @@ class _TrainingRun:
         engine, watchdog = self.engine, self.watchdog
         watchdog.beat(self.step + 1, "forward, backward and optimizer step")
         lr = engine.learning_rate()
+        started = time.perf_counter()
         loss_on_device = engine.train_step(micro_batches)  # read at check points only: reading syncs the host
+        self.train_seconds = time.perf_counter() - started
         self.step += 1
         watchdog.beat(self.step, "the end-of-step checks")
         self.consumed += self.config.batch.global_batch_size
@@ -171,8 +174,8 @@ class _TrainingRun:
                     extras.update(self._tasks())
         if due.log:  # read where logged only: each is an all-reduce over the world
             objective = self.engine.objective_metrics()
-            if self.rollout is not None:  # the generation this step trained on
-                objective = {**self.rollout.metrics, **(objective or {})}
+            if self.rollout is not None:  # the generation this step trained on, and the step's training apart
+                objective = {**self.rollout.metrics, **(objective or {}), "train_s": self.train_seconds}
             extras.update(expert_load=self.engine.expert_load(), objective=objective, fp8=self.engine.fp8_stats())
             metrics, line = self.meter.record(reports[-1], lr, self.consumed, extras)
             self.log.log(reports[-1].step, metrics, line)

@@ -35,12 +35,12 @@ import time
 from llama_megatron import train
 from llama_megatron.checkpoint.universal import conversion as universal_conversion
 from llama_megatron.process_exit import exit_process
-from llama_megatron.training import background_save, checkpointer, checkpointing
+from llama_megatron.training import background_save, checkpointer, checkpointing, objectives
 from llama_megatron.training.engine.training_engine import TrainingEngine
 
 RANK = int(os.environ.get("RANK", "0"))
 FAULTS: dict = {}
-_divisor, _train_step, _save = TrainingEngine._loss_divisor, TrainingEngine.train_step, checkpointing.save_checkpoint
+_divisor, _train_step, _save = objectives.loss_divisor, TrainingEngine.train_step, checkpointing.save_checkpoint
 _convert, _progress_seconds = universal_conversion._convert, universal_conversion.PROGRESS_SECONDS
 _saves = [0]
 
@@ -49,9 +49,9 @@ def _next_step(engine) -> int:
     return int(engine.engine.global_steps) + 1
 
 
-def loss_divisor(self, micro_batches):
-    divisor = _divisor(self, micro_batches)
-    factor = FAULTS.get("loss", {}).get(str(_next_step(self)))
+def loss_divisor(engine, micro_batches):
+    divisor = _divisor(engine, micro_batches)
+    factor = FAULTS.get("loss", {}).get(str(_next_step(engine)))
     if divisor is None or factor is None:
         return divisor
     return divisor * float(factor)
@@ -78,17 +78,18 @@ _submit, _complete = background_save.BackgroundWriter.submit, checkpointing.Pend
 _lift: list = []  # the file size limit to restore once an asynchronous save is done
 
 
-def save_checkpoint(engine, save_dir, meta, keep_last, pctx, background=None, progress=None):
+def save_checkpoint(engine, save_dir, meta, keep_last, pctx, background=None, progress=None, rank_state=None):
     _saves[0] += 1
     fault = FAULTS.get("file_size")
     if not (fault and fault["save"] == _saves[0] and fault.get("rank", 0) == RANK):
-        return _save(engine, save_dir, meta, keep_last, pctx, background, progress)
+        return _save(engine, save_dir, meta, keep_last, pctx, background, progress, rank_state)
     if background is None:
-        return _with_file_size_limit(fault["bytes"], _save, engine, save_dir, meta, keep_last, pctx, None, progress)
+        return _with_file_size_limit(fault["bytes"], _save, engine, save_dir, meta, keep_last, pctx, None, progress,
+                                     rank_state)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     _lift.append(resource.getrlimit(resource.RLIMIT_FSIZE))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fault["bytes"], _lift[-1][1]))
-    return _save(engine, save_dir, meta, keep_last, pctx, background, progress)
+    return _save(engine, save_dir, meta, keep_last, pctx, background, progress, rank_state)
 
 
 def complete(self, wait):
@@ -135,7 +136,7 @@ def convert(*args, **kwargs):
     return _with_file_size_limit(fault["bytes"], _convert, *args, **kwargs)
 
 
-TrainingEngine._loss_divisor = loss_divisor
+objectives.loss_divisor = loss_divisor
 TrainingEngine.train_step = train_step
 # where the saves call it too: checkpointer.py imported it by name, maybe before this script ran (the rank pool's
 # server imports every module a run needs before forking the ranks)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,20 +61,15 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from model_utils import hf_model
+    from model_utils import hf_model, save_and_convert
 
-    from llama_megatron.cli import main as cli
     from llama_megatron.config import ModelConfig
 
     with open(os.path.join(ROOT, "configs", "models", "llama-50m.json"), encoding="utf-8") as fh:
         shape = {**json.load(fh), "vocab_size": 4096, "max_position_embeddings": 512}
     with tempfile.TemporaryDirectory() as work:
-        hf_dir = os.path.join(work, "hf")
-        hf_model(ModelConfig.from_dict(shape), seed=0).save_pretrained(hf_dir)
-        for name in os.listdir(TOKENIZER):
-            shutil.copy(os.path.join(TOKENIZER, name), os.path.join(hf_dir, name))
+        hf_dir = save_and_convert(hf_model(ModelConfig.from_dict(shape), seed=0), work, TOKENIZER, (2,))
         checkpoint = os.path.join(work, "tp2")
-        assert cli(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", checkpoint, "--tp", "2"]) == 0
         from llama_megatron.parallel.placement import free_port
 
         out = os.path.join(work, "ours.json")

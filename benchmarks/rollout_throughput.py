@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -132,20 +131,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from model_utils import hf_model
+    from model_utils import hf_model, save_and_convert
 
-    from llama_megatron.cli import main as cli
     from llama_megatron.config import ModelConfig
     from llama_megatron.parallel.placement import free_port
 
     shape = _shape()
     with tempfile.TemporaryDirectory() as work:
-        hf_dir = os.path.join(work, "hf")
-        hf_model(ModelConfig.from_dict(shape), seed=0).save_pretrained(hf_dir)
-        for name in os.listdir(TOKENIZER):
-            shutil.copy(os.path.join(TOKENIZER, name), os.path.join(hf_dir, name))
+        hf_dir = save_and_convert(hf_model(ModelConfig.from_dict(shape), seed=0), work, TOKENIZER, (2,))
         checkpoint = os.path.join(work, "tp2")
-        assert cli(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output", checkpoint, "--tp", "2"]) == 0
         config = _grpo_config(work, checkpoint, args)
         result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
                                  "--master_port", str(free_port()), "--log_level", "warning", "--module",

@@ -124,3 +124,22 @@ def peft_twin(hf_dir, config, lora_section: dict):
     result = peft.set_peft_model_state_dict(model, tensors)
     assert not result.unexpected_keys
     return model
+
+
+def save_and_convert(model: PreTrainedModel, out_dir, tokenizer_dir: str, tps=(1,), divisible_by: int | None = None):
+    """``model`` saved as a Hugging Face directory ``out_dir/hf`` beside the tokenizer's files, converted to our
+    format at each TP degree of ``tps`` (``out_dir/tp<N>``); the HF directory."""
+    import os
+    import shutil
+
+    from llama_megatron.cli import main as cli_main
+
+    hf_dir = os.path.join(str(out_dir), "hf")
+    model.save_pretrained(hf_dir)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(hf_dir, name))
+    for tp in tps:
+        divisible = [] if divisible_by is None else ["--make-vocab-size-divisible-by", str(divisible_by)]
+        assert cli_main(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--output",
+                         os.path.join(str(out_dir), f"tp{tp}"), "--tp", str(tp), *divisible]) == 0
+    return hf_dir

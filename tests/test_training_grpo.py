@@ -28,12 +28,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from launch_utils import ROOT, launch_many, losses, train_args
-from model_utils import peft_twin, recording_losses
+from model_utils import peft_twin, recording_losses, save_and_convert
 
 from llama_megatron.training.config import TrainingConfig
 
@@ -124,19 +123,11 @@ def launched(tmp_path_factory) -> dict:
     pytest.importorskip("trl")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llama_megatron.cli import main as cli_main
-
     work = tmp_path_factory.mktemp("grpo")
     config = TrainingConfig.from_file(CONFIG, [f"data.path={os.path.join(ROOT, 'data', 'chat', 'sample_prompts.jsonl')}"])
     torch.manual_seed(13)
-    hf_dir = work / "hf"
-    LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict())).save_pretrained(hf_dir)
-    for name in os.listdir(TOKENIZER):
-        shutil.copy(os.path.join(TOKENIZER, name), hf_dir / name)
-    for tp in (1, 2):
-        assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(work / f"tp{tp}"),
-                         "--tp", str(tp), "--make-vocab-size-divisible-by",
-                         str(config.parallel.make_vocab_size_divisible_by)]) == 0
+    hf_dir = save_and_convert(LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict())), work, TOKENIZER, (1, 2),
+                              config.parallel.make_vocab_size_divisible_by)
     (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS), encoding="utf-8")
     (work / "rewards.py").write_text(REWARDS, encoding="utf-8")
     by_procs: dict[int, list] = {1: []}

@@ -34,7 +34,7 @@ import pytest
 import torch
 from chat_families import TOKENIZER, preference_records, write_templates
 from launch_utils import ROOT, SFT_CONFIG, assert_losses_close, launch, launch_many, losses, train_args
-from model_utils import peft_twin, recording_losses
+from model_utils import peft_twin, recording_losses, save_and_convert
 
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.preference import METRICS
@@ -74,19 +74,11 @@ def trl_case(tmp_path_factory) -> dict:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    from llama_megatron.cli import main as cli_main
-
     out = tmp_path_factory.mktemp("dpo")
     config = TrainingConfig.from_file(CONFIG, ["data.cache_dir=unused"])
     torch.manual_seed(11)
-    hf_dir = out / "hf"
-    LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict())).save_pretrained(hf_dir)
-    for name in os.listdir(TOKENIZER):
-        shutil.copy(os.path.join(TOKENIZER, name), hf_dir / name)
-    for tp in (1, 2):
-        assert cli_main(["convert", "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(out / f"tp{tp}"),
-                         "--tp", str(tp), "--make-vocab-size-divisible-by",
-                         str(config.parallel.make_vocab_size_divisible_by)]) == 0
+    hf_dir = save_and_convert(LlamaForCausalLM(LlamaConfig(**config.model.to_hf_dict())), out, TOKENIZER, (1, 2),
+                              config.parallel.make_vocab_size_divisible_by)
     template = write_templates(str(out))["bot", "eot"]
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     tokenizer.chat_template = open(template, encoding="utf-8").read()

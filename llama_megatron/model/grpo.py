@@ -16,6 +16,10 @@ by its own count:
 - ``bnpo``: each micro batch's token mean, averaged over the micro batches (the one count that depends on how the
   step is cut into micro batches: TRL's per-device micro batches are ours).
 
+``top_entropy_quantile`` < 1 (Wang et al., "Beyond the 80/20 rule") keeps in the policy term only the tokens whose
+entropy reaches that quantile of the micro step's completion tokens over every data-parallel (and CP) rank, TRL's
+threshold over each ``_compute_loss`` call's tokens across processes (:func:`high_entropy_mask`).
+
 Only sum-then-normalise reward aggregation (TRL's default ``multi_objective_aggregation``) is written; the ``sapo``
 and ``vespo`` losses, the off-policy mask, vLLM's importance-sampling correction and the entropy bonus are not.
 """
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from llama_megatron.parallel.context import ParallelContext
@@ -44,7 +49,8 @@ class GRPOLossConfig:
     ``cispo`` the ratio's upper bound is ``epsilon_high``), ``delta`` (two-sided clipping: the ratio's cap),
     ``importance_sampling_level`` (``sequence``: GSPO's one ratio per completion), ``scale_rewards``,
     ``max_completion_length`` (``dr_grpo``'s constant) and ``use_bias_correction_kl`` (the KL term weighted by the
-    importance ratio)."""
+    importance ratio), ``top_entropy_quantile`` (the share of tokens, highest entropy first, the policy term
+    keeps: 1 keeps all)."""
 
     loss_type: str = "dapo"
     beta: float = 0.0
@@ -55,6 +61,7 @@ class GRPOLossConfig:
     scale_rewards: str = "group"
     max_completion_length: int = 512
     use_bias_correction_kl: bool = True
+    top_entropy_quantile: float = 1.0
 
     @property
     def upper(self) -> float:
@@ -82,6 +89,8 @@ class GRPOLossConfig:
             found.append(f"grpo.epsilon_high must be >= 0 (got {self.epsilon_high})")
         if self.delta is not None and self.delta <= 0:
             found.append(f"grpo.delta must be > 0 (got {self.delta})")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            found.append(f"grpo.top_entropy_quantile must be in [0, 1] (got {self.top_entropy_quantile})")
         if self.max_completion_length < 1:
             found.append(f"grpo.max_completion_length must be >= 1 (got {self.max_completion_length})")
         return found
@@ -151,14 +160,37 @@ def _whole_rows(sums: torch.Tensor) -> torch.Tensor:
     return sums
 
 
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float, group=None) -> torch.Tensor:
+    """The trained tokens (``mask``) whose entropy is at least the ``quantile`` of every trained token's entropy of
+    this micro step on the ranks of ``group`` (TRL's ``get_high_entropy_mask``: ``torch.quantile``'s linear
+    interpolation, so ``quantile`` 1 keeps the highest-entropy token alone). Each rank's tokens are gathered
+    padded to the longest with -1, which no entropy is."""
+    local = entropies[mask].float()
+    if group is not None and dist.get_world_size(group) > 1:
+        size = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
+        sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(sizes, size, group=group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.full((longest,), -1.0, dtype=local.dtype, device=local.device)
+        padded[:local.numel()] = local
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        local = torch.cat([part[:int(s.item())] for part, s in zip(parts, sizes)])
+    if local.numel() == 0:
+        return torch.zeros_like(mask)
+    return (entropies >= torch.quantile(local, quantile).to(entropies.dtype)) & mask
+
+
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                  config: GRPOLossConfig, ref_logps: torch.Tensor | None = None,
-                 rows: Callable[[torch.Tensor], torch.Tensor] = _whole_rows) -> TokenLosses:
+                 rows: Callable[[torch.Tensor], torch.Tensor] = _whole_rows,
+                 keep: torch.Tensor | None = None) -> TokenLosses:
     """The loss of each completion token from the policy's log-probabilities ``logps`` [B, T] (with their graph),
     those at generation time ``old_logps`` (equal to ``logps`` on the first pass over fresh completions), the
     completions' ``advantages`` [B] and the trained tokens' ``mask`` [B, T]; ``ref_logps`` where ``beta`` > 0.
     ``rows`` turns per-row sums over this shard of the tokens into the whole rows' (context parallelism: their sum
-    over the CP ranks, gradients included)."""
+    over the CP ranks, gradients included). ``keep`` (:func:`high_entropy_mask`): the tokens whose policy term counts
+    (the KL term counts on every token, as TRL's)."""
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logps - old_logps
     if config.importance_sampling_level == "sequence":
@@ -185,6 +217,8 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch
         loss = -torch.min(capped * advantages, clipped * advantages)
         low_clipped = (ratio < low) & (advantages < 0)
         high_clipped = (ratio > 1 + config.upper) & (advantages > 0)
+    if keep is not None:
+        loss = loss * keep.to(loss.dtype)
     if kl is not None:
         loss = loss + config.beta * kl
     return TokenLosses(loss, ratio, kl, low_clipped, high_clipped)
@@ -282,14 +316,18 @@ class GRPOLoss:
         if self.captured is not None:
             self.captured.append(logps.detach())
         old = logps.detach() if self.on_policy else old_logps
+        entropy = vocab_parallel_entropy(scaled.detach(), self.pctx, self.vocab_size)
+        keep = None
+        if self.config.top_entropy_quantile < 1 and self.captured is None:  # a training pass (not old/reference)
+            keep = high_entropy_mask(entropy, mask, 1 - self.config.top_entropy_quantile, self.pctx.dp_cp_group)
         # every position of a row holds its completion's advantage: one per completion, [b, 1], as TRL's
         terms = token_losses(logps, old, advantages[:, :1], mask, self.config,
-                             ref_logps if self.config.beta != 0.0 else None, self._rows)
+                             ref_logps if self.config.beta != 0.0 else None, self._rows, keep)
         loss = micro_batch_loss(terms.loss, mask, self.config, GRPOStepCounts(counts[0], counts[1], counts[2]),
                                 self._rows)
         zero = torch.zeros_like(logps)
         sums = [masked_sums(terms.kl if terms.kl is not None else zero, mask),
-                masked_sums(vocab_parallel_entropy(scaled.detach(), self.pctx, self.vocab_size), mask),
+                masked_sums(entropy, mask),
                 masked_sums(terms.low_clipped, mask), masked_sums(terms.high_clipped, mask),
                 masked_sums(terms.low_clipped | terms.high_clipped, mask),
                 masked_sums((old.detach() - sampler_logps).abs(), mask),

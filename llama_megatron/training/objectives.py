@@ -70,11 +70,14 @@ class GRPOConfig:
     scale_rewards: str = "group"  # group, batch or none: what advantages are divided by
     mask_truncated_completions: bool = False  # completions that hit max_completion_length train no token
     num_iterations: int = 1  # optimizer steps per generation (old log-probabilities kept from generation time)
+    # the share of each micro step's completion tokens, highest entropy first, whose policy term trains (1: all)
+    top_entropy_quantile: float = 1.0
     log_completions: bool = False  # write each generation's completions to <output_dir>/completions/
 
     def loss(self) -> GRPOLossConfig:
         return GRPOLossConfig(self.loss_type, self.beta, self.epsilon, self.epsilon_high, self.delta,
-                              self.importance_sampling_level, self.scale_rewards, self.max_completion_length)
+                              self.importance_sampling_level, self.scale_rewards, self.max_completion_length,
+                              top_entropy_quantile=self.top_entropy_quantile)
 
     def problems(self) -> list[str]:
         """What is wrong with these settings alone, one line each."""
@@ -293,13 +296,14 @@ def objective_of(config) -> Objective:
     return TOKEN_LOSS
 
 
-def check_objective(config, defaults: dict[str, Any]) -> None:
-    """The run's objective's settings; another objective's section set (differing from its ``defaults``) is an
-    error, since nothing would read it."""
+def check_objective(config) -> None:
+    """The run's objective's settings; another objective's section set (differing from its defaults) is an error,
+    since nothing would read it."""
     running = objective_of(config)
     for objective in OBJECTIVES:
         section = objective.section
-        if objective is not running and section is not None and getattr(config, section) != defaults[section]:
+        settings = None if section is None else getattr(config, section)
+        if objective is not running and settings is not None and settings != type(settings)():
             raise ConfigError(f"the {section} section sets the loss of the {objective.name} objective, and data.type is "
                               f"{config.data.type!r}: set data.type {objective.data_type}, or leave the section out")
     running.check(config)

@@ -206,7 +206,8 @@ class Rollout:
         tokens = [row for _, c in decoded for row in c.tokens]
         logprobs = [row for _, c in decoded for row in c.logprobs]
         truncated = [t for _, c in decoded for t in c.truncated]
-        rewards = self._score(slots, tokens)
+        texts = self._texts(tokens)
+        rewards = self._score(slots, tokens, texts)
         # this rank's rows of the whole batch's table; the ranks' rows are disjoint, so a sum is the table
         batch = self.config.batch.global_batch_size
         offset = first - groups.start * per_group
@@ -228,7 +229,7 @@ class Rollout:
         generated = sum(len(t) for t in tokens)  # this rank's decoding: its groups' tokens
         self.metrics = self._metrics(per_function, advantages, table[:, -2], table[:, -1], decode_s, generated)
         if grpo.log_completions:
-            self._write_completions(generation, slots[local], tokens[local], per_function[first:first + rows],
+            self._write_completions(generation, slots[local], tokens[local], texts[local], per_function[first:first + rows],
                                     advantages.advantages[first:first + rows])
         self.metrics["generation_s"] = time.perf_counter() - start
         return micro_batches
@@ -237,11 +238,10 @@ class Rollout:
         """TRL's decoding: every completion token, the special ones (an EOS) skipped."""
         return self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
 
-    def _score(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    def _score(self, slots: list[int], tokens: list[list[int]], texts: list[str]) -> torch.Tensor:
         """Every reward function's reward of every completion (TRL's call: prompts, completions as text, or as one
         assistant message for a conversational prompt, completion ids, the records' other columns)."""
         records = [self.records[slot] for slot in slots]
-        texts = self._texts(tokens)
         completions = [[{"role": "assistant", "content": text}] if isinstance(r.prompt, list) else text
                        for r, text in zip(records, texts)]
         keys = sorted({key for r in records for key in r.columns})
@@ -318,15 +318,15 @@ class Rollout:
         out["rollout_tokens_per_s"] = generated / max(decode_s, 1e-9)
         return out
 
-    def _write_completions(self, generation: int, slots: list[int], tokens: list[list[int]], rewards: torch.Tensor,
-                           advantages: torch.Tensor) -> None:
+    def _write_completions(self, generation: int, slots: list[int], tokens: list[list[int]], texts: list[str],
+                           rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """``completions/generation_<g>.jsonl`` in the run's output_dir: this generation's completions with their
         token ids, rewards and advantages, every rank's, written by global rank 0."""
         pctx = self.session.pctx
         rows = [{"record": slot, "prompt": self.records[slot].prompt, "completion": text, "completion_ids": row,
                  "rewards": {r.name: (None if v != v else float(v)) for r, v in zip(self.rewards, reward.tolist())},
                  "advantage": float(adv)}
-                for slot, text, row, reward, adv in zip(slots, self._texts(tokens), tokens, rewards, advantages)]
+                for slot, text, row, reward, adv in zip(slots, texts, tokens, rewards, advantages)]
         if pctx.dp_size > 1:
             gathered: list = [None] * pctx.dp_size
             dist.all_gather_object(gathered, rows, group=pctx.dp_group)

@@ -41,6 +41,14 @@ def infinite(completions, **kwargs):
 
 
 NOT_CALLABLE = 3
+
+
+def graded(completions, **kwargs):
+    import no_such_grader_package  # imported when called, as math_answer imports math-verify
+    return [1.0] * len(completions)
+
+
+graded.requires = (("no_such_grader_package", "pip install no-such-grader"),)
 '''
 
 
@@ -74,6 +82,8 @@ def test_rewards_are_called_as_trl_calls_them(user_file, tmp_path) -> None:
     ("llama_megatron.no_such_module:f", "importing llama_megatron.no_such_module raised ModuleNotFoundError"),
     ("trl.rewards:no_such_reward", "trl.rewards has no 'no_such_reward'"),
     ("{user}:NOT_CALLABLE", "'NOT_CALLABLE' is not callable"),
+    # a package the function imports only when called (its ``requires``), missing: found at load, not mid-run
+    ("{user}:graded", "needs no_such_grader_package: pip install no-such-grader"),
 ])
 def test_a_reward_that_cannot_be_loaded_is_one_line(spec, message, user_file, tmp_path) -> None:
     with pytest.raises(ConfigError, match=message) as caught:

@@ -21,6 +21,7 @@ from llama_megatron.model.grpo import (
     GRPOLossConfig,
     GRPOStepCounts,
     group_advantages,
+    high_entropy_mask,
     masked_sums,
     micro_batch_loss,
     token_losses,
@@ -32,21 +33,23 @@ PROCESSES, ACCUMULATION, PER_DEVICE, TOKENS = 2, 2, 3, 7  # TRL's step: 2 proces
 TOL = dict(rtol=1e-12, atol=1e-12)
 
 
-def _trl_trainer(config: GRPOLossConfig, logps: torch.Tensor) -> types.SimpleNamespace:
+def _trl_trainer(config: GRPOLossConfig, logps: torch.Tensor, entropies: torch.Tensor) -> types.SimpleNamespace:
     """What ``GRPOTrainer._compute_loss`` reads of its trainer, for one process of ``PROCESSES`` and a micro batch
-    whose log-probabilities are ``logps`` (where TRL would run its model)."""
+    whose log-probabilities and entropies are ``logps`` and ``entropies`` (where TRL would run its model)."""
     args = types.SimpleNamespace(use_bias_correction_kl=config.use_bias_correction_kl, delta=config.delta,
                                  steps_per_generation=ACCUMULATION)
-    return types.SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, loss_type=config.loss_type, beta=config.beta,
+    trainer = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None),
+        top_entropy_quantile=config.top_entropy_quantile, off_policy_mask_threshold=None, loss_type=config.loss_type, beta=config.beta,
         importance_sampling_level=config.importance_sampling_level, epsilon_low=config.epsilon,
         epsilon_high=config.upper, args=args, use_vllm=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=ACCUMULATION, max_completion_length=config.max_completion_length,
         accelerator=types.SimpleNamespace(num_processes=PROCESSES, gather=lambda x: x, reduce=lambda x, **k: x,
-                                          gather_for_metrics=lambda x: x),
+                                          gather_for_metrics=lambda x: x, pad_across_processes=lambda x, **k: x),
         _entropy_bonus_enabled=False, aux_loss_enabled=False,
         _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
+    trainer.get_high_entropy_mask = lambda *a: GRPOTrainer.get_high_entropy_mask(trainer, *a)
+    return trainer
 
 
 def _step(seed: int) -> dict[str, torch.Tensor]:
@@ -60,6 +63,7 @@ def _step(seed: int) -> dict[str, torch.Tensor]:
     return {"logps": logps, "old": logps + 0.3 * torch.randn(n, TOKENS, generator=gen, dtype=torch.float64),
             "ref": logps + 0.2 * torch.randn(n, TOKENS, generator=gen, dtype=torch.float64),
             "advantages": torch.randn(n, generator=gen, dtype=torch.float64),
+            "entropies": torch.rand(n, TOKENS, generator=gen, dtype=torch.float64) * 5,
             "mask": (torch.arange(TOKENS) < lengths.unsqueeze(1)).to(torch.float64)}
 
 
@@ -70,7 +74,7 @@ def _trl_step(config: GRPOLossConfig, step: dict, second_pass: bool) -> tuple[to
     total, metrics = 0.0, []
     for start in range(0, logps.shape[0], PER_DEVICE):
         rows = slice(start, start + PER_DEVICE)
-        trainer = _trl_trainer(config, logps[rows])
+        trainer = _trl_trainer(config, logps[rows], step["entropies"][rows])
         inputs = {"prompt_ids": torch.zeros(PER_DEVICE, 1, dtype=torch.long),
                   "prompt_mask": torch.ones(PER_DEVICE, 1, dtype=torch.long),
                   "completion_ids": torch.zeros(PER_DEVICE, TOKENS, dtype=torch.long),
@@ -94,8 +98,11 @@ def _our_step(config: GRPOLossConfig, step: dict, second_pass: bool) -> tuple[to
     for start in range(0, logps.shape[0], PER_DEVICE):
         rows = slice(start, start + PER_DEVICE)
         old = step["old"][rows] if second_pass else logps[rows].detach()
+        keep = None  # one process here: the threshold over the micro batch's tokens, as TRL's over its call's
+        if config.top_entropy_quantile < 1:
+            keep = high_entropy_mask(step["entropies"][rows], step["mask"][rows].bool(), 1 - config.top_entropy_quantile)
         losses = token_losses(logps[rows], old, step["advantages"][rows], step["mask"][rows], config,
-                              step["ref"][rows] if config.beta else None)
+                              step["ref"][rows] if config.beta else None, keep=keep)
         total = total + micro_batch_loss(losses.loss, step["mask"][rows], config, counts)
         mask = step["mask"][rows]
         ratio = {"kl": losses.kl, "clip_ratio/low_mean": losses.low_clipped,
@@ -115,6 +122,8 @@ CASES = {  # name: (settings beside loss_type, second pass)
     "kl-second-pass": ({"beta": 0.04}, True),
     "kl-uncorrected": ({"beta": 0.1, "use_bias_correction_kl": False}, True),
     "two-sided-asymmetric": ({"epsilon_high": 0.28, "delta": 1.5}, True),
+    "two-sided-capped": ({"epsilon_high": 0.28, "delta": 1.1}, True),  # delta under 1 + epsilon_high: no high clip
+    "entropy-quantile": ({"top_entropy_quantile": 0.3, "beta": 0.04}, True),  # the KL term on every token
     "gspo": ({"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4}, True),
     "gspo-kl": ({"importance_sampling_level": "sequence", "beta": 0.04}, True),
 }

@@ -54,6 +54,11 @@ def math_answer(completions: list, answer: list, **kwargs) -> list[float | None]
     return rewards
 
 
+# (module, how to install it): what load_reward_function checks before any process starts
+math_answer.requires = (("math_verify", "pip install 'llama_megatron[rl]'"),
+                        ("latex2sympy2_extended", "pip install 'llama_megatron[rl]'"))
+
+
 def first_number_answer(completions: list, answer: list, **kwargs) -> list[float]:
     """1.0 where the completion's first number equals the record's ``answer`` (as numbers: "7.0" is 7), else 0.0."""
     rewards = []

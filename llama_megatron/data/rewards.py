@@ -72,6 +72,10 @@ def load_reward_function(spec: str, base_dir: str = ".") -> RewardFunction:
         raise ConfigError(f"reward function {spec!r}: {source} has no {name!r}")
     if not callable(function):
         raise ConfigError(f"reward function {spec!r}: {name!r} is not callable")
+    # what a function imports only when called (a shipped one's optional extra), found now rather than mid-run
+    for package, install in getattr(function, "requires", ()):
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"reward function {spec!r} needs {package}: {install}")
     return RewardFunction(spec, name, function)
 
 

@@ -215,8 +215,9 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch
         clipped = torch.clamp(ratio, low, 1 + config.upper)
         capped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
         loss = -torch.min(capped * advantages, clipped * advantages)
-        low_clipped = (ratio < low) & (advantages < 0)
-        high_clipped = (ratio > 1 + config.upper) & (advantages > 0)
+        # TRL's: of the ratio after delta's cap (delta at or under 1 + epsilon_high clips nothing high)
+        low_clipped = (capped < low) & (advantages < 0)
+        high_clipped = (capped > 1 + config.upper) & (advantages > 0)
     if keep is not None:
         loss = loss * keep.to(loss.dtype)
     if kl is not None:
@@ -227,7 +228,9 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch
 @dataclass(frozen=True)
 class GRPOStepCounts:
     """Counts over one optimizer step (every data-parallel rank's micro batches): its completions, their trained
-    tokens and its micro batches."""
+    tokens and its micro batches. The engine hands each divided by the M x DP micro batches its gradient is
+    averaged over (objectives.py), which the division here then undoes: ``micro_batches`` is 1 there, and each
+    micro batch's bnpo mean is averaged by the engine itself."""
 
     completions: int
     tokens: float
@@ -325,8 +328,8 @@ class GRPOLoss:
                              ref_logps if self.config.beta != 0.0 else None, self._rows, keep)
         loss = micro_batch_loss(terms.loss, mask, self.config, GRPOStepCounts(counts[0], counts[1], counts[2]),
                                 self._rows)
-        zero = torch.zeros_like(logps)
-        sums = [masked_sums(terms.kl if terms.kl is not None else zero, mask),
+        # no KL at beta 0: its count 0, so grpo_metrics leaves it out (TRL logs kl only with a reference)
+        sums = [masked_sums(terms.kl, mask) if terms.kl is not None else logps.new_zeros(2, dtype=torch.float32),
                 masked_sums(entropy, mask),
                 masked_sums(terms.low_clipped, mask), masked_sums(terms.high_clipped, mask),
                 masked_sums(terms.low_clipped | terms.high_clipped, mask),
@@ -336,6 +339,7 @@ class GRPOLoss:
 
 
 def grpo_metrics(sums: torch.Tensor) -> dict[str, float]:
-    """The masked means of :data:`METRICS` from :class:`GRPOLoss`'s sums added over a step's micro batches."""
+    """The masked means of :data:`METRICS` from :class:`GRPOLoss`'s sums added over a step's micro batches (one
+    summed over no token, the KL at beta 0, is left out)."""
     pairs = sums.double().view(-1, 2)
-    return {name: float(total / count.clamp(min=1)) for name, (total, count) in zip(METRICS, pairs)}
+    return {name: float(total / count) for name, (total, count) in zip(METRICS, pairs) if count > 0}

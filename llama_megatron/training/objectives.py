@@ -1,11 +1,13 @@
 """Training objectives, one record each: what a run's loss is and everything that depends on it.
 
 A run's objective follows from its data (``data.type``): the token loss (pretraining and SFT: the mean of the
-labels' cross-entropy over the global batch) and preference tuning (TRL's DPOTrainer losses over pairs). Each
+labels' cross-entropy over the global batch), preference tuning (TRL's DPOTrainer losses over pairs) and online
+RL (GRPO: TRL's GRPOTrainer losses over completions the policy samples each step, ``data.type: prompts``). Each
 :class:`Objective` says how many rows of ``seq_length`` a sample takes, which config section belongs to it and
 checks it, the loss the model's loss function computes for it (none: the token loss), the second argument of that
 loss for each micro batch (its targets), whether its reference is computed before training, its metrics, its part
-of the log line, and whether evaluation reports a perplexity. Code outside this module asks the run's record
+of the log line, whether evaluation reports a perplexity, whether it rolls out its own batches and what `estimate`
+adds for it. Code outside this module asks the run's record
 (:func:`objective_of`), never which objective runs, so a new objective is one more record.
 """
 
@@ -52,11 +54,12 @@ class GRPOConfig:
     completions: batch.global_batch_size / num_generations prompts per generation."""
 
     num_generations: int = 8  # completions sampled per prompt (a group)
-    max_completion_length: int = 256  # new tokens at most per completion
+    max_completion_length: int = 512  # new tokens at most per completion (TRL's default)
     temperature: float = 1.0  # sampling temperature; the training pass divides the logits by it too (TRL)
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens whose probability exceeds it (1: all)
-    # token ids that end a completion (default: the tokenizer's end-of-sequence id)
+    # token ids that end a completion (default: the tokenizer's EOS, the model config's and those its
+    # generation_config.json declares, as `generate` stops)
     stop_ids: tuple[int, ...] | None = None
     # the reward functions: "package.module:function" or "path/to/file.py:function" (TRL's signature)
     reward_funcs: tuple[str, ...] = ()
@@ -218,6 +221,9 @@ def _check_grpo(config) -> None:
     if batch % grpo.num_generations:
         raise ConfigError(f"batch.global_batch_size {batch} (completions per step) is not whole groups of "
                           f"grpo.num_generations {grpo.num_generations}")
+    if config.train.loss_spike_factor is not None:
+        raise ConfigError("train.loss_spike_factor compares a step's loss with its recent mean, and a GRPO loss is a "
+                          "signed sum of advantages near 0 (a spike test would flag healthy steps): leave it null")
     if grpo.max_completion_length >= config.seq_length:
         raise ConfigError(f"grpo.max_completion_length {grpo.max_completion_length} leaves no room for a prompt "
                           f"in seq_length {config.seq_length}")
@@ -251,7 +257,7 @@ def _grpo_rollout_bytes(config, decoder_layers: int, e: int) -> int:
 
 def _grpo_line(metrics: dict) -> str:
     line = f" | reward {metrics['reward']:.4f} (std {metrics['reward_std']:.4f})" if "reward" in metrics else ""
-    if metrics.get("kl"):  # beta > 0
+    if "kl" in metrics:  # beta > 0
         line += f" | kl {metrics['kl']:.5f}"
     line += f" | clipped {metrics['clip_ratio/region_mean']:.3f} | entropy {metrics['entropy']:.3f}"
     if "generation_s" in metrics:

@@ -112,7 +112,8 @@ class ChatEncoder:
 
     def __init__(self, tokenizer_path: str | None, template_file: str | None = None) -> None:
         if not tokenizer_path:
-            raise ConfigError("SFT data needs the training config's tokenizer (its chat template renders the data)")
+            raise ConfigError("chat data (SFT, preference pairs, prompts) needs the training config's tokenizer "
+                              "(its chat template renders the data)")
         if template_file and not os.path.isfile(template_file):
             raise ConfigError(f"chat template {template_file} not found (cwd {os.getcwd()})")
         self.tokenizer_path = tokenizer_path

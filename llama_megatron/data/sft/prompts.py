@@ -52,9 +52,9 @@ def prompt_ids(encoder: ChatEncoder, prompt: str | list[dict]) -> list[int]:
     return encoder.tokenize_rendered(encoder.render(prompt, add_generation_prompt=True))
 
 
-def read_prompt_records(path: str, encoder: ChatEncoder, max_prompt_tokens: int | None = None) -> list[PromptRecord]:
+def read_prompt_records(path: str, encoder: ChatEncoder) -> list[PromptRecord]:
     """Every record of the JSONL file ``path`` with its token ids; a DataError naming ``path:line`` for a malformed
-    record, and for a prompt longer than ``max_prompt_tokens`` (what the context leaves after the completion)."""
+    record (a prompt the context cannot hold beside a completion: the grpo objective's check, objectives.py)."""
     records = []
     try:
         fh = open(path, encoding="utf-8")
@@ -71,9 +71,6 @@ def read_prompt_records(path: str, encoder: ChatEncoder, max_prompt_tokens: int 
             except RecordError as exc:
                 raise DataError(f"{path}:{number}: {exc}") from None
             ids = prompt_ids(encoder, prompt)
-            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                raise DataError(f"{path}:{number}: the prompt is {len(ids)} tokens, more than the "
-                                f"{max_prompt_tokens} the context leaves it")
             records.append(PromptRecord(prompt, ids, columns))
     if not records:
         raise DataError(f"{path} holds no prompt record")

@@ -149,8 +149,8 @@ class TrainingEngine:
         return not self.pipelined or self.engine.holds_loss()
 
     def objective_metrics(self) -> dict[str, float] | None:
-        """The objective's metrics of the last training step (TRL's six preference metrics: means over the global
-        batch's pairs), on every rank; None where it has none. One all-reduce over the world of the sums its loss
+        """The objective's metrics of the last training step (means over the global batch: TRL's preference
+        metrics over its pairs, GRPO's over its completion tokens), on every rank; None where it has none. One all-reduce over the world of the sums its loss
         returned: they live on the last stage, the same on each of its TP and CP ranks (so the copies cancel in the
         ratios the metrics are)."""
         if self.objective.metrics is None:

@@ -13,15 +13,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 
 import torch
 
 from llama_megatron.checkpoint.atomic import write_text_atomic
 from llama_megatron.checkpoint.direct_io import save_direct
+from llama_megatron.checkpoint.manifest import fsync_dir
 from llama_megatron.checkpoint.safe_load import load_file
-from llama_megatron.errors import CheckpointError
-from llama_megatron.parallel.process_groups import barrier
+from llama_megatron.errors import CheckpointError, SaveFailed
+from llama_megatron.temps import reclaim_temps
+from llama_megatron.training.background_save import write_failure_line
+from llama_megatron.training.checkpointing import all_gather_objects
 
 DIRECTORY = "grpo_reference"
 
@@ -77,16 +81,38 @@ def _layout(pctx, zero: int) -> dict:
             "expert": pctx.ep_size, "zero": zero}
 
 
+_TEMP = r".*\.tmp\.(?P<pid>\d+)\..*"  # a writer's temp file (what a killed one leaves)
+
+
 def store(reference: HeldReference, save_dir: str, pctx, zero: int) -> None:
-    """Write this rank's held weights under ``save_dir`` (rank 0 also the layout), once every rank has."""
+    """Write this rank's held weights under ``save_dir`` (each file under a temp name, fsynced, renamed), then,
+    once every rank has, rank 0 the layout; a write that fails on any rank (a full disk) is every rank's
+    :class:`SaveFailed`, one line, before training starts."""
     directory = os.path.join(save_dir, DIRECTORY)
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"rank{pctx.rank:05d}.pt")
-    save_direct([t.cpu() for t in reference.tensors], path + ".tmp")
-    os.replace(path + ".tmp", path)
-    barrier()
+    error = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        reclaim_temps(directory, _TEMP)
+        fd, tmp = tempfile.mkstemp(prefix=f"rank{pctx.rank:05d}.pt.tmp.{os.getpid()}.", dir=directory)
+        os.close(fd)
+        try:
+            save_direct([t.cpu() for t in reference.tensors], tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        fsync_dir(directory)
+    except (OSError, RuntimeError) as exc:
+        error = write_failure_line(exc)
+    failed = [(rank, e) for rank, e in enumerate(all_gather_objects(error)) if e]
+    if failed:
+        rank, reason = failed[0]
+        raise SaveFailed(f"the GRPO reference weights could not be written to {directory} (rank {rank}): {reason}")
     if pctx.rank == 0:
         write_text_atomic(os.path.join(directory, "layout.json"), json.dumps(_layout(pctx, zero)))
+        fsync_dir(directory)
 
 
 def load(module: torch.nn.Module, load_dir: str, pctx, zero: int) -> HeldReference:

@@ -116,7 +116,7 @@ class _TrainingRun:
         self.stops = StopRequests(train.stop_signals, train.max_minutes, launcher_chain())
         self.watchdog = StallWatchdog(config.distributed.timeout_minutes, pctx.rank, pctx.world_size,
                                       (pctx.pp_rank, pctx.pp_size), *job_store(config.distributed.timeout_minutes))
-        self.rollout = Rollout(session, self.log) if objective_of(config).rollout else None
+        self.rollout = Rollout(session, self.log, self.watchdog) if objective_of(config).rollout else None
         self.saves = Checkpointer(self.engine, config, pctx, session.pre.ds_config, session.pre.checkpoint_lora(),
                                   session.pre.run_start, self.log, self.watchdog,
                                   self.rollout.rank_state if self.rollout is not None else None)

@@ -36,7 +36,7 @@ from llama_megatron.model.generation import Completions, Sampling, generate_rows
 from llama_megatron.model.grpo import group_advantages
 from llama_megatron.model.lora import adapters_off
 from llama_megatron.parallel.cross_entropy import IGNORE_INDEX
-from llama_megatron.training.checkpointing import read_rank_state
+from llama_megatron.training.checkpointing import all_gather_objects, read_rank_state
 from llama_megatron.training.engine.deepspeed_config import zero_stage
 from llama_megatron.training.objectives import objective_of
 from llama_megatron.training.run import held_reference
@@ -62,10 +62,11 @@ def group_seed(seed: int, generation: int, group: int) -> int:
 class Rollout:
     """One GRPO run's generations; :meth:`step_batches` yields each optimizer step's micro batches of this rank."""
 
-    def __init__(self, session: Session, log) -> None:
+    def __init__(self, session: Session, log, watchdog=None) -> None:
         from llama_megatron.data.sft.chat_template import load_hf_tokenizer
 
         self.session, self.config, self.log = session, session.config, log
+        self.watchdog = watchdog  # the stall watchdog: a generation beats it as it goes (None: nothing watches)
         self.grpo = self.config.grpo
         self.records = self.config.data.records
         self.rewards = [load_reward_function(spec) for spec in self.grpo.reward_funcs]
@@ -93,6 +94,9 @@ class Rollout:
         if session.pre.checkpoint is not None and not checkpoint.finetune and session.step > 0:
             reference = held_reference.load(module, session.pre.load_dir, session.pctx, zero)
             self.log.info(f"reference weights read from {session.pre.load_dir}/{held_reference.DIRECTORY}")
+            # saving elsewhere: that directory's checkpoints resume only with them beside
+            if checkpoint.save and os.path.realpath(checkpoint.save) != os.path.realpath(session.pre.load_dir):
+                held_reference.store(reference, checkpoint.save, session.pctx, zero)
             return reference
         reference = HeldReference(module)
         if checkpoint.save:
@@ -107,7 +111,9 @@ class Rollout:
         for step in range(done_steps, steps):
             generation = step // self.grpo.num_iterations
             if self._current is None or self._current[0] != generation:
-                self._current = (generation, self.generate(generation))
+                with (self.watchdog.working(step + 1, "generating completions") if self.watchdog is not None
+                      else contextlib.nullcontext(lambda: None)) as progress:
+                    self._current = (generation, self.generate(generation, progress))
             self._steps_done = step + 1  # once the step it is yielded for has run (a save then asks rank_state)
             yield self._current[1]
 
@@ -120,7 +126,7 @@ class Rollout:
         if self._steps_done % self.grpo.num_iterations == 0:
             return {}
         return {ROLLOUT_STATE: {
-            "generation": generation, "metrics": json.dumps(self.metrics),
+            "generation": generation, "metrics": json.dumps(self.metrics), "layout": self._layout(),
             "input_ids": [mb.input_ids for mb in micro_batches], "labels": [mb.labels for mb in micro_batches],
             "values": {name: [mb.label_values[name] for mb in micro_batches] for name in micro_batches[0].label_values}}}
 
@@ -129,11 +135,19 @@ class Rollout:
         pre = self.session.pre
         if done_steps % self.grpo.num_iterations == 0 or pre.checkpoint is None or self.config.checkpoint.finetune:
             return None
-        saved = read_rank_state(pre.load_dir, pre.checkpoint.tag, self.session.pctx.rank, ROLLOUT_STATE)
+        rank = self.session.pctx.rank
+        saved = read_rank_state(pre.load_dir, pre.checkpoint.tag, rank, ROLLOUT_STATE)
+        where = f"{pre.load_dir}/{pre.checkpoint.tag} was saved within a generation"
+        problem = None
         if saved is None or saved["generation"] != done_steps // self.grpo.num_iterations:
-            raise CheckpointError(f"{pre.load_dir}/{pre.checkpoint.tag} was saved within a generation (step "
-                                  f"{done_steps}, grpo.num_iterations {self.grpo.num_iterations}) and holds no "
-                                  f"rollout of rank {self.session.pctx.rank}: resume from a generation's last step")
+            problem = (f"{where} (step {done_steps}, grpo.num_iterations {self.grpo.num_iterations}) and holds no "
+                       f"rollout of rank {rank}: resume from a generation's last step")
+        elif saved.get("layout") != self._layout():  # each rank's rows of the batch, cut for that layout
+            problem = (f"{where} at {saved.get('layout')}, and this run is at {self._layout()}: resume at the save's "
+                       "layout, or from a generation's last step")
+        problems = [p for p in all_gather_objects(problem) if p]  # every rank stops on the same line
+        if problems:
+            raise CheckpointError(problems[0])
         self.metrics = json.loads(saved["metrics"])
         seq = self.config.seq_length
         micro_batches = [MicroBatch(ids, torch.arange(seq).expand(ids.shape[0], seq), labels,
@@ -141,6 +155,12 @@ class Rollout:
                          for k, (ids, labels) in enumerate(zip(saved["input_ids"], saved["labels"]))]
         self.log.info(f"continuing generation {saved['generation'] + 1} from the checkpoint's rollout")
         return saved["generation"], micro_batches
+
+    def _layout(self) -> dict:
+        """What decides a rank's rows of a generation and how they are cut into micro batches."""
+        pctx = self.session.pctx
+        return {"tensor": pctx.tp_size, "pipeline": pctx.pp_size, "data": pctx.dp_size, "context": pctx.cp_size,
+                "expert": pctx.ep_size, "micro_batch_size": self.config.batch.micro_batch_size}
 
     def _groups(self) -> tuple[int, int, range]:
         """(completions per DP rank, this rank's first completion, the groups its completions lie in)."""
@@ -150,7 +170,7 @@ class Rollout:
         return rows, first, range(first // per_group, (first + rows - 1) // per_group + 1)
 
     @torch.no_grad()
-    def _decode(self, generation: int, groups: range) -> list[tuple[int, Completions]]:
+    def _decode(self, generation: int, groups: range, progress) -> list[tuple[int, Completions]]:
         """Each group's record slot and completions, decoded on the engine's module in eval mode."""
         session = self.session
         module = session.engine.engine.module
@@ -165,12 +185,12 @@ class Rollout:
         try:
             # decoding runs on whole sequences (SP's and CP's splits are of activations, not weights: off for it)
             with session.pctx.whole_sequences():
-                out = self._decode_groups(model, generation, groups)
+                out = self._decode_groups(model, generation, groups, progress)
         finally:
             module.train()
         return out
 
-    def _decode_groups(self, model, generation: int, groups: range) -> list[tuple[int, Completions]]:
+    def _decode_groups(self, model, generation: int, groups: range, progress) -> list[tuple[int, Completions]]:
         grpo, device, pctx = self.grpo, self.session.engine.device, self.session.pctx
         prompts_per_step = self.config.batch.global_batch_size // grpo.num_generations
         # data-parallel ranks decode other groups; where they share collectives inside the forward (ZeRO-3 gathers
@@ -191,14 +211,16 @@ class Rollout:
                                     self.stop_ids, self.sampling, generator=generator, lockstep=lockstep)
             if k < len(groups):
                 out.append((slot, decoded))
+            progress()
         return out
 
-    def generate(self, generation: int) -> list[MicroBatch]:
-        """Decode, score and cut generation ``generation`` into this rank's micro batches."""
+    def generate(self, generation: int, progress=lambda: None) -> list[MicroBatch]:
+        """Decode, score and cut generation ``generation`` into this rank's micro batches; ``progress`` is called
+        after each group decoded, the scoring and each forward pass after it (the stall watchdog's beat)."""
         session, grpo, pctx = self.session, self.grpo, self.session.pctx
         start = time.perf_counter()
         rows, first, groups = self._groups()
-        decoded = self._decode(generation, groups)
+        decoded = self._decode(generation, groups, progress)
         decode_s = time.perf_counter() - start
         per_group = grpo.num_generations
         # every generated completion, in batch order from the first group's first
@@ -208,6 +230,7 @@ class Rollout:
         truncated = [t for _, c in decoded for t in c.truncated]
         texts = self._texts(tokens)
         rewards = self._score(slots, tokens, texts)
+        progress()
         # this rank's rows of the whole batch's table; the ranks' rows are disjoint, so a sum is the table
         batch = self.config.batch.global_batch_size
         offset = first - groups.start * per_group
@@ -225,7 +248,7 @@ class Rollout:
         local = slice(offset, offset + rows)
         micro_batches = self._micro_batches(slots[local], tokens[local], logprobs[local], truncated[local],
                                             advantages.advantages[first:first + rows])
-        self._log_probs(micro_batches)
+        self._log_probs(micro_batches, progress)
         generated = sum(len(t) for t in tokens)  # this rank's decoding: its groups' tokens
         self.metrics = self._metrics(per_function, advantages, table[:, -2], table[:, -1], decode_s, generated)
         if grpo.log_completions:
@@ -275,7 +298,7 @@ class Rollout:
                            ).context_shard(pctx.cp_rank, pctx.cp_size)  # a CP rank trains its shard of each row
                 for k in range(0, count, micro)]
 
-    def _log_probs(self, micro_batches: list[MicroBatch]) -> None:
+    def _log_probs(self, micro_batches: list[MicroBatch], progress) -> None:
         """The old policy's (``num_iterations`` > 1) and the reference's (``beta`` > 0) log-probabilities of every
         label, from a training-layout forward now (the reference's: LoRA adapters off)."""
         passes = []
@@ -291,7 +314,7 @@ class Rollout:
                 # the reference: the starting weights swapped in, or a LoRA run's base (adapters off)
                 with (contextlib.nullcontext() if not reference else self.reference.swapped_in()
                       if self.reference is not None else adapters_off(engine.model)):
-                    engine.eval_loss(micro_batches)
+                    engine.eval_loss(micro_batches, progress)
                 captured = objective.captured
             finally:
                 objective.captured = None
@@ -310,7 +333,8 @@ class Rollout:
         # a group whose rewards are all equal teaches nothing (its advantages are 0)
         out["reward"] = float(torch.nanmean(advantages.rewards))
         out["reward_std"] = float(_nan_std(advantages.rewards))  # over the whole batch (TRL's reward_std)
-        out["frac_reward_zero_std"] = float((advantages.std.view(groups.shape)[:, 0] < 1e-6).double().mean())
+        stds = advantages.std.view(groups.shape)[:, 0]
+        out["frac_reward_zero_std"] = float(torch.isclose(stds, torch.zeros_like(stds)).double().mean())  # TRL's
         out["advantages/std"] = float(advantages.advantages.std())
         out["completions/mean_length"] = float(lengths.mean())
         out["completions/max_length"] = float(lengths.max())

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from llama_megatron import family_checks
 from llama_megatron.errors import ConfigError
 from llama_megatron.families import (
     BY_ARCHITECTURE,
@@ -26,14 +27,16 @@ from llama_megatron.families import (
     ModelFamily,
 )
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # Keys found in released HF LLaMA config.json files that carry no information for this model.
 _HF_IGNORED_KEYS = {
     "torch_dtype", "dtype", "transformers_version", "use_cache",
     "pretraining_tp", "attention_dropout", "_name_or_path", "output_attentions", "output_hidden_states",
     "return_dict", "tie_encoder_decoder", "is_decoder", "chunk_size_feed_forward", "pruned_heads",
-    "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation_autoset",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation_autoset", "is_encoder_decoder",
+    # DeepSeek-V3's: derived (qk_nope_head_dim + qk_rope_head_dim), which transformers recomputes on load too
+    "qk_head_dim",
 }
 
 
@@ -90,10 +93,30 @@ class ModelConfig:
     intermediate_size_mlp: int = 0
     moe_layers: list[int] | None = None  # from interleave_moe_layer_step when null
     interleave_moe_layer_step: int = 1
+    # family keys: DeepSeek-V3 (families.py): multi-head latent attention (q through a q_lora_rank latent, or a plain
+    # projection when null; k and v from one kv_lora_rank latent per token, shared by the heads, plus one
+    # qk_rope_head_dim key part every head shares; head_dim is qk_rope_head_dim, HF's), sigmoid routing over n_group
+    # groups of experts with a learned correction bias, shared experts, dense first layers, multi-token prediction
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    rope_interleave: bool = False
+    num_nextn_predict_layers: int = 0
+    topk_method: str = "noaux_tc"  # the released config.json's names of V3's routing (the only one written)
+    scoring_func: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.qk_rope_head_dim:
+            self.head_dim = self.qk_rope_head_dim  # MLA: the rotated part of a head (HF's DeepseekV3Config)
         if self.head_dim is None:
             if self.num_attention_heads <= 0 or self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -135,7 +158,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
+        # (multi-head latent attention has no KV heads: its keys and values are per query head; the key is unread)
+        if self.num_attention_heads % self.num_key_value_heads and not self.family.latent_attention:
             raise ConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
@@ -147,32 +171,15 @@ class ModelConfig:
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("rms_norm_eps and rope_theta must be positive")
         self._validate_windows()
+        if self.family.latent_attention:
+            family_checks.check_latent_attention(self)
         if self.family.moe:
-            self._validate_experts()
+            family_checks.check_experts(self)
 
-    def _validate_experts(self) -> None:
-        experts, top_k = self.num_local_experts, self.num_experts_per_tok
-        for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
-        if top_k > experts:
-            raise ConfigError(f"model.num_experts_per_tok {top_k} exceeds num_local_experts {experts}")
-        widths = [self.family.moe.width_key] + [self.family.moe.shared_width_key] * self.family.moe.shared_expert
-        for name in (*widths, "decoder_sparse_step"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
-        only = self.mlp_only_layers
-        if only is not None and (not isinstance(only, list) or any(
-                not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_hidden_layers for i in only)):
-            raise ConfigError(f"model.mlp_only_layers must list layer indices in [0, {self.num_hidden_layers}), "
-                              f"got {only!r}")
-        coef = self.router_aux_loss_coef
-        if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
-            raise ConfigError(f"model.router_aux_loss_coef must be a number >= 0, got {coef!r}")
-        if self.router_jitter_noise:
-            raise ConfigError("model.router_jitter_noise must be 0: multiplicative router noise is random per "
-                              "rank, so no parallel layout could reproduce it (set it to 0.0)")
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's and key's width per head under MLA (the unrotated part, then the rotated)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def _validate_windows(self) -> None:
         window = self.sliding_window
@@ -184,7 +191,7 @@ class ModelConfig:
         if not isinstance(self.max_window_layers, int) or self.max_window_layers < 0:
             raise ConfigError(f"model.max_window_layers must be an integer >= 0, got {self.max_window_layers!r}")
         if self.model_type == "llama4":
-            self._validate_llama4()
+            family_checks.check_llama4(self)
         if self.layer_types is not None:
             kinds = (FULL_ATTENTION, CHUNKED_ATTENTION) if self.model_type == "llama4" else (FULL_ATTENTION,
                                                                                               SLIDING_ATTENTION)
@@ -192,25 +199,6 @@ class ModelConfig:
                     or any(kind not in kinds for kind in self.layer_types)):
                 raise ConfigError(f"model.layer_types must list {self.num_hidden_layers} entries (one per layer) "
                                   f"of {' or '.join(kinds)}")
-
-    def _validate_llama4(self) -> None:
-        layers = self.num_hidden_layers
-        chunk = self.attention_chunk_size
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
-            raise ConfigError(f"model.attention_chunk_size must be a positive integer or null, got {chunk!r}")
-        if chunk is None and self.layer_types and CHUNKED_ATTENTION in self.layer_types:
-            raise ConfigError("model.layer_types names chunked_attention layers and attention_chunk_size is null")
-        rope = self.no_rope_layers
-        if not isinstance(rope, list) or len(rope) != layers or any(r not in (0, 1) for r in rope):
-            raise ConfigError(f"model.no_rope_layers must list {layers} entries of 1 (RoPE) or 0 (none), got {rope!r}")
-        moe = self.moe_layers
-        if not isinstance(moe, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers
-                                            for i in moe):
-            raise ConfigError(f"model.moe_layers must list layer indices in [0, {layers}), got {moe!r}")
-        for name in ("floor_scale", "intermediate_size_mlp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
 
     @property
     def family(self) -> ModelFamily:
@@ -237,7 +225,9 @@ class ModelConfig:
     def shared_intermediate_size(self) -> int:
         """The shared expert's FFN width (0 without one)."""
         moe = self.family.moe
-        return getattr(self, moe.shared_width_key) if moe is not None and moe.shared_expert else 0
+        if moe is None or not moe.shared_expert:
+            return 0
+        return getattr(self, moe.shared_width_key) * (getattr(self, moe.shared_count_key) if moe.shared_count_key else 1)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) routes its tokens to experts (else it has a dense MLP)."""
@@ -269,12 +259,51 @@ class ModelConfig:
     def queries_per_group(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    def num_parameters(self) -> int:
-        h, v, hd = self.hidden_size, self.vocab_size, self.head_dim
-        attn = h * hd * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * hd * h
+    def attention_matmul_weights(self) -> int:
+        """One layer's attention weights that multiply its tokens (no norm, no bias): grouped-query attention's q, k,
+        v and o; multi-head latent attention's down-projections (q's latent, or q itself; the kv latent with the
+        shared rotated key part), up-projections and o."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        if not self.family.latent_attention:
+            hd = self.head_dim
+            return h * hd * (heads + 2 * self.num_key_value_heads) + heads * hd * h
+        q_rows = heads * self.qk_head_dim
+        q = h * q_rows if self.q_lora_rank is None else self.q_lora_rank * (h + q_rows)
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * heads * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
+
+    def kv_cache_widths(self, tensor: int = 1) -> tuple[int, int, int]:
+        """What a TP rank's KV cache holds per layer and position: (heads, key width, value width); multi-head latent
+        attention's latent and the shared rotated key part, one "head" every TP rank holds whole, no value."""
+        if self.family.latent_attention:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_key_value_heads // tensor, self.head_dim, self.head_dim
+
+    def attention_score_width(self) -> int:
+        """Per query head and key, the width of its q.k product plus its weighted value's (QK^T and AV)."""
+        if self.family.latent_attention:
+            return self.qk_head_dim + self.v_head_dim
+        return 2 * self.head_dim
+
+    def _attention_parameters(self) -> int:
+        """One layer's attention parameters: its matmul weights, biases and norms."""
+        h, hd = self.hidden_size, self.head_dim
+        if self.family.latent_attention:
+            q_rank = self.q_lora_rank or 0
+            latents = q_rank + self.kv_lora_rank  # their norms
+            biases = (q_rank + self.kv_lora_rank + self.qk_rope_head_dim) * self.attention_bias + h * self.o_bias
+            return self.attention_matmul_weights() + latents + biases
+        attn = self.attention_matmul_weights()
         attn += hd * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.qkv_bias + h * self.o_bias
-        attn += 2 * hd * self.qk_norm
+        return attn + 2 * hd * self.qk_norm
+
+    def num_parameters(self) -> int:
+        h, v = self.hidden_size, self.vocab_size
+        attn = self._attention_parameters()
         mlp = sum(self.mlp_parameters(i, self.num_local_experts) for i in range(self.num_hidden_layers))
+        if self.family.moe is not None and self.family.moe.router_bias:  # not a matmul's: apart from mlp_parameters
+            mlp += self.num_local_experts * sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * (attn + 2 * h) + mlp + embeddings + h
 
@@ -384,6 +413,8 @@ def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
                 raise ConfigError(f"rope_scaling of type 'llama3' needs {key}")
         if scaling["high_freq_factor"] < scaling["low_freq_factor"]:  # equal (Llama 4 Scout): no band between
             raise ConfigError("rope_scaling.high_freq_factor must not be below low_freq_factor")
+    if rope_type == "yarn" and not isinstance(scaling.get("original_max_position_embeddings"), int):
+        raise ConfigError("rope_scaling of type 'yarn' needs original_max_position_embeddings (an integer)")
     return {"rope_type": rope_type, **scaling}
 
 

@@ -35,6 +35,15 @@ llama4     Llama 4's text model (HF ``llama4_text``, ``Llama4ForCausalLM``): ``l
            rule of the position; MoE on ``moe_layers`` (every ``interleave_moe_layer_step``-th layer): top-k of the
            router logits, the sigmoid of the chosen logit scaling the expert's input, an ungated shared expert, all
            of ``intermediate_size``; dense layers of ``intermediate_size_mlp``; the MLP is ``feed_forward``
+deepseek_v3 multi-head latent attention (:mod:`llama_megatron.model.latent_attention`): q through a ``q_lora_rank``
+           latent (or one projection), k and v expanded from a ``kv_lora_rank`` latent per token, a
+           ``qk_rope_head_dim`` key part every head shares (RoPE pairs interleaved in the released weights when
+           ``rope_interleave``), heads of ``qk_nope_head_dim + qk_rope_head_dim`` for q.k and ``v_head_dim`` for v,
+           YaRN's mscale on the softmax scale; dense MLPs on the first ``first_k_dense_replace`` layers, MoE after:
+           sigmoid scores, ``e_score_correction_bias`` added for the choice only, the best ``topk_group`` of
+           ``n_group`` groups (by their two best biased scores), the k weights renormalised (``norm_topk_prob``)
+           and scaled by ``routed_scaling_factor``, ``n_shared_experts`` ungated shared experts of
+           ``moe_intermediate_size`` each (one SwiGLU of their joint width); HF's ``n_routed_experts``
 =========  ===========================================================================================
 """
 
@@ -71,10 +80,19 @@ class MoEFamily:
     router: str = "gate"  # the router's module under ``block``
     # "softmax": weights from the softmax of the logits (top-k, renormalised per norm_topk), scaling the experts'
     # outputs (Mixtral, Qwen); "sigmoid_input": top-k of the logits, the sigmoid of each chosen logit scaling the
-    # token on its way into the expert (Llama 4)
+    # token on its way into the expert (Llama 4); "sigmoid_group": DeepSeek-V3's group-limited choice over sigmoid
+    # scores plus the correction bias, the chosen scores (renormalised per norm_topk) times routed_scaling_factor
+    # scaling the experts' outputs
     routing: str = "softmax"
+    # the router's e_score_correction_bias (DeepSeek-V3): added to the scores for the choice only, moved after each
+    # step by the experts' loads (auxiliary-loss-free balancing), not by a gradient
+    router_bias: bool = False
     shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid(x W_gate) on the shared expert (Llama 4: none)
     shared_width_key: str = "shared_expert_intermediate_size"
+    # the config key counting shared experts of shared_width_key's width each, run as one SwiGLU of their joint
+    # width (DeepSeek's n_shared_experts; None: one)
+    shared_count_key: str | None = None
+    shared_name: str = "shared_expert"  # the shared expert's module under ``block`` in released checkpoints
     # the released files hold each layer's experts as two 3-D tensors, experts.gate_up_proj [E, h, 2 x ffn] and
     # experts.down_proj [E, ffn, h] (Llama 4); the table names one expert's linears (model/released_tensors.py)
     fused_expert_files: bool = False
@@ -100,7 +118,11 @@ class ModelFamily:
     l2_qk_norm: Callable[[Any, int], bool] = lambda config, layer: False  # weightless RMS norm of q, k after RoPE
     # (config, layer) -> queries scaled by 1 + attn_scale x log1p(floor((position + 1) / floor_scale))
     temperature: Callable[[Any, int], bool] = lambda config, layer: False
-    interleaved_rope: bool = False  # the released q/k rows rotate interleaved pairs (converted to rotate-half)
+    # config -> the released q/k rows rotate interleaved pairs (converted to rotate-half)
+    interleaved_rope: Callable[[Any], bool] = lambda config: False
+    # multi-head latent attention (DeepSeek-V3) in place of grouped-query attention: its own module, parameter rows,
+    # FLOPs, activation bytes and KV cache
+    latent_attention: bool = False
     mlp_name: str = "mlp"  # the MLP's module in released checkpoints (a dense layer's, and the MoE block's parent)
     dense_width_key: str = "intermediate_size"  # config key of a dense layer's FFN width
     # the prefix of the text model's tensors in a released multimodal checkpoint (its other tensors left out)
@@ -180,6 +202,26 @@ LLAMA4_MOE = MoEFamily(block="feed_forward", leaves=("gate_proj", "up_proj", "do
                        shared_expert=True, shared_expert_gated=False, shared_width_key="intermediate_size",
                        fused_expert_files=True, mlp_module_targets=True)
 
+DEEPSEEK_V3_KEYS = ("attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", *MOE_KEYS, "moe_intermediate_size", "n_shared_experts", "n_group", "topk_group",
+                    "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "rope_interleave",
+                    "num_nextn_predict_layers", "topk_method", "scoring_func")
+# transformers' DeepseekV3Config defaults (DeepSeek-V3's sizes), but for multi-token prediction: a config.json that
+# does not name its MTP layers has none (transformers builds none either; it drops them on load)
+DEEPSEEK_V3_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                        "v_head_dim": 128, "num_local_experts": 256, "num_experts_per_tok": 8,
+                        "router_aux_loss_coef": 0.001, "output_router_logits": False, "moe_intermediate_size": 2048,
+                        "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                        "norm_topk_prob": True, "first_k_dense_replace": 3, "rope_interleave": True,
+                        "num_nextn_predict_layers": 0, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+DEEPSEEK_V3_MOE = MoEFamily(block="mlp", leaves=("gate_proj", "up_proj", "down_proj"),
+                            width_key="moe_intermediate_size",
+                            routed=lambda config, layer: layer >= config.first_k_dense_replace,
+                            norm_topk=lambda config: config.norm_topk_prob, routing="sigmoid_group", router_bias=True,
+                            shared_expert=True, shared_expert_gated=False, shared_width_key="moe_intermediate_size",
+                            shared_count_key="n_shared_experts", shared_name="shared_experts",
+                            mlp_module_targets=True)
+
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("llama", "LlamaForCausalLM", ("attention_bias", "mlp_bias"), {}, _attention_bias, _attention_bias,
                 qk_norm=False, window=_no_window),
@@ -216,8 +258,12 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
                 chunk=lambda c, i: c.attention_chunk_size if c.layer_types[i] == CHUNKED_ATTENTION else None,
                 rope=_llama4_rope, l2_qk_norm=lambda c, i: c.use_qk_norm and _llama4_rope(c, i),
                 temperature=lambda c, i: c.attn_temperature_tuning and not _llama4_rope(c, i),
-                interleaved_rope=True, mlp_name="feed_forward", dense_width_key="intermediate_size_mlp",
-                multimodal_prefix="language_model."),
+                interleaved_rope=lambda config: True, mlp_name="feed_forward",
+                dense_width_key="intermediate_size_mlp", multimodal_prefix="language_model."),
+    ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK_V3_KEYS, DEEPSEEK_V3_DEFAULTS, _never,
+                _attention_bias, qk_norm=False, window=_no_window, moe=DEEPSEEK_V3_MOE,
+                hf_keys={"num_local_experts": "n_routed_experts"},
+                interleaved_rope=lambda config: bool(config.rope_interleave), latent_attention=True),
 )}
 FAMILY_KEYS = frozenset(key for family in FAMILIES.values() for key in family.keys)
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}

@@ -25,6 +25,11 @@ MIXTRAL = dict(model_type="mixtral", num_key_value_heads=4, num_local_experts=4,
 QWEN_MOE = dict(num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
                 output_router_logits=True, router_aux_loss_coef=0.02)
 
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", num_key_value_heads=8, q_lora_rank=24, kv_lora_rank=16,
+                   qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, num_local_experts=8, num_experts_per_tok=3,
+                   n_group=4, topk_group=2, moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True)
+
 FAMILIES = {
     "llama": FamilyCases(parity={
         "mha-untied": dict(),
@@ -97,6 +102,18 @@ FAMILIES = {
     }, runs=["model.model_type=llama4", "model.attention_chunk_size=8", "model.no_rope_layer_interval=2",
              "model.interleave_moe_layer_step=2", "model.num_local_experts=4", "model.num_experts_per_tok=1",
              "model.intermediate_size_mlp=96", "model.floor_scale=8"]),
+    # DeepSeek-V3: MLA (q latent 24, kv latent 16, heads of 12 + 8 for q.k and 10 for v; RoPE pairs interleaved in
+    # the released rows), a dense first layer, then 8 routed experts in 4 groups (the best 2 groups' top 3, chosen
+    # with the correction bias, weights renormalised and scaled by 2.5) beside 2 shared experts; and without a q
+    # latent, with YaRN (its mscale on the softmax scale), biases, the weights unnormalised and rotate-half rows
+    "deepseek_v3": FamilyCases(parity={
+        "deepseek-v3": DEEPSEEK_V3,
+        "deepseek-v3-plain-q-yarn": {**DEEPSEEK_V3, "q_lora_rank": None, "norm_topk_prob": False,
+                                     "rope_interleave": False, "attention_bias": True, "first_k_dense_replace": 0,
+                                     "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                      "mscale_all_dim": 1.0}},
+    }),
 }
 
 

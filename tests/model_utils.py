@@ -43,6 +43,9 @@ def hf_model(config: ModelConfig, seed: int = 0) -> PreTrainedModel:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: a buffer, moved by loads
+                buffer.copy_(0.05 * torch.randn_like(buffer))
     return model
 
 

@@ -23,8 +23,7 @@ from llama_megatron.checkpoint.torch_stream import StreamingTorchFile
 from llama_megatron.checkpoint.weights import tensor_reader
 from llama_megatron.cli import main as cli
 from llama_megatron.config import ModelConfig
-from llama_megatron.model import released_tensors
-from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
+from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors, experts_apart
 from llama_megatron.model.tp_slicing import (
     hf_to_rank_state_dict,
     merge_shards,
@@ -77,8 +76,8 @@ def assert_same_weights(exported: dict[str, torch.Tensor], model, dtype: torch.d
     """``config``: ours, for a mixture of experts (its experts under the released, per-expert names, as
     save_pretrained writes them; Llama 4's files hold them fused, as the model does)."""
     want = dict(model.state_dict())
-    if config is not None and not released_tensors.differs(config):
-        want = as_checkpoint_tensors(want, config)
+    if config is not None and config.family.moe is not None and not config.family.moe.fused_expert_files:
+        want = experts_apart(want, config)  # (DeepSeek-V3's rotated rows stay interleaved, as transformers holds them)
     if model.config.tie_word_embeddings:
         assert "lm_head.weight" not in exported, "tied embeddings must not export lm_head.weight"
         want.pop("lm_head.weight")
@@ -111,6 +110,12 @@ CASES = {
                    use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attention_chunk_size=8,
                    no_rope_layer_interval=2, interleave_moe_layer_step=2, intermediate_size_mlp=80,
                    attention_bias=True),
+    # layer 0 dense, layer 1 MoE with the routing bias and two shared experts: MLA's rows (q latent, the shared
+    # rotated key part, interleaved in the files and rotate-half in ours) split by heads over TP2
+    "deepseek-v3": dict(model_type="deepseek_v3", num_key_value_heads=8, q_lora_rank=24, kv_lora_rank=16,
+                        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, num_local_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=20, n_shared_experts=2,
+                        first_k_dense_replace=1, rope_interleave=True, attention_bias=True),
 }
 
 

@@ -16,7 +16,7 @@ import llama_megatron
 
 PACKAGE = os.path.dirname(llama_megatron.__file__)
 FLOORS = {  # top-level module or folder -> floor
-    "errors": 0, "config": 0, "families": 0, "progress": 0, "temps": 0, "host_sockets": 0, "quiet": 0, "process_exit": 0,
+    "errors": 0, "config": 0, "families": 0, "family_checks": 0, "progress": 0, "temps": 0, "host_sockets": 0, "quiet": 0, "process_exit": 0,
     "lm_eval_registration": 0,
     "parallel": 1, "model": 2, "data": 3, "checkpoint": 4, "training": 5,
     "commands": 6, "cli": 6, "train": 7, "__main__": 7, "__init__": 0,

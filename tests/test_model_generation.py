@@ -5,12 +5,15 @@ log-probability of each token is HF's (its logits at that step, over the tempera
 
 from __future__ import annotations
 
+import pytest
 import torch
+from family_cases import MOE_PARITY
 from model_utils import hf_model, tiny_config
 
 from llama_megatron.config import ModelConfig
 from llama_megatron.model.build import build_model
 from llama_megatron.model.generation import Sampling, generate_rows
+from llama_megatron.model.param_layout import as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import ParallelConfig
@@ -23,7 +26,8 @@ def _models(config: ModelConfig):
     hf = hf_model(config, seed=5).eval()
     parallel = ParallelConfig()
     ours = build_model(config, parallel, ParallelContext.single(), initialize=False)
-    state = hf_to_rank_state_dict(hf.state_dict(), config, 0, 1, parallel.padded_vocab_size(config.vocab_size))
+    state = hf_to_rank_state_dict(as_checkpoint_tensors(hf.state_dict(), config), config, 0, 1,
+                                  parallel.padded_vocab_size(config.vocab_size))
     ours.load_state_dict({k: state[k] for k in ours.state_dict()})
     return hf, ours.eval()
 
@@ -47,8 +51,12 @@ def _hf_rows(hf, sampling: Sampling, stop: int | None) -> tuple[list[list[int]],
     return rows, logprobs
 
 
-def test_a_group_of_rows_equals_hf_generate_greedy_and_sampled() -> None:
-    config = tiny_config(num_key_value_heads=2)
+@pytest.mark.parametrize("case", ["gqa", "deepseek-v3"])
+def test_a_group_of_rows_equals_hf_generate_greedy_and_sampled(case: str) -> None:
+    """Grouped-query attention's cache of keys and values; DeepSeek-V3's of its latents (a kv latent and the shared
+    rotated key per position, the heads' keys and values expanded from them each step) against HF's cache of the
+    expanded keys and values."""
+    config = tiny_config(**({"num_key_value_heads": 2} if case == "gqa" else MOE_PARITY[case]))
     hf, ours = _models(config)
     for sampling in (Sampling(), Sampling(temperature=1.3, top_k=40, top_p=0.9, seed=11)):
         free, _ = _hf_rows(hf, sampling, None)

@@ -41,6 +41,7 @@ from llama_megatron.parallel.process_groups import init_distributed
 
 CASES = MOE_PARITY  # every MoE family's cases (tests/family_cases.py)
 LLAMA4 = ("llama4-chunked-nope-moe", "llama4-top2-bias-tied")
+DEEPSEEK = ("deepseek-v3", "deepseek-v3-plain-q-yarn")
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 LOGITS_ATOL = 1e-5
 GROUPED = dataclasses.replace(REFERENCE, grouped_experts=True)  # the reference kernels, the experts grouped
@@ -48,6 +49,13 @@ GROUPED = dataclasses.replace(REFERENCE, grouped_experts=True)  # the reference 
 # same mm per group) equal; 1e-6 is the bound a GPU's grouped GEMM is held to against cuBLAS's per-expert ones
 GROUPED_TOL = dict(rtol=1e-6, atol=1e-9)
 EXPERT_LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", *EXPERT_TARGETS))
+
+
+def _expert_lora(case: dict) -> LoraConfig:
+    """EXPERT_LORA, but on the experts alone where the attention takes no adapter (DeepSeek-V3's latent attention)."""
+    if case.get("model_type") == "deepseek_v3":
+        return dataclasses.replace(EXPERT_LORA, targets=EXPERT_TARGETS)
+    return EXPERT_LORA
 
 
 def _sum_over(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -99,8 +107,8 @@ def check_moe_parity(overrides: dict, pctx: ParallelContext, seq: int = 16, kern
         hf_grads["model.embed_tokens.weight"] = hf.model.embed_tokens.weight.grad
     params = dict(model.named_parameters())
     for spec in ParamLayout(config).held_by(pctx.ep_rank, pctx.ep_size):
-        if spec.module_name not in params:
-            continue  # held by the other pipeline stage
+        if spec.module_name not in params or not params[spec.module_name].requires_grad:
+            continue  # held by the other pipeline stage; or no gradient's (DeepSeek-V3's routing bias)
         group = pctx.edp_group if spec.expert is not None else pctx.dp_cp_group
         size = pctx.dp_cp_size // (pctx.ep_size if spec.expert is not None else 1)
         grad = _sum_over(params[spec.module_name].grad, group, size) / pctx.cp_size
@@ -170,7 +178,7 @@ def test_grouped_experts_equal_the_loop(name: str) -> None:
     """Every MoE family (shared experts gated or not, Llama 4's top-1 sigmoid on the inputs, Qwen's unnormalised
     top-k), with and without LoRA on the experts, one process; EP2 and TP2 x EP2 with SP in the 4-process test."""
     check_grouped_equals_loop(CASES[name], ParallelContext.single())
-    check_grouped_equals_loop(CASES[name], ParallelContext.single(), lora=EXPERT_LORA)
+    check_grouped_equals_loop(CASES[name], ParallelContext.single(), lora=_expert_lora(CASES[name]))
     for pad in (False, True):  # assignments dropped over capacity: their rows run nowhere, or pad nothing
         check_grouped_equals_loop(CASES[name], ParallelContext.single(),
                                   capacity=ExpertCapacity(capacity_factor=0.5, pad_to_capacity=pad))
@@ -279,8 +287,9 @@ def _two_stages(model, pctx: ParallelContext, inputs: tuple, labels: tuple) -> t
         dist.send_object_list([[t.detach() for t in out]], dst=peer)
         received: list = [None]
         dist.recv_object_list(received, src=peer)
-        sent = [t for t in out if t.is_floating_point()]
-        torch.autograd.backward(sent, received[0])
+        # (the router statistics of a stage of dense layers only, DeepSeek-V3's first: zeros without a graph)
+        pairs = [(t, g) for t, g in zip((t for t in out if t.is_floating_point()), received[0]) if t.requires_grad]
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return None, None
     received = [None]
     dist.recv_object_list(received, src=peer)
@@ -302,17 +311,20 @@ def _four_process_worker(rank: int, world_size: int) -> None:
     init_distributed()  # DeepSpeed's comm layer, which context parallelism's all-to-all goes through
     dp_lane = (rank % 2, rank % 2 + 2)  # TP2: a TP lane's data coordinates
     layouts = [  # (cases, layout, this rank's EP group: consecutive data coordinates within its TP lane)
-        (("top2-of-4-window", "top3-of-8-tied", "qwen3-moe", "qwen2-moe", *LLAMA4),
+        (("top2-of-4-window", "top3-of-8-tied", "qwen3-moe", "qwen2-moe", *LLAMA4, *DEEPSEEK),
          dict(tensor=2, sequence_parallel=True), (rank,)),
-        (("top2-of-4-window", "top3-of-8-tied", *LLAMA4), dict(expert=2), (rank - rank % 2, rank - rank % 2 + 1)),
+        (("top2-of-4-window", "top3-of-8-tied", *LLAMA4, "deepseek-v3"), dict(expert=2),
+         (rank - rank % 2, rank - rank % 2 + 1)),
         (("top3-of-8-tied",), dict(expert=4), (0, 1, 2, 3)),
-        (("top3-of-8-tied", "llama4-chunked-nope-moe"), dict(tensor=2, expert=2, sequence_parallel=True), dp_lane),
+        (("top3-of-8-tied", "llama4-chunked-nope-moe", "deepseek-v3"), dict(tensor=2, expert=2, sequence_parallel=True),
+         dp_lane),
         # the Qwen families' EP2 is this one's (their experts are Mixtral's, the all-to-all the same); Llama 4's
         # chunks of 5 cross the CP shards of 8
-        (("top2-of-4-window", "qwen3-moe", "qwen2-moe", *LLAMA4), dict(context=2, expert=2),
+        (("top2-of-4-window", "qwen3-moe", "qwen2-moe", *LLAMA4, *DEEPSEEK), dict(context=2, expert=2),
          (rank - rank % 2, rank - rank % 2 + 1)),
-        # Llama 4 in two stages (DP2): the layers' kinds (chunked or NoPE, MoE or dense) follow their global index
-        (LLAMA4, dict(pipeline=2), (rank,)),
+        # Llama 4 in two stages (DP2): the layers' kinds (chunked or NoPE, MoE or dense) follow their global index;
+        # DeepSeek-V3's dense first layer and MoE second likewise
+        ((*LLAMA4, "deepseek-v3"), dict(pipeline=2), (rank,)),
     ]
     for names, layout, ep_ranks in layouts:
         pctx = ParallelContext.build(**layout)
@@ -320,8 +332,8 @@ def _four_process_worker(rank: int, world_size: int) -> None:
         for name in names:
             check_moe_parity(CASES[name], pctx)
         if layout.get("expert") == 2 and pctx.cp_size == 1:  # the grouped experts on what arrives from each rank
-            for name in ("top3-of-8-tied", "qwen2-moe", "llama4-chunked-nope-moe"):
-                check_grouped_equals_loop(CASES[name], pctx, lora=EXPERT_LORA)
+            for name in ("top3-of-8-tied", "qwen2-moe", "llama4-chunked-nope-moe", "deepseek-v3"):
+                check_grouped_equals_loop(CASES[name], pctx, lora=_expert_lora(CASES[name]))
             for pad in (False, True):  # dropped assignments never sent; padded inputs of fixed split sizes
                 check_grouped_equals_loop(CASES["top3-of-8-tied"], pctx,
                                           capacity=ExpertCapacity(capacity_factor=0.5, pad_to_capacity=pad))

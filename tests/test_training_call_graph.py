@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llama_megatron.model.attention import ParallelAttention
 from llama_megatron.model.build import build_model
+from llama_megatron.model.latent_attention import LatentAttention, ReplicatedLinear
 from llama_megatron.model.moe import MoEMLP, Router
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import ParallelConfig
@@ -46,7 +47,7 @@ from llama_megatron.training.diagnostics.collective_traffic import (
     rank_step_bytes,
 )
 
-LINEARS = (ColumnParallelLinear, RowParallelLinear, LocalLinear, Router)
+LINEARS = (ColumnParallelLinear, RowParallelLinear, LocalLinear, Router, ReplicatedLinear)
 B, S = 2, 16
 QWEN2_MOE = next(iter(FAMILIES["qwen2_moe"].parity.values()))  # a shared expert and its gate
 # every MoE family's parity cases, and a dense llama with q/k/v/o and MLP biases (addmm, as the biases' linears run)
@@ -81,6 +82,9 @@ def hand_forward_flops(model: torch.nn.Module, root: str, routed: dict[str, list
         if isinstance(module, ParallelAttention):
             heads = module.config.num_attention_heads // module.pctx.tp_size  # this TP rank's
             flops = 2 * 2 * b * heads * s * s * module.config.head_dim
+        elif isinstance(module, LatentAttention):  # QK^T over q/k heads of nope + rope, AV over v heads
+            config = module.config
+            flops = 2 * b * module.heads * s * s * (config.qk_head_dim + config.v_head_dim)
         elif isinstance(module, LINEARS):
             block, _, expert = name.partition(".experts.")
             rows = routed[block][int(expert.split(".")[0])] if expert else b * s

@@ -79,8 +79,9 @@ def generate_rows(model: LlamaCausalLM, prompt: list[int], rows: int, max_new_to
     cache = None
     if use_cache:
         dtype = next(model.parameters()).dtype
-        cache = KVCache(config.num_hidden_layers, rows, len(prompt) + max_new_tokens, model.shapes.kv_heads,
-                        config.head_dim, dtype, device, config.layer_chunks())
+        heads, key_dim, value_dim = config.kv_cache_widths(pctx.tp_size)
+        cache = KVCache(config.num_hidden_layers, rows, len(prompt) + max_new_tokens, heads, key_dim, dtype, device,
+                        config.layer_chunks(), value_dim)
     new: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     running = [True] * rows

@@ -4,6 +4,10 @@ Preallocated for the longest sequence the caller will decode, so each step write
 concatenating; every layer's entry holds this TP rank's KV heads. A chunked-attention layer (Llama 4: a query sees
 the keys of its own chunk up to itself) holds one chunk: no later query sees an earlier chunk's keys, so a step
 that starts a chunk starts the layer's cache anew, and its memory is the chunk's, not the sequence's.
+
+Multi-head latent attention (DeepSeek-V3) caches its latent instead: per position one ``kv_lora_rank`` latent and the
+rotated key part every head shares (``value_dim`` 0), from which each step expands the heads' keys and values
+(:meth:`~llama_megatron.config.ModelConfig.kv_cache_widths`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ import torch
 
 class LayerKVCache:
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, chunk: int | None = None) -> None:
+                 device: torch.device, chunk: int | None = None, value_dim: int | None = None) -> None:
         self.chunk = chunk if chunk is not None and chunk < max_len else None
         self.max_len = max_len
         size = max_len if self.chunk is None else self.chunk
         self.keys = torch.empty(batch, size, kv_heads, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
+        value_dim = head_dim if value_dim is None else value_dim
+        self.values = torch.empty(batch, size, kv_heads, value_dim, dtype=dtype, device=device)
         self.length = 0  # positions seen
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -53,12 +58,14 @@ class LayerKVCache:
 
 class KVCache:
     """One :class:`LayerKVCache` per decoder layer of the model (in layer order); ``chunks``: each layer's attention
-    chunk (None where it attends to every earlier position)."""
+    chunk (None where it attends to every earlier position); ``value_dim``: the values' width where not the keys'."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, chunks: list[int | None] | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, chunks: list[int | None] | None = None,
+                 value_dim: int | None = None) -> None:
         chunks = chunks or [None] * num_layers
-        self.layers = [LayerKVCache(batch, max_len, kv_heads, head_dim, dtype, device, chunk) for chunk in chunks]
+        self.layers = [LayerKVCache(batch, max_len, kv_heads, head_dim, dtype, device, chunk, value_dim)
+                       for chunk in chunks]
 
     @property
     def length(self) -> int:
@@ -66,4 +73,4 @@ class KVCache:
 
     def held_bytes(self) -> int:
         """Bytes of the keys and values every layer holds allocated."""
-        return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
+        return sum((layer.keys.numel() + layer.values.numel()) * layer.keys.element_size() for layer in self.layers)

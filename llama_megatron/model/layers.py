@@ -20,6 +20,7 @@ from llama_megatron.config import ModelConfig
 from llama_megatron.model.attention import ParallelAttention
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.kv_cache import LayerKVCache
+from llama_megatron.model.latent_attention import LatentAttention
 from llama_megatron.model.mlp import ParallelMLP
 from llama_megatron.model.moe import MoEMLP
 from llama_megatron.model.norm import RMSNorm
@@ -83,7 +84,8 @@ class DecoderLayerPipe(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
-        self.self_attn = ParallelAttention(config, pctx, shapes, kernels, layer_number)
+        attention = LatentAttention if config.family.latent_attention else ParallelAttention
+        self.self_attn = attention(config, pctx, shapes, kernels, layer_number)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pctx, kernels)
         self.carries_stats = config.family.moe is not None  # every layer passes them on, dense ones (Qwen's) too
         self.moe = config.is_moe_layer(layer_number)

@@ -367,6 +367,11 @@ def check_targets(config: ModelConfig, lora: LoraConfig) -> None:
         raise ConfigError(f"lora.targets {', '.join(missing)}: the {config.model_type} model has no MLP module PEFT "
                           f"adapts under these names; its targets are q_proj, k_proj, v_proj, o_proj and the experts' "
                           f"{', '.join(EXPERT_TARGETS)}")
+    attention = [t for t in lora.targets if t in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if config.family.latent_attention and attention:
+        raise ConfigError(f"lora.targets {', '.join(attention)}: the {config.model_type} model's attention is "
+                          "multi-head latent attention, whose linears (q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+                          "kv_b_proj, o_proj) take no adapter yet; adapt its MLPs and experts")
     if not config.family.moe and lora.expert_targets:
         raise ConfigError(f"lora.targets {', '.join(lora.expert_targets)}: the {config.model_type} model has no "
                           f"experts; its targets are {', '.join(LORA_TARGETS)}")
@@ -423,7 +428,7 @@ def _rope_rows(name: str, tensor: torch.Tensor, config: ModelConfig, to_file: bo
     """The B of a q or k adapter of a family whose released q/k rows rotate interleaved pairs (Llama 4): its rows in
     the released order (``to_file``) or the table's rotate-half order, as the base weight's
     (:mod:`llama_megatron.model.released_tensors`)."""
-    if not config.family.interleaved_rope or not name.endswith(("q_proj.lora_B.weight", "k_proj.lora_B.weight")):
+    if not config.family.interleaved_rope(config) or not name.endswith(("q_proj.lora_B.weight", "k_proj.lora_B.weight")):
         return tensor
     return released_tensors.rope_rows(tensor, config.head_dim, to_file)
 

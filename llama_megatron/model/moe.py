@@ -55,6 +55,7 @@ from llama_megatron.config import ModelConfig
 from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.mlp import gate_up_parts
+from llama_megatron.model.routing import choose_in_groups
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp, all_to_all_tokens, scale_gradient
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import LocalShapes
@@ -132,15 +133,19 @@ class ExpertMLP(nn.Module):
 
 class Router(nn.Module):
     """Router logits ``x W^T`` (W: [experts, hidden], replicated over TP); also the shared expert's gate (one row).
+    With ``bias`` (DeepSeek-V3) it holds ``e_score_correction_bias`` [experts] beside W: replicated, not trained
+    (``requires_grad`` off), added to the scores for the choice only and moved between steps by the experts' loads.
 
     Under TP each rank's experts yield a partial sum, so the gradient reaching the routing weights (through the
     combination) is partial too: the weight's gradient is summed over the TP group, as an SP norm's is.
     """
 
-    def __init__(self, config: ModelConfig, pctx: ParallelContext, outputs: int) -> None:
+    def __init__(self, config: ModelConfig, pctx: ParallelContext, outputs: int, bias: bool = False) -> None:
         super().__init__()
         self.pctx = pctx
         self.weight = mark_replicated(nn.Parameter(torch.empty(outputs, config.hidden_size)))
+        if bias:
+            self.e_score_correction_bias = mark_replicated(nn.Parameter(torch.zeros(outputs), requires_grad=False))
         if pctx.tp_size > 1:
             self.weight.sequence_parallel = True
         # a zero-bubble schedule's W computes the weight's gradient (and its TP sum) later (weight_grad.py)
@@ -162,8 +167,12 @@ class MoEMLP(nn.Module):
         self.norm_topk = config.family.moe.norm_topk(config)
         self.weights_in_model_dtype = config.family.moe.weights_in_model_dtype
         self.scales_inputs = config.family.moe.routing == "sigmoid_input"
+        self.grouped_routing = config.family.moe.routing == "sigmoid_group"
+        if self.grouped_routing:
+            self.n_group, self.topk_group = config.n_group, config.topk_group
+            self.routed_scaling_factor = config.routed_scaling_factor
         self.local_ids = shapes.expert_ids(pctx.ep_rank)
-        self.router = Router(config, pctx, config.num_local_experts)
+        self.router = Router(config, pctx, config.num_local_experts, bias=config.family.moe.router_bias)
         # keyed by global expert id, so parameter names are the same whichever EP rank holds the expert
         self.experts = nn.ModuleDict({str(e): ExpertMLP(config, shapes.expert_intermediate, kernels)
                                       for e in self.local_ids})
@@ -206,7 +215,7 @@ class MoEMLP(nn.Module):
         logits = self.router(tokens)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = self.choose(logits, probs)
-        if self.norm_topk:
+        if self.norm_topk and not self.grouped_routing:  # (grouped routing's own rule, in choose)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(tokens.dtype)
@@ -239,6 +248,9 @@ class MoEMLP(nn.Module):
         if self.scales_inputs:
             weights, chosen = torch.topk(logits, self.top_k, dim=-1)
             return torch.sigmoid(weights.float()).to(logits.dtype), chosen
+        if self.grouped_routing:
+            return choose_in_groups(logits, self.router.e_score_correction_bias, self.n_group, self.topk_group,
+                                    self.top_k, self.norm_topk, self.routed_scaling_factor)
         return torch.topk(probs, self.top_k, dim=-1)
 
     def _statistics(self, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,

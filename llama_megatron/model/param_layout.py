@@ -130,15 +130,19 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
                              tuple(shapes), split, (i + 1,), f"{i + 1}.{leaf}", init, expert)
 
         specs.append(row("input_layernorm.weight", ["input_layernorm.weight"], [(h,)], "replicated", "ones"))
-        specs.append(row("self_attn.qkv_proj.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"],
-                         [(q_rows, h), (kv_rows, h), (kv_rows, h)], "qkv", "normal"))
-        if config.qkv_bias:
-            specs.append(row("self_attn.qkv_proj.bias", [f"self_attn.{p}_proj.bias" for p in "qkv"],
-                             [(q_rows,), (kv_rows,), (kv_rows,)], "qkv", "zeros"))
-        if config.qk_norm:  # one weight over head_dim, shared by every head: replicated over TP
-            specs += [row(f"self_attn.{p}_norm.weight", [f"self_attn.{p}_norm.weight"], [(hd,)], "replicated",
-                          "ones") for p in "qk"]
-        specs.append(row("self_attn.o_proj.weight", ["self_attn.o_proj.weight"], [(h, q_rows)], "row", "normal"))
+        if config.family.latent_attention:
+            specs += _latent_attention_rows(config, row)
+        else:
+            specs.append(row("self_attn.qkv_proj.weight", [f"self_attn.{p}_proj.weight" for p in "qkv"],
+                             [(q_rows, h), (kv_rows, h), (kv_rows, h)], "qkv", "normal"))
+            if config.qkv_bias:
+                specs.append(row("self_attn.qkv_proj.bias", [f"self_attn.{p}_proj.bias" for p in "qkv"],
+                                 [(q_rows,), (kv_rows,), (kv_rows,)], "qkv", "zeros"))
+            if config.qk_norm:  # one weight over head_dim, shared by every head: replicated over TP
+                specs += [row(f"self_attn.{p}_norm.weight", [f"self_attn.{p}_norm.weight"], [(hd,)], "replicated",
+                              "ones") for p in "qk"]
+            specs.append(row("self_attn.o_proj.weight", ["self_attn.o_proj.weight"], [(h, q_rows)], "row",
+                             "normal"))
         if config.o_bias:
             specs.append(row("self_attn.o_proj.bias", ["self_attn.o_proj.bias"], [(h,)], "replicated", "zeros"))
         specs.append(row("post_attention_layernorm.weight", ["post_attention_layernorm.weight"], [(h,)],
@@ -165,6 +169,43 @@ def _specs(config: ModelConfig) -> list[ParamSpec]:
 
 
 
+def _latent_attention_rows(config: ModelConfig, row) -> list[ParamSpec]:
+    """Multi-head latent attention's rows (DeepSeek-V3, HF's names): the down-projections into the q latent
+    (``q_a_proj``, with its norm) and into the kv latent with the shared rotated key part (``kv_a_proj_with_mqa``,
+    the latent's norm) are replicated over TP; the up-projections (``q_b_proj``, or ``q_proj`` without a q latent,
+    and ``kv_b_proj``) split their rows, head after head, and ``o_proj`` its columns."""
+    h, heads, rank = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+    q_rows = heads * config.qk_head_dim
+    bias = config.attention_bias
+    rows = []
+    if config.q_lora_rank is None:
+        rows.append(row("self_attn.q_proj.weight", ["self_attn.q_proj.weight"], [(q_rows, h)], "column", "normal"))
+    else:
+        q_rank = config.q_lora_rank
+        rows.append(row("self_attn.q_a_proj.weight", ["self_attn.q_a_proj.weight"], [(q_rank, h)], "replicated",
+                        "normal"))
+        if bias:
+            rows.append(row("self_attn.q_a_proj.bias", ["self_attn.q_a_proj.bias"], [(q_rank,)], "replicated",
+                            "zeros"))
+        rows += [row("self_attn.q_a_layernorm.weight", ["self_attn.q_a_layernorm.weight"], [(q_rank,)],
+                     "replicated", "ones"),
+                 row("self_attn.q_b_proj.weight", ["self_attn.q_b_proj.weight"], [(q_rows, q_rank)], "column",
+                     "normal")]
+    kv_a = rank + config.qk_rope_head_dim
+    rows.append(row("self_attn.kv_a_proj_with_mqa.weight", ["self_attn.kv_a_proj_with_mqa.weight"], [(kv_a, h)],
+                    "replicated", "normal"))
+    if bias:
+        rows.append(row("self_attn.kv_a_proj_with_mqa.bias", ["self_attn.kv_a_proj_with_mqa.bias"], [(kv_a,)],
+                        "replicated", "zeros"))
+    kv_b = heads * (config.qk_nope_head_dim + config.v_head_dim)
+    rows += [row("self_attn.kv_a_layernorm.weight", ["self_attn.kv_a_layernorm.weight"], [(rank,)], "replicated",
+                 "ones"),
+             row("self_attn.kv_b_proj.weight", ["self_attn.kv_b_proj.weight"], [(kv_b, rank)], "column", "normal"),
+             row("self_attn.o_proj.weight", ["self_attn.o_proj.weight"], [(h, heads * config.v_head_dim)], "row",
+                 "normal")]
+    return rows
+
+
 def _moe_rows(config: ModelConfig, row) -> list[ParamSpec]:
     """One MoE layer's rows under the released checkpoints' names (the family's): Mixtral's ``block_sparse_moe``
     with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); Qwen's ``mlp`` with ``gate_proj``, ``up_proj``,
@@ -175,6 +216,9 @@ def _moe_rows(config: ModelConfig, row) -> list[ParamSpec]:
     gate, up, down = moe.leaves
     rows = [row("mlp.router.weight", [f"{moe.block}.{moe.router}.weight"], [(config.num_local_experts, h)],
                 "replicated", "normal")]
+    if moe.router_bias:  # DeepSeek-V3's correction bias: moved by the experts' loads, not trained
+        rows.append(row("mlp.router.e_score_correction_bias", [f"{moe.block}.{moe.router}.e_score_correction_bias"],
+                        [(config.num_local_experts,)], "replicated", "zeros"))
     for e in range(config.num_local_experts):
         expert = f"{moe.block}.experts.{e}"
         rows += [row(f"mlp.experts.{e}.gate_up_proj.weight", [f"{expert}.{gate}.weight", f"{expert}.{up}.weight"],
@@ -182,7 +226,7 @@ def _moe_rows(config: ModelConfig, row) -> list[ParamSpec]:
                  row(f"mlp.experts.{e}.down_proj.weight", [f"{expert}.{down}.weight"], [(h, ffn)], "row", "normal",
                      expert=e)]
     if moe.shared_expert:
-        shared, width = f"{moe.block}.shared_expert", config.shared_intermediate_size
+        shared, width = f"{moe.block}.{moe.shared_name}", config.shared_intermediate_size
         rows += [row("mlp.shared_expert.gate_up_proj.weight", [f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"],
                      [(width, h), (width, h)], "gate_up", "normal"),
                  row("mlp.shared_expert.down_proj.weight", [f"{shared}.down_proj.weight"], [(h, width)], "row",
@@ -203,11 +247,20 @@ def as_checkpoint_tensors(state: dict, config: ModelConfig) -> dict:
     renaming in memory, as views. Dense families' state dicts are returned as they are. Llama 4 saves its experts
     fused as it holds them, and rotates interleaved q/k pairs: :mod:`.released_tensors` maps its tensors.
     """
-    if released_tensors.differs(config):
-        return released_tensors.table_tensors(state, config)
     moe = config.family.moe
+    if moe is not None and moe.fused_expert_files or moe is None and released_tensors.differs(config):
+        return released_tensors.table_tensors(state, config)
     if moe is None:
         return state
+    out = experts_apart(state, config)
+    # DeepSeek-V3: its rotated q/k rows interleaved, as released (model/released_tensors.py)
+    return released_tensors.table_tensors(out, config) if released_tensors.differs(config) else out
+
+
+def experts_apart(state: dict, config: ModelConfig) -> dict:
+    """transformers 5's fused experts and ``mlp.gate`` router of each MoE layer under the released per-expert
+    names (as_checkpoint_tensors)."""
+    moe = config.family.moe
     out, ffn = {}, config.expert_intermediate_size
     gate, up, down = moe.leaves
     for name, tensor in state.items():

@@ -1,4 +1,4 @@
-"""How a family's released files hold the parameter table's HF tensors, where the two differ (Llama 4).
+"""How a family's released files hold the parameter table's HF tensors, where the two differ (Llama 4, DeepSeek-V3).
 
 The table (:mod:`llama_megatron.model.param_layout`) names one tensor per HF linear, in the layout our layers
 compute with. Llama 4's files (and ``Llama4ForCausalLM``'s state dict) differ in two ways, both undone here at the
@@ -12,6 +12,10 @@ boundary, so that conversion, export and the tests' in-memory HF state dicts all
 - Each MoE layer's experts are two 3-D tensors, ``feed_forward.experts.gate_up_proj`` [E, h, 2 x ffn] (``x @ W``:
   the gate's columns, then up's) and ``feed_forward.experts.down_proj`` [E, ffn, h]; the table has each expert's
   ``gate_proj`` and ``up_proj`` [ffn, h] and ``down_proj`` [h, ffn], read as transposed slices (views).
+
+DeepSeek-V3's (``rope_interleave``) rotate interleaved pairs too, in the rotated part of each head only: the last
+``qk_rope_head_dim`` rows of each q head (``q_b_proj``, or ``q_proj``), and the last rows of ``kv_a_proj_with_mqa``
+(after the ``kv_lora_rank`` latent), the key part every head shares; those rows are permuted alike.
 
 A released multimodal checkpoint (``Llama4ForConditionalGeneration``) holds the text model under
 ``language_model.``: :func:`text_model_names` finds it and what else the files hold.
@@ -34,7 +38,7 @@ Getter = Callable[[str], torch.Tensor]
 def differs(config: ModelConfig) -> bool:
     """Whether the family's files hold any tensor otherwise than the table does."""
     moe = config.family.moe
-    return config.family.interleaved_rope or (moe is not None and moe.fused_expert_files)
+    return config.family.interleaved_rope(config) or (moe is not None and moe.fused_expert_files)
 
 
 def rotate_half_order(head_dim: int) -> torch.Tensor:
@@ -48,30 +52,47 @@ def _permuted_rows(tensor: torch.Tensor, head_dim: int, order: torch.Tensor) -> 
     return tensor.reshape(heads, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
 
 
-def rope_rows(tensor: torch.Tensor, head_dim: int, to_file: bool) -> torch.Tensor:
-    """A q or k tensor's rows (per head) from the released interleaved order to the table's rotate-half order, or
-    back (``to_file``)."""
+def rope_rows(tensor: torch.Tensor, head_dim: int, to_file: bool, width: int | None = None,
+              offset: int = 0) -> torch.Tensor:
+    """A q or k tensor's rows from the released interleaved order to the table's rotate-half order, or back
+    (``to_file``): in each head of ``width`` rows (default ``head_dim``), the ``head_dim`` rotated rows from
+    ``offset`` on."""
     order = rotate_half_order(head_dim)
-    return _permuted_rows(tensor, head_dim, torch.argsort(order) if to_file else order)
+    order = torch.argsort(order) if to_file else order
+    width = head_dim if width is None else width
+    index = torch.arange(width)
+    index[offset:offset + head_dim] = offset + order
+    return _permuted_rows(tensor, width, index)
 
 
 @dataclass(frozen=True)
 class _FileNames:
     """Which table tensors the files hold otherwise: built once per model shape (a conversion asks per tensor)."""
 
-    rope_rows: frozenset[str]  # the table's q and k tensors (weights and biases) of every layer
+    # the table's q and k tensors (weights and biases) of every layer -> (rows per head, offset of the rotated ones)
+    rope_rows: dict[str, tuple[int, int]]
     experts: dict[str, tuple[str, int, str]]  # table name -> (file name, expert, part) of every routed expert
     parts_of_file: dict[str, tuple[str, ...]]  # fused file name -> its table tensors, by expert then gate, up, down
 
 
 @functools.lru_cache(maxsize=8)
-def _names_for(model_type: str, layers: int, qkv_bias: bool, experts: int, moe_layers: tuple[int, ...]) -> _FileNames:
+def _names_for(model_type: str, layers: int, qkv_bias: bool, experts: int, moe_layers: tuple[int, ...],
+               interleaved: bool, head_dim: int, latent: tuple[int | None, int, int] | None) -> _FileNames:
+    """``latent``: multi-head latent attention's (q_lora_rank, kv_lora_rank, qk_nope_head_dim)."""
     family = FAMILIES[model_type]
-    rope_rows: frozenset[str] = frozenset()
-    if family.interleaved_rope:
+    rope_rows: dict[str, tuple[int, int]] = {}
+    if interleaved and latent is None:
         kinds = ("weight", "bias") if qkv_bias else ("weight",)
-        rope_rows = frozenset(f"model.layers.{i}.self_attn.{p}_proj.{kind}" for i in range(layers) for p in "qk"
-                              for kind in kinds)
+        rope_rows = {f"model.layers.{i}.self_attn.{p}_proj.{kind}": (head_dim, 0) for i in range(layers)
+                     for p in "qk" for kind in kinds}
+    elif interleaved:
+        q_lora_rank, kv_lora_rank, nope = latent
+        q = "q_b_proj" if q_lora_rank is not None else "q_proj"
+        for i in range(layers):
+            rope_rows[f"model.layers.{i}.self_attn.{q}.weight"] = (nope + head_dim, nope)
+            for kind in ("weight", "bias") if qkv_bias else ("weight",):
+                rope_rows[f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.{kind}"] = (kv_lora_rank + head_dim,
+                                                                                      kv_lora_rank)
     fused: dict[str, tuple[str, int, str]] = {}
     parts_of_file: dict[str, list[str]] = {}
     moe = family.moe
@@ -89,8 +110,12 @@ def _names_for(model_type: str, layers: int, qkv_bias: bool, experts: int, moe_l
 
 def _file_names(config: ModelConfig) -> _FileNames:
     moe_layers = tuple(filter(config.is_moe_layer, range(config.num_hidden_layers))) if config.family.moe else ()
-    return _names_for(config.model_type, config.num_hidden_layers, config.qkv_bias, config.num_local_experts or 0,
-                      moe_layers)
+    latent = ((config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim) if config.family.latent_attention
+              else None)
+    # MLA's kv_a_proj bias: attention_bias (its q/k/v have no fused bias row of their own)
+    bias = config.attention_bias if latent else config.qkv_bias
+    return _names_for(config.model_type, config.num_hidden_layers, bias, config.num_local_experts or 0,
+                      moe_layers, config.family.interleaved_rope(config), config.head_dim, latent)
 
 
 def file_name_of(name: str, config: ModelConfig) -> str:
@@ -110,7 +135,8 @@ def table_tensor(name: str, get_file: Getter, config: ModelConfig) -> torch.Tens
         return {"gate": lambda: tensor[:, :ffn].t(), "up": lambda: tensor[:, ffn:].t(),
                 "down": lambda: tensor.t()}[part]()
     tensor = get_file(name)
-    return rope_rows(tensor, config.head_dim, to_file=False) if name in names.rope_rows else tensor
+    rows = names.rope_rows.get(name)
+    return tensor if rows is None else rope_rows(tensor, config.head_dim, False, *rows)
 
 
 def file_shapes(table_shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -130,8 +156,9 @@ def file_shapes(table_shapes: dict[str, tuple[int, ...]], config: ModelConfig) -
 def file_tensor(name: str, get_table: Getter, config: ModelConfig) -> torch.Tensor:
     """The file's tensor ``name`` assembled from the table's tensors (the inverse of :func:`table_tensor`)."""
     names = _file_names(config)
-    if name in names.rope_rows:
-        return rope_rows(get_table(name), config.head_dim, to_file=True)
+    rows = names.rope_rows.get(name)
+    if rows is not None:
+        return rope_rows(get_table(name), config.head_dim, True, *rows)
     parts = names.parts_of_file.get(name)
     if parts is None:
         return get_table(name)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half convention, as HF weights expect) with LLaMA's scaling variants.
+"""Rotary position embeddings (rotate-half convention, as HF weights expect) with LLaMA's scaling variants and YaRN
+(Qwen2.5's long context, DeepSeek-V3's: interpolated frequencies, cos and sin scaled by its attention factor).
 
 cos/sin are computed from the explicit positions once per micro batch and shared by every layer of a stage
 (:mod:`llama_megatron.model.batch_cache`), so packed documents and pipeline stages see the same rotation.
@@ -34,7 +35,50 @@ def inverse_frequencies(config: ModelConfig, seq_len: int | None = None) -> torc
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_frequencies(dim, base, scaling)
     return inv_freq
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction of a context ``scale``: 1 + 0.1 x mscale x ln(scale) (1 where not extended)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by (transformers' ``attention_scaling``): YaRN's ``attention_factor``, or
+    its mscale ratio, or its mscale of the factor; 1 for every other rope type."""
+    if config.rope_type != "yarn":
+        return 1.0
+    scaling = config.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(scaling["factor"], mscale) / yarn_mscale(scaling["factor"], all_dim)
+    return yarn_mscale(scaling["factor"])
+
+
+def _yarn_frequencies(dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN (transformers' ``_compute_yarn_parameters``): each frequency between its extrapolated value (kept) and
+    its interpolated one (divided by ``factor``), by a linear ramp over the dimensions whose wavelengths fall between
+    ``beta_fast`` and ``beta_slow`` rotations of the original context."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp
+    wavelengths = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)  # transformers' order of operations
+    return 1.0 / (factor * wavelengths) * (1 - extrapolated) + 1.0 / wavelengths * extrapolated
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -77,6 +121,9 @@ def _cos_sin(config: ModelConfig, position_ids: torch.Tensor, shard: int,
     else:
         inv_freq = _inverse_frequencies_on(config, position_ids.device)
     angles = _angles(inv_freq, context_shard(position_ids, shard, shards, dim=-1))
+    scale = attention_factor(config)
+    if scale != 1.0:
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 

@@ -249,8 +249,8 @@ def _grpo_rollout_bytes(config, decoder_layers: int, e: int) -> int:
     cache, the prompt pass's largest layer (its MLP's intermediate activations), and a step's full logits in fp32
     (gathered, divided by the temperature, their log-softmax)."""
     m, tp, rows, seq = config.model, config.parallel.tensor, config.grpo.num_generations, config.seq_length
-    kv_heads = max(1, m.num_key_value_heads // tp)
-    cache = 2 * decoder_layers * rows * seq * kv_heads * m.head_dim * e
+    heads, key_dim, value_dim = m.kv_cache_widths(tp)  # (MLA: its latent)
+    cache = decoder_layers * rows * seq * max(1, heads) * (key_dim + value_dim) * e
     prompt_pass = rows * seq * (3 * m.intermediate_size // tp + 2 * m.hidden_size) * e
     return cache + prompt_pass + 3 * rows * config.local_shapes.padded_vocab_size * 4
 

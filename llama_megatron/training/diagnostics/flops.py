@@ -1,8 +1,10 @@
 """Model FLOPs of a training step, from real shapes (so GQA and untied heads count right).
 
 Per token and forward pass, each weight matmul costs 2 FLOPs per weight element:
-q and o: h * (n_heads * head_dim) each, k and v: h * (n_kv_heads * head_dim) each, MLP: 3 * h * ffn, LM head: h * V.
-Attention scores QK^T and the weighted sum AV cost 2 * s * n_heads * head_dim each per token per layer; the
+q and o: h * (n_heads * head_dim) each, k and v: h * (n_kv_heads * head_dim) each, MLP: 3 * h * ffn, LM head: h * V;
+multi-head latent attention (DeepSeek-V3) its down- and up-projections and o (``attention_matmul_weights``).
+Attention scores QK^T and the weighted sum AV cost 2 * s * n_heads * head_dim each per token per layer (MLA: its
+q.k width, nope + rope, and its v width); the
 causal mask is *not* halved (Megatron's convention, so figures compare with published MFU); a sliding-window layer
 (Mistral, Qwen) counts min(s, window) keys per query, a chunked one (Llama 4) min(s, chunk). A mixture-of-experts layer counts its router (h * experts),
 the ``num_experts_per_tok`` experts each token passes through and a shared expert with its gate (Qwen2-MoE) (active
@@ -20,18 +22,18 @@ from llama_megatron.training.diagnostics.stage_census import recomputed_decoder_
 
 
 def forward_flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    h, hd, L = config.hidden_size, config.head_dim, config.num_hidden_layers
-    q_dim, kv_dim = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    h, L = config.hidden_size, config.num_hidden_layers
     # an MoE layer's active weights are all matmuls (router, k experts, a shared expert and its gate); a dense
     # layer's biases are not
     mlp = sum(config.mlp_parameters(i, config.num_experts_per_tok) if config.is_moe_layer(i)
               else 3 * h * config.dense_intermediate_size for i in range(L))
-    attention = h * q_dim + 2 * h * kv_dim + q_dim * h
+    attention = config.attention_matmul_weights()
     # a window or a chunk (Llama 4) bounds the keys a query's products are computed with
     spans = [window if window is not None else chunk
              for window, chunk in zip(config.layer_windows(), config.layer_chunks())]
     keys = sum(seq_len if span is None else min(seq_len, span) for span in spans)
-    return 2 * (L * attention + mlp) + 2 * 2 * keys * q_dim + 2 * h * config.vocab_size
+    return (2 * (L * attention + mlp) + 2 * keys * config.num_attention_heads * config.attention_score_width()
+            + 2 * h * config.vocab_size)
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:

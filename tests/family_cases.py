@@ -106,6 +106,9 @@ FAMILIES = {
     # the released rows), a dense first layer, then 8 routed experts in 4 groups (the best 2 groups' top 3, chosen
     # with the correction bias, weights renormalised and scaled by 2.5) beside 2 shared experts; and without a q
     # latent, with YaRN (its mscale on the softmax scale), biases, the weights unnormalised and rotate-half rows
+    # its runs: layer 0 dense, MoE from layer 1 on (8 experts in 4 groups, top 2 of the best 2 groups, a shared
+    # expert), MLA with a q latent, interleaved RoPE rows in the converted files (KV heads = heads: transformers'
+    # DeepseekV3Attention repeats its per-head keys by their ratio)
     "deepseek_v3": FamilyCases(parity={
         "deepseek-v3": DEEPSEEK_V3,
         "deepseek-v3-plain-q-yarn": {**DEEPSEEK_V3, "q_lora_rank": None, "norm_topk_prob": False,
@@ -113,7 +116,11 @@ FAMILIES = {
                                      "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 16, "mscale": 1.0,
                                                       "mscale_all_dim": 1.0}},
-    }),
+    }, runs=["model.model_type=deepseek_v3", "model.num_key_value_heads=4", "model.q_lora_rank=24", "model.kv_lora_rank=16",
+             "model.qk_nope_head_dim=12", "model.qk_rope_head_dim=8", "model.v_head_dim=10",
+             "model.num_local_experts=8", "model.num_experts_per_tok=2", "model.n_group=4", "model.topk_group=2",
+             "model.moe_intermediate_size=32", "model.n_shared_experts=1", "model.first_k_dense_replace=1",
+             "model.routed_scaling_factor=2.5", "model.rope_interleave=true"]),
 }
 
 

@@ -149,6 +149,23 @@ def hf_adamw_twin(config, eod_id: int | None = None):
     return hf, optimizer, build_scheduler(optimizer, opt, config.train.steps), train_ds
 
 
+def _routing_loads(hf) -> dict:
+    """{router: its assignments per expert since the last clear}, counted by a hook on each of HF's DeepSeek-V3
+    routers from the expert ids it returns (its output (logits, weights, ids))."""
+    import torch
+
+    loads = {}
+    for module in hf.modules():
+        if type(module).__name__ == "DeepseekV3TopkRouter":
+            loads[module] = torch.zeros(module.num_experts, dtype=torch.long)
+
+            def count(router, args, output):
+                loads[router] += torch.bincount(output[2].flatten(), minlength=router.num_experts)
+
+            module.register_forward_hook(count)
+    return loads
+
+
 def assert_run_replays_hf(run_dir, config, rel: float = 1e-4, norm_rel: float = 1e-3) -> None:
     """The one-process run in ``run_dir`` (its metrics.jsonl) step by step against :func:`hf_adamw_twin` on the same
     batches: the loss within ``rel`` and the clipped gradient norm within ``norm_rel`` at every step."""
@@ -162,6 +179,7 @@ def assert_run_replays_hf(run_dir, config, rel: float = 1e-4, norm_rel: float = 
         ours = {r["step"]: r for r in map(json.loads, fh) if "loss" in r}
     hf, optimizer, scheduler, train_ds = hf_adamw_twin(config)
     steps = config.train.steps
+    loads = _routing_loads(hf)
     for step, micro_batches in enumerate(step_batches(train_ds, config, ParallelContext.single(), 0, steps), start=1):
         optimizer.zero_grad()
         total = 0.0
@@ -175,6 +193,11 @@ def assert_run_replays_hf(run_dir, config, rel: float = 1e-4, norm_rel: float = 
         norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), config.optimizer.clip_grad))
         optimizer.step()
         scheduler.step()
+        with torch.no_grad():  # DeepSeek-V3's routing biases: the report's rule on HF's own choices this step
+            for router, counts in loads.items():
+                load = counts.double()
+                router.e_score_correction_bias += config.moe.bias_update_rate * torch.sign(load.mean() - load).float()
+                counts.zero_()
         loss, grad_norm = ours[step]["loss"], ours[step]["grad_norm"]
         assert abs(total - loss) <= rel * loss, f"step {step}: HF {total} vs ours {loss}"
         assert abs(norm - grad_norm) <= norm_rel * norm, f"step {step}: grad norm HF {norm} vs ours {grad_norm}"

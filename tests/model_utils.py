@@ -52,16 +52,19 @@ def hf_model(config: ModelConfig, seed: int = 0) -> PreTrainedModel:
 def to_transformers(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of ``param_layout.as_checkpoint_tensors``: checkpoint-named tensors as a transformers 5 model's state
     dict (an MoE layer's experts stacked into its fused 3-D tensors, the router as ``mlp.gate``)."""
-    if released_tensors.differs(config):  # Llama 4: its files' layout is its class's (model/released_tensors.py)
+    family = config.family.moe
+    if released_tensors.differs(config) and (family is None or family.fused_expert_files):
+        # Llama 4: its files' layout is its class's (model/released_tensors.py)
         shapes = released_tensors.file_shapes(ParamLayout(config).hf_shapes(), config)
         out = {name: released_tensors.file_tensor(name, tensors.__getitem__, config) for name in shapes
                if name in tensors or name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
         return out | {name: t for name, t in tensors.items() if name not in ParamLayout(config).hf_shapes()}
-    family = config.family.moe
     if family is None:
         return tensors
     gate, up, down = family.leaves
     out = dict(tensors)
+    if released_tensors.differs(config):  # DeepSeek-V3: its rotated q/k rows interleaved again, as HF holds them
+        out = {name: released_tensors.file_tensor(name, tensors.__getitem__, config) for name in out}
     for i in filter(config.is_moe_layer, range(config.num_hidden_layers)):
         moe, mlp = f"model.layers.{i}.{family.block}", f"model.layers.{i}.mlp"
         experts = range(config.num_local_experts)

@@ -96,6 +96,9 @@ BF16_TP1_PP1 = ["deepspeed_config=ds_configs/zero1_bf16.json", "model.output_rou
 # theirs is in process too, tests/test_model_moe.py): Qwen3-MoE at EP2 x PP2, Qwen2-MoE at TP2 x PP2 with SP and at EP2 x
 # DP2 (its shared expert replicated over EP, reduced over the whole data-parallel group)
 QWEN_MOE_RUNS = [("qwen3_moe", "ep2-pp2"), ("qwen2_moe", "tp2-pp2-sp-recompute"), ("qwen2_moe", "ep2-dp2-zero1")]
+# DeepSeek-V3 (latent attention, its routing biases moved after every step by the step's loads): TP2 x PP2 with SP and
+# recomputation, EP2 x DP2 under ZeRO-1, CP2 x PP2; the biases at step 6 are the TP1-PP1 run's (saved runs)
+DEEPSEEK_RUNS = [("deepseek_v3", name) for name in ("tp2-pp2-sp-recompute", "ep2-dp2-zero1", "cp2-pp2")]
 # Llama 4 (chunks, NoPE, top-1 sigmoid routing, the shared expert, MoE on alternate layers): TP2 x PP2 with SP and
 # recomputation (1F1B), CP2 x PP2 (chunks across the CP shards), EP2 x DP2, EP2 x PP2 under ZB-H1, interleaved 1F1B
 # (ZeRO-0: above) and ZB-V, and EP2 x PP2 in bf16 against the bf16 TP1-PP1 run
@@ -105,8 +108,8 @@ RUNS = [(family, name) for family in FAMILIES for name in LAYOUTS
         if (name != "cp2-pp2" or family == "qwen3") and (name.startswith("ep") == (family == "mixtral"))
         and (family, name) != ("mistral", "tp2-pp2-sp-recompute")  # Mistral at TP2 x PP2 SP: its SFT run below
         and name not in ("ep2-pp2", "ep2-pp2-zb-v", "ep2-pp2-interleaved-zero0")
-        and family not in {*dict(QWEN_MOE_RUNS), "llama4"}
-        ] + QWEN_MOE_RUNS + LLAMA4_RUNS
+        and family not in {*dict(QWEN_MOE_RUNS), "llama4", "deepseek_v3"}
+        ] + QWEN_MOE_RUNS + LLAMA4_RUNS + DEEPSEEK_RUNS
 
 
 # Expert-parallel checkpoints: the EP2 x DP2 (ZeRO-1) and EP2 x PP2 (bf16) runs save at step 3 and 6 and resume from
@@ -125,7 +128,8 @@ RECUT = {"ep2-dp2-to-ep4": ("ep2-dp2-zero1", 4, ["parallel.expert=4"]),
 # and the pipeline) resumed at EP1 x PP2 x DP2, ("ep2-pp2-bf16", 4, ["parallel.expert=1"]) above: its loaded state
 # bit for bit, steps 4-6 7.7e-6 (losses), 2.3e-3 (norms), 2e-3 (loads) against the saved run's (docs/moe.md)
 SAVED = {family: set() for family in FAMILIES} | {"mixtral": {"tp1-pp1", *EXPERT_RESUMES, "ep2-dp4-zero1"},
-                                                  "qwen3_moe": {"tp1-pp1", "ep2-pp2"}}
+                                                  "qwen3_moe": {"tp1-pp1", "ep2-pp2"},
+                                                  "deepseek_v3": {"tp1-pp1", *(name for _, name in DEEPSEEK_RUNS[:2])}}
 TP2_PP2_SP = LAYOUTS["tp2-pp2-sp-recompute"][:3]
 LORA = '{"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "o_proj", "down_proj"]}'
 # LoRA on attention, on every expert (PEFT's target_parameters) and on the MLP targets (PEFT's target_modules: the
@@ -266,9 +270,27 @@ def runs(shakespeare_prefix, short_documents_prefix, tmp_path_factory):
 def test_tp1_pp1_trains_like_the_transformers_class(runs, family, shakespeare_prefix) -> None:
     config = TrainingConfig.from_file(CONFIG, _overrides(shakespeare_prefix, runs / "hf", family, []))
     assert config.model.model_type == family
-    assert any(w is not None for w in config.model.layer_windows() + config.model.layer_chunks())
+    # each family's run has what sets its attention apart: windows, chunks, or latent attention
+    assert config.model.family.latent_attention or any(
+        w is not None for w in config.model.layer_windows() + config.model.layer_chunks())
     assert hf_class(config.model).__name__ == config.model.family.architecture
     assert_run_replays_hf(runs / f"{family}-tp1-pp1", config)
+
+
+def test_deepseek_routing_biases_move_alike_in_every_layout(runs) -> None:
+    """The routing biases after 6 steps (each step's update from the loads of every rank's tokens): the TP2 x PP2
+    (SP, recomputed) and EP2 x DP2 runs' are the TP1-PP1 run's within float32 rounding of the loads' ties, and they
+    moved (each by a multiple of the rate: +-1e-3 per step)."""
+    config = MegatronCheckpoint(str(runs / "deepseek_v3-tp1-pp1" / "ckpt"), "global_step6").config
+    names = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(config.num_hidden_layers)
+             if config.is_moe_layer(i)]
+    want = MegatronCheckpoint(str(runs / "deepseek_v3-tp1-pp1" / "ckpt"), "global_step6")
+    moved = torch.stack([want.get(name) for name in names])
+    assert moved.abs().max() > 0 and torch.allclose(moved / 1e-3, (moved / 1e-3).round(), atol=1e-3), moved
+    for _, layout in DEEPSEEK_RUNS[:2]:
+        ours = MegatronCheckpoint(str(runs / f"deepseek_v3-{layout}" / "ckpt"), "global_step6")
+        for name in names:
+            assert torch.equal(ours.get(name), want.get(name)), (layout, name)
 
 
 def test_token_dropping_is_logged_and_a_capacity_that_drops_nothing_changes_nothing(runs) -> None:
@@ -309,7 +331,7 @@ def test_layouts_train_like_tp1_pp1(runs, family, layout) -> None:
         fp32_loads = losses(runs / f"{family}-tp1-pp1", "expert_load")
         for step, (ours, reference) in enumerate(zip(losses(runs / f"{family}-{layout}", "expert_load").values(),
                                                      losses(reference_run, "expert_load").values()), start=1):
-            assert len(ours) == 4 and abs(sum(ours) - 1) < 1e-5, step
+            assert len(ours) == len(reference) and abs(sum(ours) - 1) < 1e-5, step
             bound = 1e-6
             if bf16:  # bf16's own drift: the bf16 reference's loads against the fp32 reference's at this step
                 bound = max(load_abs, max(abs(a - b) for a, b in zip(reference, fp32_loads[step])))

@@ -30,7 +30,8 @@ from llama_megatron.model.build import build_model
 from llama_megatron.model.kernels import REFERENCE
 from llama_megatron.model.llama import logits_of
 from llama_megatron.model.lora_layout import EXPERT_TARGETS, LoraConfig
-from llama_megatron.model.moe import ExpertCapacity, MoEMLP
+from llama_megatron.model.moe import MoEMLP
+from llama_megatron.model.moe_section import ExpertCapacity
 from llama_megatron.model.param_layout import ParamLayout, as_checkpoint_tensors
 from llama_megatron.model.tp_slicing import hf_to_rank_state_dict, merge_shards
 from llama_megatron.parallel.collectives import gather_from_tp_region

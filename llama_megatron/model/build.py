@@ -13,7 +13,8 @@ from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.llama import LlamaCausalLM, build_pipeline_module
 from llama_megatron.model.lora import attach_lora
 from llama_megatron.model.lora_layout import LoraConfig
-from llama_megatron.model.moe import ExpertCapacity, ExpertGroups, MoEMLP, pack_experts
+from llama_megatron.model.moe import ExpertGroups, MoEMLP, pack_experts
+from llama_megatron.model.moe_section import ExpertCapacity
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.degrees import ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config, attach_float8, check_float8_linears, float8_linears

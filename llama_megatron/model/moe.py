@@ -44,17 +44,14 @@ hidden states through the pipeline, and the loss (:func:`router_aux_loss`) is fo
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from llama_megatron.config import ModelConfig
-from llama_megatron.errors import ConfigError
 from llama_megatron.model.kernels import REFERENCE, Kernels
 from llama_megatron.model.mlp import gate_up_parts
+from llama_megatron.model.moe_section import ExpertCapacity, assignment_counts, keep_within_capacity
 from llama_megatron.model.routing import choose_in_groups
 from llama_megatron.parallel.collectives import all_reduce_grad_in_tp, all_to_all_tokens, scale_gradient
 from llama_megatron.parallel.context import ParallelContext
@@ -67,54 +64,6 @@ from llama_megatron.parallel.layers import (
     row_parallel_output,
 )
 from llama_megatron.parallel.weight_grad import WeightGradStore, linear
-
-DROP_POLICIES = ("probs", "position")
-
-
-@dataclass(frozen=True)
-class ExpertCapacity:
-    """The training JSON's ``moe`` section: token dropping, off by default (every assignment runs: exact against
-    transformers). Megatron-core's ``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity`` and
-    ``moe_token_drop_policy``."""
-
-    # each expert takes at most ceil(factor x tokens x top_k / experts) of a rank's assignments per layer and micro
-    # batch; the rest are dropped (their output is zero; the token keeps its other experts', unrenormalised)
-    capacity_factor: float | None = None
-    # every expert's input padded to its capacity with zero rows: fixed shapes (and at EP > 1 split sizes known
-    # without a host read), at the cost of the padding's FLOPs
-    pad_to_capacity: bool = False
-    # which assignments an over-full expert keeps: "probs" (its highest routing weights) or "position" (the first
-    # tokens of the micro batch)
-    drop_policy: str = "probs"
-
-    def check(self) -> None:
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"moe.capacity_factor must be > 0 (or null: no token dropped), got {self.capacity_factor}")
-        if self.drop_policy not in DROP_POLICIES:
-            raise ConfigError(f"moe.drop_policy {self.drop_policy!r}: choose {' or '.join(DROP_POLICIES)}")
-        if self.pad_to_capacity and self.capacity_factor is None:
-            raise ConfigError("moe.pad_to_capacity pads each expert's input to its capacity: set moe.capacity_factor")
-
-    def capacity(self, assignments: int, num_experts: int) -> int:
-        """Megatron-core's ``get_capacity``: the assignments one expert takes, from a rank's ``assignments``
-        (tokens x top_k) of one layer and micro batch."""
-        return math.ceil(assignments / num_experts * self.capacity_factor)
-
-
-def keep_within_capacity(expert_of: torch.Tensor, priority: torch.Tensor, num_experts: int, capacity: int,
-                         policy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each assignment (flat ``expert_of``), its rank among its expert's assignments (by ``priority``
-    descending for "probs", by position for "position"; ties by position) and whether it is kept (rank <
-    ``capacity``). On the device, no host read."""
-    order = torch.arange(expert_of.numel(), device=expert_of.device)
-    if policy == "probs":
-        order = torch.argsort(priority.detach(), descending=True, stable=True)
-    ranked = order[torch.argsort(expert_of[order], stable=True)]  # by expert, then by priority (or position)
-    counts = assignment_counts(expert_of, num_experts)
-    starts = counts.cumsum(0) - counts
-    rank_sorted = torch.arange(expert_of.numel(), device=expert_of.device) - starts[expert_of[ranked]]
-    rank = torch.empty_like(rank_sorted).scatter_(0, ranked, rank_sorted)
-    return rank, rank < capacity
 
 
 class ExpertMLP(nn.Module):
@@ -171,6 +120,10 @@ class MoEMLP(nn.Module):
         if self.grouped_routing:
             self.n_group, self.topk_group = config.n_group, config.topk_group
             self.routed_scaling_factor = config.routed_scaling_factor
+            # the training step's assignments per expert (its forwards with gradients: no evaluation, no rollout),
+            # read and cleared by routing.update_routing_biases; int64, which a cast to bf16 leaves alone
+            self.register_buffer("step_counts", torch.zeros(config.num_local_experts, dtype=torch.long),
+                                 persistent=False)
         self.local_ids = shapes.expert_ids(pctx.ep_rank)
         self.router = Router(config, pctx, config.num_local_experts, bias=config.family.moe.router_bias)
         # keyed by global expert id, so parameter names are the same whichever EP rank holds the expert
@@ -239,7 +192,10 @@ class MoEMLP(nn.Module):
         elif self.shared:
             combined = combined + self.shared_expert(tokens)
         out = row_parallel_output(combined.view_as(full), self.pctx)
-        return out, self._statistics(logits, probs, chosen, kept)
+        stats = self._statistics(logits, probs, chosen, kept)
+        if self.grouped_routing and self.training and torch.is_grad_enabled():
+            self.step_counts += assignment_counts(chosen.reshape(-1), self.num_experts)
+        return out, stats
 
     def choose(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts ([tokens, k], best first) and their weights before normalisation: the
@@ -406,13 +362,6 @@ def pack_experts(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     for module in model.modules():
         if isinstance(module, MoEMLP):
             module.pack_experts(dtype)
-
-
-def assignment_counts(expert_of: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many assignments each expert received ([num_experts], int64, on the device): a scatter, not
-    ``bincount``, which reads its input's maximum on the host."""
-    return torch.zeros(num_experts, dtype=torch.long, device=expert_of.device).scatter_add_(
-        0, expert_of, torch.ones_like(expert_of))
 
 
 class ExpertGroups(nn.Module):

@@ -1,10 +1,21 @@
 """DeepSeek-V3's expert choice (transformers' ``DeepseekV3TopkRouter``): group-limited top-k over sigmoid scores with
-the auxiliary-loss-free correction bias (:class:`~llama_megatron.model.moe.MoEMLP` with ``routing``
-"sigmoid_group")."""
+the correction bias (:class:`~llama_megatron.model.moe.MoEMLP` with ``routing`` "sigmoid_group"), and the bias's
+auxiliary-loss-free update between optimizer steps (the DeepSeek-V3 report, section 2.1.2).
+
+Each layer's bias moves by ``rate x sign(mean load - load)``: an expert chosen more often than the mean becomes less
+likely to be chosen, one chosen less more likely; the scores that weight the chosen experts' outputs stay unbiased.
+The loads are the step's assignments (before any capacity drops some) summed over the data-parallel and context-
+parallel ranks, which route different tokens (TP ranks route the same ones; EP ranks are data-parallel ranks), so
+every rank makes the same update and a layout's biases are the one-process run's.
+"""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
+from torch import nn
 
 
 def choose_in_groups(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
@@ -26,3 +37,43 @@ def choose_in_groups(logits: torch.Tensor, bias: torch.Tensor, n_group: int, top
     if normalise:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, chosen
+
+
+def _gathered(param: torch.Tensor):
+    """The whole parameter inside the block, and under ZeRO-3 the same update on each rank partitioned again."""
+    if not hasattr(param, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+
+
+@torch.no_grad()
+def update_routing_biases(model: nn.Module, pctx, rate: float) -> int:
+    """After an optimizer step: every grouped-routing MoE layer of ``model`` (this pipeline stage's) moves its
+    correction bias by ``rate x sign(mean load - load)``, its loads the step's assignments summed over the DP x CP
+    group (one all-reduce of every layer's counts), which it then clears. Returns the number of layers updated."""
+    layers = [m for m in model.modules() if getattr(m, "grouped_routing", False)]
+    if not layers:
+        return 0
+    counts = torch.stack([m.step_counts for m in layers])
+    if pctx.dp_cp_size > 1:
+        dist.all_reduce(counts, group=pctx.dp_cp_group)
+    loads = counts.double()
+    moves = rate * torch.sign(loads.mean(dim=-1, keepdim=True) - loads)
+    for layer, move in zip(layers, moves):
+        bias = layer.router.e_score_correction_bias
+        with _gathered(bias):
+            bias.add_(move.to(bias.dtype))
+        layer.step_counts.zero_()
+    return len(layers)
+
+
+def keep_routing_biases_fp32(model: nn.Module) -> None:
+    """The routing biases back in fp32 after DeepSpeed cast the model to bf16 or fp16 (transformers keeps
+    ``e_score_correction_bias`` in fp32 too): an update of 1e-3 would vanish in a bf16 bias near 1. They are frozen,
+    outside every optimizer group; under ZeRO-3 they stay in the dtype of its partitions."""
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is not None and not hasattr(bias, "ds_id") and bias.dtype != torch.float32:
+            bias.data = bias.data.float()

@@ -21,7 +21,7 @@ from llama_megatron.errors import ConfigError
 from llama_megatron.model.build import check_float8_selection
 from llama_megatron.model.kernels import KERNEL_CHOICES
 from llama_megatron.model.lora_layout import LoraConfig, check_targets
-from llama_megatron.model.moe import ExpertCapacity
+from llama_megatron.model.moe_section import ExpertCapacity
 from llama_megatron.parallel.degrees import LocalShapes, ParallelConfig
 from llama_megatron.parallel.float8 import Float8Config
 from llama_megatron.parallel.pipeline_stages import StagePlacement, stage_layers_rule

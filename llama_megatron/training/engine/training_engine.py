@@ -26,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from llama_megatron.data.batch import MicroBatch
 from llama_megatron.model.build import build_model
 from llama_megatron.model.moe import pack_experts
+from llama_megatron.model.routing import keep_routing_biases_fp32, update_routing_biases
 from llama_megatron.parallel.context import ParallelContext
 from llama_megatron.parallel.float8 import amax_record, collect_amax
 from llama_megatron.training.config import TrainingConfig
@@ -67,6 +68,7 @@ class TrainingEngine:
             self.engine, self.optimizer, _, self.scheduler = initialize_engine(
                 model, optimizer, lr_scheduler, ds_config, pctx)
         self.model = model
+        keep_routing_biases_fp32(model)
         self._grad_norm: torch.Tensor | None = None
         self._expert_counts: torch.Tensor | None = None
         self.objective = objective_of(config)
@@ -86,6 +88,8 @@ class TrainingEngine:
         loss_fn = self.model.loss_fn
         loss_fn.expert_counts = loss_fn.metric_sums = None
         loss = self._train_step(micro_batches)
+        if self.config.moe.bias_update_rate:  # DeepSeek-V3's routing biases, by the step's loads (model/routing.py)
+            update_routing_biases(self.model, self.pctx, self.config.moe.bias_update_rate)
         self._expert_counts = loss_fn.expert_counts  # this step's routing, kept from evaluation's
         self._metric_sums = loss_fn.metric_sums  # on the ranks holding the loss
         return loss

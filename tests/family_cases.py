@@ -45,6 +45,9 @@ FAMILIES = {
         "qwen2-layer-types": dict(model_type="qwen2", num_key_value_heads=4, use_sliding_window=True,
                                   sliding_window=5, layer_types=["sliding_attention", "full_attention"],
                                   rope_theta=1e6),
+        # YaRN (Qwen2.5's long context): interpolated frequencies, cos and sin scaled by its attention factor
+        "qwen2-yarn": dict(model_type="qwen2", num_key_value_heads=4,
+                           rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
     }, runs=["model.model_type=qwen2", "model.use_sliding_window=true", "model.sliding_window=12",
              "model.max_window_layers=2"]),
     "qwen3": FamilyCases(parity={

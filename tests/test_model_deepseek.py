@@ -87,3 +87,15 @@ def test_routing_biases_move_by_the_sign_of_each_experts_load_against_the_mean()
         assert torch.equal(layer.router.e_score_correction_bias, want)
         assert not layer.step_counts.any()
         assert not layer.router.e_score_correction_bias.requires_grad
+
+
+def test_a_training_config_refuses_fp8_on_the_latent_attention() -> None:
+    from family_cases import RUNS
+    from launch_utils import PRETRAIN_CONFIG
+
+    from llama_megatron.training.config import TrainingConfig
+
+    base = ['data={"type": "synthetic"}', *RUNS["deepseek_v3"]]
+    TrainingConfig.from_file(PRETRAIN_CONFIG, base)  # (the family's runs' config is whole)
+    with pytest.raises(ConfigError, match="fp8: the deepseek_v3 model's multi-head latent attention does not train"):
+        TrainingConfig.from_file(PRETRAIN_CONFIG, [*base, 'fp8={"recipe": "tensorwise"}'])

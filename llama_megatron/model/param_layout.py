@@ -248,11 +248,9 @@ def as_checkpoint_tensors(state: dict, config: ModelConfig) -> dict:
     fused as it holds them, and rotates interleaved q/k pairs: :mod:`.released_tensors` maps its tensors.
     """
     moe = config.family.moe
-    if moe is not None and moe.fused_expert_files or moe is None and released_tensors.differs(config):
+    if moe is not None and moe.fused_expert_files:  # Llama 4: released_tensors maps its experts and rows
         return released_tensors.table_tensors(state, config)
-    if moe is None:
-        return state
-    out = experts_apart(state, config)
+    out = experts_apart(state, config) if moe is not None else state
     # DeepSeek-V3: its rotated q/k rows interleaved, as released (model/released_tensors.py)
     return released_tensors.table_tensors(out, config) if released_tensors.differs(config) else out
 

@@ -69,6 +69,9 @@ class TrainingEngine:
                 model, optimizer, lr_scheduler, ds_config, pctx)
         self.model = model
         keep_routing_biases_fp32(model)
+        # only a family with routing biases walks its modules after each step
+        moe = config.model.family.moe
+        self._bias_update_rate = config.moe.bias_update_rate if moe is not None and moe.router_bias else 0.0
         self._grad_norm: torch.Tensor | None = None
         self._expert_counts: torch.Tensor | None = None
         self.objective = objective_of(config)
@@ -88,8 +91,8 @@ class TrainingEngine:
         loss_fn = self.model.loss_fn
         loss_fn.expert_counts = loss_fn.metric_sums = None
         loss = self._train_step(micro_batches)
-        if self.config.moe.bias_update_rate:  # DeepSeek-V3's routing biases, by the step's loads (model/routing.py)
-            update_routing_biases(self.model, self.pctx, self.config.moe.bias_update_rate)
+        if self._bias_update_rate:  # DeepSeek-V3's routing biases, by the step's loads (model/routing.py)
+            update_routing_biases(self.model, self.pctx, self._bias_update_rate)
         self._expert_counts = loss_fn.expert_counts  # this step's routing, kept from evaluation's
         self._metric_sums = loss_fn.metric_sums  # on the ranks holding the loss
         return loss
